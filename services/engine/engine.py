@@ -1,0 +1,156 @@
+"""The engine core: one worker's model, KV cache, scheduler and step loop.
+
+A step reads as the algorithm: ``scheduler.schedule()`` -> ``runner.execute()`` ->
+``scheduler.update_from_output()``. Roles: a ``prefill`` worker adds requests with
+``hold_kv=True`` (compute the prompt, sample the first token, keep the KV until it has been
+sent); a ``decode`` worker ``reserve()``s blocks for a prompt whose KV another worker writes,
+then ``finish_remote_prefill()`` admits it; ``unified`` does both in one process.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from .block_manager import BlockManager
+from .config import KVCacheLayout, ModelConfig
+from .loader import load_model
+from .model import LlamaForCausalLM
+from .model_files import default_model_path
+from .model_runner import ModelRunner
+from .request import Request
+from .sampling_params import SamplingParams
+from .scheduler import RequestOutput, Scheduler, SchedulerConfig
+
+log = logging.getLogger(__name__)
+
+
+class EngineConfig(BaseModel):
+    """Engine knobs; validated, a bad value raises ``ValueError`` naming the field."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    model: str = Field(default_factory=lambda: str(default_model_path()))  # .gguf or HF dir
+    dtype: str = "float32"
+    device: str = "cpu"
+    block_size: int = Field(default=16, gt=0)  # tokens per KV block
+    num_kv_blocks: int | None = Field(default=None, gt=0)  # overrides kv_cache_memory_gib
+    kv_cache_memory_gib: float = Field(default=1.0, gt=0)
+    max_num_seqs: int = Field(default=64, gt=0)
+    max_num_batched_tokens: int = Field(default=2048, gt=0)
+    max_model_len: int | None = Field(default=None, gt=1)  # default: the model's context
+
+
+class LLMEngine:
+    """Synchronous engine: callers own the thread that calls ``step()``."""
+
+    def __init__(self, config: EngineConfig | None = None, *, weights=None) -> None:
+        self.config = config = config or EngineConfig()
+        t0 = time.perf_counter()
+        model_config, state_dict = weights if weights is not None else load_model(config.model)
+        self.model_config: ModelConfig = model_config
+        dtype = getattr(torch, config.dtype)
+        model = LlamaForCausalLM(model_config)
+        _load_weights(model, state_dict)
+        model = model.to(device=config.device, dtype=dtype).eval()
+        self.layout = KVCacheLayout.of(model_config, config.block_size, dtype)
+        num_blocks = config.num_kv_blocks or self._blocks_for_memory(config.kv_cache_memory_gib)
+        kv_shape = (self.layout.num_layers, 2, num_blocks, config.block_size,
+                    self.layout.num_kv_heads, self.layout.head_dim)
+        self.kv_cache = torch.zeros(kv_shape, dtype=dtype, device=config.device)
+        self.max_model_len = min(config.max_model_len or model_config.max_position_embeddings,
+                                 model_config.max_position_embeddings)
+        self.block_manager = BlockManager(num_blocks, config.block_size)
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len),
+            self.block_manager,
+        )
+        self.runner = ModelRunner(model, self.kv_cache, config.block_size)
+        log.info("engine ready in %.1fs: %d KV blocks of %d tokens, max_model_len %d",
+                 time.perf_counter() - t0, num_blocks, config.block_size, self.max_model_len)
+
+    def _blocks_for_memory(self, gib: float) -> int:
+        per_block = self.layout.block_bytes * 2 * self.layout.num_layers
+        return max(1, int(gib * 2**30) // per_block)
+
+    # -- requests ----------------------------------------------------------------------------
+    def make_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+        *, hold_kv: bool = False,
+    ) -> Request:
+        """Validate and build a request. Raises ``ValueError`` naming the offending field."""
+        if not prompt_token_ids:
+            raise ValueError("prompt: must not be empty")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(f"prompt: {len(prompt_token_ids)} tokens leave no room for output "
+                             f"within the context length of {self.max_model_len} tokens")
+        vocab = self.model_config.vocab_size
+        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
+            raise ValueError(f"prompt_token_ids: ids must be in [0, {vocab})")
+        if self.block_manager.blocks_needed(len(prompt_token_ids) + 1) > self.block_manager.num_blocks:
+            raise ValueError(f"prompt: {len(prompt_token_ids)} tokens exceed this worker's KV cache")
+        if request_id in self.scheduler.requests:
+            raise ValueError(f"request_id: {request_id!r} is already in use")
+        return Request(request_id, list(prompt_token_ids), params,
+                       eos_token_id=self.model_config.eos_token_id, hold_kv_on_finish=hold_kv)
+
+    def add_request(self, request: Request) -> None:
+        self.scheduler.add_request(request)
+
+    def reserve(self, request: Request) -> bool:
+        """Decode role: reserve blocks for the prompt's KV; False when too few are free."""
+        return self.scheduler.reserve(request)
+
+    def finish_remote_prefill(self, request_id: str, first_token_id: int) -> RequestOutput | None:
+        output = self.scheduler.finish_remote_prefill(request_id, first_token_id)
+        if output is not None and output.finish_reason:
+            self.runner.remove_request(request_id)
+        return output
+
+    def abort(self, request_id: str) -> bool:
+        self.runner.remove_request(request_id)
+        return self.scheduler.abort(request_id)
+
+    def release(self, request_id: str) -> None:
+        """Prefill role: free a finished request's blocks once its KV has been sent."""
+        self.scheduler.release(request_id)
+
+    # -- stepping ----------------------------------------------------------------------------
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self) -> list[RequestOutput]:
+        """One iteration: schedule, run the model once, sample, update. Finished requests are
+        evicted and their blocks freed (unless held) before this returns."""
+        out = self.scheduler.schedule()
+        if not out.scheduled:
+            return []
+        sampled = self.runner.execute(out)
+        outputs = self.scheduler.update_from_output(out, sampled)
+        for o in outputs:
+            if o.finish_reason:
+                self.runner.remove_request(o.request_id)
+        return outputs
+
+    def load(self) -> dict[str, int]:
+        """Load figures for the worker registry."""
+        return {
+            "free_kv_blocks": self.block_manager.num_free_blocks,
+            "total_kv_blocks": self.block_manager.num_blocks,
+            "num_running": len(self.scheduler.running),
+            "num_waiting": self.scheduler.num_waiting,
+        }
+
+
+def _load_weights(model: LlamaForCausalLM, state_dict: dict[str, torch.Tensor]) -> None:
+    """Load Hugging Face-named weights; raises ``ValueError`` listing missing/unexpected names."""
+    result = model.load_state_dict(state_dict, strict=False, assign=True)
+    tied = model.config.tie_word_embeddings
+    missing = [k for k in result.missing_keys if not (tied and k == "lm_head.weight")]
+    if missing or result.unexpected_keys:
+        raise ValueError(f"checkpoint does not match the model: missing {missing[:5]}, "
+                         f"unexpected {result.unexpected_keys[:5]}")
+    if tied:  # assign=True replaced the embedding Parameter: tie the head to the new one
+        model.lm_head.weight = model.model.embed_tokens.weight

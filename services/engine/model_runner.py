@@ -1,0 +1,97 @@
+"""Turns a ``SchedulerOutput`` into one forward pass over a flattened ragged batch and samples.
+
+Inputs per step (no padding): ``input_ids``/``positions``/``slot_mapping`` ``[num_tokens]``,
+``block_tables`` ``[num_seqs, max_blocks]``, ``seq_lens`` ``[num_seqs]``; logits only at the
+last token of each sequence whose prompt (or recompute) completes this step.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .attention import AttentionMetadata
+from .model import LlamaForCausalLM
+from .request import Request
+from .sampler import SamplingMetadata, make_generator, sample
+from .scheduler import SchedulerOutput
+
+
+@dataclass
+class ModelInputs:
+    input_ids: torch.Tensor  # [num_tokens] int64
+    positions: torch.Tensor  # [num_tokens] int64
+    attn: AttentionMetadata
+    order: list[int]  # batch row -> index in SchedulerOutput.scheduled
+    logits_indices: torch.Tensor  # [num_sampled] rows of the hidden states to sample from
+    sampled_rows: list[int]  # batch rows that sample, aligned with logits_indices
+
+
+class ModelRunner:
+    """Owns the model and the KV cache tensor; one ``execute`` per engine step."""
+
+    def __init__(self, model: LlamaForCausalLM, kv_cache: torch.Tensor, block_size: int) -> None:
+        self.model = model
+        self.kv_cache = kv_cache  # [num_layers, 2, num_blocks, block_size, kv_heads, head_dim]
+        self.block_size = block_size
+        self.generators: dict[str, torch.Generator] = {}
+
+    def remove_request(self, request_id: str) -> None:
+        self.generators.pop(request_id, None)
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> list[int | None]:
+        """Run one step; returns a token id per ``out.scheduled`` entry (None: prompt chunk)."""
+        inputs = self.prepare_inputs(out)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.attn)
+        sampled: list[int | None] = [None] * len(out.scheduled)
+        if not inputs.sampled_rows:
+            return sampled
+        logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        requests = [out.scheduled[inputs.order[row]] for row in inputs.sampled_rows]
+        for r in requests:
+            if r.request_id not in self.generators and not r.sampling_params.greedy:
+                self.generators[r.request_id] = make_generator(r.sampling_params.seed)
+        token_ids = sample(logits, SamplingMetadata.from_requests(requests, self.generators))
+        for row, token_id in zip(inputs.sampled_rows, token_ids.tolist()):
+            sampled[inputs.order[row]] = token_id
+        return sampled
+
+    def prepare_inputs(self, out: SchedulerOutput) -> ModelInputs:
+        reqs = out.scheduled
+        n_sched = [out.num_scheduled_tokens[r.request_id] for r in reqs]
+        # single-token queries (decode) first: they take the batched decode attention path
+        order = sorted(range(len(reqs)), key=lambda i: n_sched[i] != 1)
+        input_ids: list[int] = []
+        starts, lens, tables = [], [], []
+        sampled_rows, logits_indices = [], []
+        for row, i in enumerate(order):
+            r, n = reqs[i], n_sched[i]
+            start = r.num_computed_tokens
+            input_ids.extend(r.token_slice(start, start + n))
+            starts.append(start)
+            lens.append(n)
+            tables.append(r.block_table)
+            if start + n == r.num_tokens:
+                sampled_rows.append(row)
+                logits_indices.append(len(input_ids) - 1)
+        max_blocks = max(len(t) for t in tables)
+        block_tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.int64)
+        starts_t = torch.tensor(starts, dtype=torch.int64)
+        lens_t = torch.tensor(lens, dtype=torch.int64)
+        query_start_loc = [0, *torch.cumsum(lens_t, 0).tolist()]
+        seq_idx = torch.repeat_interleave(torch.arange(len(order)), lens_t)
+        positions = torch.arange(len(input_ids)) - torch.tensor(query_start_loc[:-1])[seq_idx] + starts_t[seq_idx]
+        bs = self.block_size
+        slot_mapping = block_tables[seq_idx, positions // bs] * bs + positions % bs
+        attn = AttentionMetadata(
+            slot_mapping=slot_mapping,
+            block_tables=block_tables,
+            seq_lens=starts_t + lens_t,
+            query_start_loc=query_start_loc,
+            num_decode_seqs=sum(1 for n in lens if n == 1),
+        )
+        return ModelInputs(
+            torch.tensor(input_ids, dtype=torch.int64), positions, attn, order,
+            torch.tensor(logits_indices, dtype=torch.int64), sampled_rows,
+        )

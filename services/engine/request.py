@@ -1,0 +1,90 @@
+"""A request's scheduling state (vLLM v1's model: no prefill or decode phase, only counters)."""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from .sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    """Ordered so that every finished status compares greater than PREEMPTED."""
+
+    WAITING = enum.auto()
+    WAITING_FOR_KV = enum.auto()  # decode role: blocks reserved, prompt KV not yet arrived
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    FINISHED_STOPPED = enum.auto()  # EOS or a stop token
+    FINISHED_LENGTH = enum.auto()  # max_tokens or the model's context length
+    FINISHED_ABORTED = enum.auto()
+
+    @staticmethod
+    def is_finished(status: RequestStatus) -> bool:
+        return status > RequestStatus.PREEMPTED
+
+    @property
+    def finish_reason(self) -> str | None:
+        """OpenAI's finish_reason for a finished status, else None."""
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+@dataclass(eq=False)
+class Request:
+    """One sequence. ``num_computed_tokens`` counts tokens whose KV is in the cache."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_id: int | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    # prefill role: keep the blocks after the first token until the KV has been sent
+    hold_kv_on_finish: bool = False
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    block_table: list[int] = field(default_factory=list)  # physical block ids, in order
+    num_preemptions: int = 0
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """Token ids in positions ``[start, end)`` without building the whole list."""
+        p = len(self.prompt_token_ids)
+        if end <= p:
+            return self.prompt_token_ids[start:end]
+        if start >= p:
+            return self.output_token_ids[start - p : end - p]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - p]
+
+    def is_finished(self) -> bool:
+        return RequestStatus.is_finished(self.status)
+
+    def check_stop(self, max_model_len: int) -> RequestStatus | None:
+        """Finish status after the newest token was appended, or None to keep going."""
+        last = self.output_token_ids[-1]
+        params = self.sampling_params
+        if not params.ignore_eos and last == self.eos_token_id:
+            return RequestStatus.FINISHED_STOPPED
+        if last in params.stop_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if len(self.output_token_ids) >= params.max_tokens or self.num_tokens >= max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None

@@ -1,0 +1,198 @@
+"""Iteration-level scheduler (continuous batching, Orca OSDI'22; vLLM v1's token-budget loop).
+
+Every step: running requests first (decode, or the next chunk of a prompt), then waiting
+requests are admitted while the token budget, ``max_num_seqs`` and free KV blocks allow. A
+prompt longer than the remaining budget is split across steps (chunked prefill). When a running
+request cannot get a block, the newest running request is preempted (its blocks freed, its
+tokens recomputed later), so the scheduler never deadlocks on KV memory.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from .block_manager import BlockManager
+from .request import Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64  # running requests per step
+    max_num_batched_tokens: int = 2048  # tokens through the model per step
+    max_model_len: int = 8192  # prompt + output tokens of one request
+
+
+@dataclass
+class SchedulerOutput:
+    """What the model runner computes this step."""
+
+    # requests in batch order; each computes tokens [num_computed_tokens, +num_scheduled)
+    scheduled: list[Request] = field(default_factory=list)
+    # request_id -> tokens scheduled this step
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    # requests preempted this step (blocks already freed)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens.values())
+
+
+@dataclass
+class RequestOutput:
+    """New tokens of one request after a step; ``finish_reason`` is set on its last output."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+
+
+class Scheduler:
+    """Decides, each step, which requests run and how many tokens each computes."""
+
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}  # every unfinished request, and held ones
+        self.num_preemptions = 0
+
+    # -- admission ---------------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def reserve(self, request: Request) -> bool:
+        """Decode role: allocate blocks for the prompt, whose KV another worker will write.
+
+        Returns False (nothing allocated) when too few blocks are free.
+        """
+        if not self.block_manager.allocate_slots(request, request.num_prompt_tokens):
+            return False
+        request.status = RequestStatus.WAITING_FOR_KV
+        self.requests[request.request_id] = request
+        return True
+
+    def finish_remote_prefill(self, request_id: str, first_token_id: int) -> RequestOutput | None:
+        """Decode role: the prompt's KV has landed; append the first token and queue the request."""
+        request = self.requests.get(request_id)
+        if request is None or request.status != RequestStatus.WAITING_FOR_KV:
+            return None
+        request.num_computed_tokens = request.num_prompt_tokens
+        output = self._append_token(request, first_token_id)
+        if not request.is_finished():
+            request.status = RequestStatus.WAITING
+            self.waiting.append(request)
+        return output
+
+    # -- one step ----------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self._allocate_or_preempt(request, num_new, out):
+                continue  # ``request`` itself was preempted: running[i] is now another request
+            out.scheduled.append(request)
+            out.num_scheduled_tokens[request.request_id] = num_new
+            budget -= num_new
+            i += 1
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self.block_manager.allocate_slots(request, num_new):
+                break
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.scheduled.append(request)
+            out.num_scheduled_tokens[request.request_id] = num_new
+            budget -= num_new
+        return out
+
+    def _allocate_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
+        """Allocate for ``request``, preempting the newest running requests while needed."""
+        while not self.block_manager.allocate_slots(request, num_new):
+            victim = self.running.pop()
+            self._preempt(victim)
+            out.preempted.append(victim)
+            if victim is request:
+                return False
+        return True
+
+    def _preempt(self, request: Request) -> None:
+        self.block_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def update_from_output(
+        self, out: SchedulerOutput, sampled_token_ids: list[int | None]
+    ) -> list[RequestOutput]:
+        """Advance counters after the model ran ``out``; ``sampled_token_ids[i]`` belongs to
+        ``out.scheduled[i]`` and is None for a prompt chunk that is not the prompt's last."""
+        outputs = []
+        for request, token_id in zip(out.scheduled, sampled_token_ids):
+            if request.is_finished():  # aborted while the step ran
+                continue
+            request.num_computed_tokens += out.num_scheduled_tokens[request.request_id]
+            if token_id is not None:
+                outputs.append(self._append_token(request, token_id))
+        if any(r.is_finished() for r in self.running):
+            self.running = [r for r in self.running if not r.is_finished()]
+        return outputs
+
+    def _append_token(self, request: Request, token_id: int) -> RequestOutput:
+        request.output_token_ids.append(token_id)
+        status = request.check_stop(self.config.max_model_len)
+        if status is not None:
+            self._finish(request, status)
+        return RequestOutput(
+            request.request_id,
+            [token_id],
+            status.finish_reason if status else None,
+            request.num_prompt_tokens,
+            len(request.output_token_ids),
+        )
+
+    # -- finishing ---------------------------------------------------------------------------
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        if request.hold_kv_on_finish and status != RequestStatus.FINISHED_ABORTED:
+            return  # the prefill worker frees it with release() once the KV was sent
+        self.release(request.request_id)
+
+    def release(self, request_id: str) -> None:
+        """Free a finished request's blocks and forget it."""
+        request = self.requests.pop(request_id, None)
+        if request is not None:
+            self.block_manager.free(request)
+
+    def abort(self, request_id: str) -> bool:
+        """Finish a request in any state and free its blocks. Returns False if unknown."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return False
+        if request in self.waiting:
+            self.waiting.remove(request)
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        request.status = RequestStatus.FINISHED_ABORTED
+        self.release(request_id)
+        return True
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting) + sum(
+            r.status == RequestStatus.WAITING_FOR_KV for r in self.requests.values()
+        )
