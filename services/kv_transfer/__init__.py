@@ -1,0 +1,36 @@
+"""KV-cache transfer between prefill and decode workers: one interface, pluggable backends."""
+from __future__ import annotations
+
+import torch
+
+from services.engine.config import KVCacheLayout
+from services.kv_transfer.base import (
+    KVLayoutMismatchError, KVTransferError, KVTransport, NotificationHandler,
+)
+
+BACKENDS = ("tcp",)
+
+__all__ = [
+    "BACKENDS", "KVLayoutMismatchError", "KVTransferError", "KVTransport",
+    "NotificationHandler", "create_transport",
+]
+
+
+def create_transport(
+    backend: str, kv_cache: torch.Tensor, layout: KVCacheLayout, *, host: str, port: int,
+    advertise_host: str | None = None,
+) -> KVTransport:
+    """Build the ``backend`` transport over ``kv_cache``
+    (``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``, dtype ``layout.dtype``),
+    listening on ``host:port`` (0: ephemeral) and advertising ``advertise_host`` to peers.
+
+    Raises ValueError for an unknown backend, for "nixl" (not available yet; use "tcp"), or
+    when ``kv_cache`` disagrees with ``layout``.
+    """
+    if backend == "tcp":
+        from services.kv_transfer.tcp import TcpKVTransport
+
+        return TcpKVTransport(kv_cache, layout, host=host, port=port, advertise_host=advertise_host)
+    if backend == "nixl":
+        raise ValueError("kv transfer backend 'nixl' is not available yet; use 'tcp' instead")
+    raise ValueError(f"unknown kv transfer backend {backend!r}; valid choices: {', '.join(BACKENDS)}")
