@@ -52,6 +52,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     block_table: list[int] = field(default_factory=list)  # physical block ids, in order
     num_preemptions: int = 0
+    first_scheduled_time: float | None = None  # time.monotonic() when first admitted
 
     @property
     def all_token_ids(self) -> list[int]:

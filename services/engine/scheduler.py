@@ -8,6 +8,7 @@ tokens recomputed later), so the scheduler never deadlocks on KV memory.
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -108,6 +109,8 @@ class Scheduler:
             if not self.block_manager.allocate_slots(request, num_new):
                 break
             self.waiting.popleft()
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.monotonic()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             out.scheduled.append(request)
@@ -193,6 +196,6 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting) + sum(
-            r.status == RequestStatus.WAITING_FOR_KV for r in self.requests.values()
-        )
+        # list() copies under the GIL: safe to call from another thread while the engine runs
+        reserved = list(self.requests.values())
+        return len(self.waiting) + sum(r.status == RequestStatus.WAITING_FOR_KV for r in reserved)

@@ -1,0 +1,134 @@
+"""``tandem up``: one gateway, N prefill and M decode workers, and (without REDIS_URL) a
+private redis-server, all as child processes of this one; Ctrl-C stops them all."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+import grpc
+import redis.asyncio as aioredis
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.state.redis_server import check_redis, start_redis_server
+from services.state.registry import WorkerRegistry
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class UpOptions:
+    host: str
+    port: int
+    num_prefill: int
+    num_decode: int
+    redis_url: str | None
+    worker_args: list[str]  # passed to every worker (model, KV memory, threads, ...)
+    gateway_args: list[str]
+    ready_timeout_s: float = 300.0
+
+
+class Stack:
+    """The running child processes; ``stop()`` ends them (SIGTERM, then SIGKILL)."""
+
+    def __init__(self, opts: UpOptions) -> None:
+        self.opts = opts
+        self.redis_server = None
+        self.redis_url = opts.redis_url
+        self.procs: list[tuple[str, subprocess.Popen]] = []
+
+    def start(self) -> None:
+        if self.redis_url:
+            asyncio.run(check_redis(self.redis_url))
+        else:
+            self.redis_server = start_redis_server(self.opts.host)
+            self.redis_url = self.redis_server.url
+            log.info("started redis-server at %s (persistence off)", self.redis_url)
+        serve = [sys.executable, "-m", "services.cli", "serve"]
+        common = ["--redis-url", self.redis_url, "--host", self.opts.host]
+        for i in range(self.opts.num_decode):
+            self._spawn(f"decode-{i}", [*serve, "decode", *common, "--worker-id", f"decode-{i}",
+                                        *self.opts.worker_args])
+        for i in range(self.opts.num_prefill):
+            self._spawn(f"prefill-{i}", [*serve, "prefill", *common, "--worker-id", f"prefill-{i}",
+                                         *self.opts.worker_args])
+        self._spawn("gateway", [*serve, "gateway", *common, "--port", str(self.opts.port),
+                                *self.opts.gateway_args])
+
+    def _spawn(self, name: str, argv: list[str]) -> None:
+        # own process group: a terminal's Ctrl-C reaches only us, and we stop children in order
+        proc = subprocess.Popen(argv, start_new_session=True)
+        self.procs.append((name, proc))
+
+    def check_alive(self) -> None:
+        for name, proc in self.procs:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{name} exited with code {proc.returncode}")
+
+    def wait_ready(self) -> None:
+        """Block until every worker is registered and the gateway reports SERVING."""
+        deadline = time.monotonic() + self.opts.ready_timeout_s
+        while not asyncio.run(self._ready()):
+            self.check_alive()
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"stack not ready within {self.opts.ready_timeout_s:.0f}s")
+            time.sleep(0.5)
+
+    async def _ready(self) -> bool:
+        redis = aioredis.Redis.from_url(self.redis_url)
+        try:
+            registry = WorkerRegistry(redis)
+            if len(await registry.list("prefill")) < self.opts.num_prefill:
+                return False
+            if len(await registry.list("decode")) < self.opts.num_decode:
+                return False
+        finally:
+            await redis.aclose()
+        async with grpc.aio.insecure_channel(f"{self.opts.host}:{self.opts.port}") as channel:
+            try:
+                resp = await health_pb2_grpc.HealthStub(channel).Check(
+                    health_pb2.HealthCheckRequest(), timeout=1.0)
+            except grpc.aio.AioRpcError:
+                return False
+        return resp.status == health_pb2.HealthCheckResponse.SERVING
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        for _, proc in reversed(self.procs):  # gateway first, then workers
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        for name, proc in self.procs:
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("%s did not stop in time: killing it", name)
+                proc.kill()
+                proc.wait()
+        if self.redis_server is not None:
+            self.redis_server.stop()
+
+    @property
+    def address(self) -> str:
+        return f"{self.opts.host}:{self.opts.port}"
+
+
+def run_until_interrupted(stack: Stack) -> None:
+    """Supervise: return on Ctrl-C/SIGTERM, raise if a child dies."""
+    stop = False
+
+    def _handler(signum, frame):
+        nonlocal stop
+        stop = True
+
+    signal.signal(signal.SIGTERM, _handler)
+    try:
+        while not stop:
+            stack.check_alive()
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        pass
+

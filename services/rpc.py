@@ -1,0 +1,109 @@
+"""gRPC plumbing shared by the three services: server set-up, health, reflection, and an
+interceptor that turns exceptions into status codes (no stack traces reach clients)."""
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+
+import grpc
+import pydantic
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+log = logging.getLogger(__name__)
+
+
+class ResourceExhausted(Exception):
+    """No capacity right now (KV blocks, queue); maps to RESOURCE_EXHAUSTED."""
+
+
+class Unavailable(Exception):
+    """A dependency (Redis, every worker of a role) cannot be reached; maps to UNAVAILABLE."""
+
+
+def validation_message(exc: pydantic.ValidationError) -> str:
+    """``'temperature: Input should be greater than or equal to 0'`` for each error."""
+    return "; ".join(
+        f"{'.'.join(str(p) for p in e['loc']) or 'request'}: {e['msg']}" for e in exc.errors()
+    )
+
+
+def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    if isinstance(exc, pydantic.ValidationError):
+        return grpc.StatusCode.INVALID_ARGUMENT, validation_message(exc)
+    if isinstance(exc, ValueError):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+    if isinstance(exc, ResourceExhausted):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
+    if isinstance(exc, TimeoutError):
+        return grpc.StatusCode.DEADLINE_EXCEEDED, str(exc) or "timed out"
+    if isinstance(exc, Unavailable):
+        return grpc.StatusCode.UNAVAILABLE, str(exc)
+    return grpc.StatusCode.INTERNAL, f"internal error ({type(exc).__name__})"
+
+
+class StatusInterceptor(grpc.aio.ServerInterceptor):
+    """Wraps unary and server-streaming handlers: known exceptions become their status code,
+    anything else INTERNAL with the traceback logged on the server only."""
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if handler is None:
+            return None
+        if handler.unary_unary:
+            inner = handler.unary_unary
+
+            async def unary(request, context):
+                try:
+                    return await inner(request, context)
+                except Exception as exc:  # noqa: BLE001
+                    await _abort(context, exc, details.method)
+
+            return grpc.unary_unary_rpc_method_handler(
+                unary, handler.request_deserializer, handler.response_serializer)
+        if handler.unary_stream:
+            inner_stream = handler.unary_stream
+
+            async def stream(request, context):
+                try:
+                    async for item in inner_stream(request, context):
+                        yield item
+                except Exception as exc:  # noqa: BLE001
+                    await _abort(context, exc, details.method)
+
+            return grpc.unary_stream_rpc_method_handler(
+                stream, handler.request_deserializer, handler.response_serializer)
+        return handler
+
+
+async def _abort(context: grpc.aio.ServicerContext, exc: Exception, method: str) -> None:
+    if isinstance(exc, grpc.aio.AbortError):  # context.abort() already set the status
+        raise exc
+    code, message = status_for(exc)
+    if code == grpc.StatusCode.INTERNAL:
+        log.exception("%s failed", method)
+    await context.abort(code, message)
+
+
+def create_server(service_names: Iterable[str]) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
+    """A ``grpc.aio`` server with the status interceptor, ``grpc.health.v1`` (every service
+    reported SERVING) and server reflection. Add servicers, then ``add_insecure_port``."""
+    server = grpc.aio.server(interceptors=[StatusInterceptor()])
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names = [*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME]
+    reflection.enable_server_reflection(names, server)
+    return server, health_servicer
+
+
+async def mark_serving(health_servicer, service_names: Iterable[str]) -> None:
+    for name in ["", *service_names]:
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+
+
+def bind(server: grpc.aio.Server, host: str, port: int) -> int:
+    """Listen on ``host:port`` (0: a free port); returns the bound port. Raises OSError."""
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot listen on {host}:{port}")
+    return bound

@@ -1,0 +1,96 @@
+"""Process entry points: run one gateway, prefill worker or decode worker until SIGINT/SIGTERM."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from pathlib import Path
+
+import redis.asyncio as aioredis
+import torch
+
+from services.api import gateway_pb2, gateway_pb2_grpc, worker_pb2, worker_pb2_grpc
+from services.engine.engine import LLMEngine
+from services.engine.loader import load_config
+from services.engine.model_files import DEFAULT_MODEL_NAME, default_model_path
+from services.engine.tokenizer import Tokenizer
+from services.rpc import bind, create_server, mark_serving
+from services.state.redis_server import check_redis
+from services.state.registry import WorkerRegistry
+from services.state.store import RequestStateStore
+from services.worker import WorkerOptions, WorkerRuntime
+
+log = logging.getLogger(__name__)
+
+
+def served_model_name(model: str) -> str:
+    """The name clients use: the default model's, else the file stem or directory name."""
+    path = Path(model)
+    return DEFAULT_MODEL_NAME if path == default_model_path() else path.stem
+
+
+async def _wait_for_signal() -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+
+
+async def serve_worker(opts: WorkerOptions, num_threads: int) -> None:
+    """Load the model, start the engine thread and the gRPC server, heartbeat until signalled."""
+    from services.decode.server import DecodeServicer
+    from services.prefill.server import PrefillServicer
+
+    torch.set_num_threads(num_threads)
+    await check_redis(opts.redis_url)
+    engine = await asyncio.to_thread(LLMEngine, opts.engine)
+    runtime = WorkerRuntime(opts, engine)
+    if opts.role == "decode":
+        servicer, add, name = DecodeServicer(runtime), worker_pb2_grpc.add_DecodeWorkerServicer_to_server, "DecodeWorker"
+    else:
+        servicer, add, name = PrefillServicer(runtime), worker_pb2_grpc.add_PrefillWorkerServicer_to_server, "PrefillWorker"
+    full_name = worker_pb2.DESCRIPTOR.services_by_name[name].full_name
+    server, health = create_server([full_name])
+    add(servicer, server)
+    port = bind(server, opts.host, opts.port)
+    await server.start()
+    runtime.start(f"{opts.advertise_host}:{port}")
+    await mark_serving(health, [full_name])
+    log.info("%s worker %s ready on %s:%d", opts.role, runtime.worker_id, opts.host, port)
+    try:
+        await _wait_for_signal()
+    finally:
+        await health.enter_graceful_shutdown()
+        await runtime.heartbeater.stop()  # leave the registry first: no new requests
+        await server.stop(grace=5.0)
+        servicer.close()
+        await runtime.stop()
+
+
+async def serve_gateway(host: str, port: int, redis_url: str, model: str, rpc_timeout_s: float,
+                        heartbeat_s: float) -> None:
+    """Run the public Gateway service until signalled."""
+    from services.gateway.server import GatewayServicer
+
+    await check_redis(redis_url)
+    tokenizer = Tokenizer.load(model)
+    config = load_config(model)
+    redis = aioredis.Redis.from_url(redis_url)
+    servicer = GatewayServicer(
+        tokenizer, served_model_name(model), config.max_position_embeddings,
+        RequestStateStore(redis), WorkerRegistry(redis, heartbeat_s), rpc_timeout_s)
+    full_name = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
+    server, health = create_server([full_name])
+    gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, server)
+    bound = bind(server, host, port)
+    await server.start()
+    await mark_serving(health, [full_name])
+    log.info("gateway listening on %s:%d (model %s)", host, bound, served_model_name(model))
+    try:
+        await _wait_for_signal()
+    finally:
+        await health.enter_graceful_shutdown()
+        await server.stop(grace=5.0)
+        await servicer.close()
+        await redis.aclose()

@@ -1,0 +1,116 @@
+"""What prefill and decode workers share: the engine on its own thread bridged to asyncio,
+per-request output queues, registry heartbeats, and the Abort / GetLoad handlers."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import redis.asyncio as aioredis
+
+from services.api import worker_pb2
+from services.engine.engine import EngineConfig, LLMEngine
+from services.engine.engine_loop import EngineLoop
+from services.engine.sampling_params import SamplingParams
+from services.engine.scheduler import RequestOutput
+from services.state.registry import Heartbeater, WorkerInfo, WorkerRegistry
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class WorkerOptions:
+    role: str  # "prefill" or "decode"
+    engine: EngineConfig
+    host: str
+    advertise_host: str
+    port: int
+    kv_port: int
+    kv_transport: str
+    redis_url: str
+    heartbeat_s: float
+    kv_lease_s: float
+    worker_id: str = ""
+
+
+def params_from_proto(p: worker_pb2.SamplingParams) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
+        seed=p.seed if p.HasField("seed") else None, stop_token_ids=tuple(p.stop_token_ids),
+        ignore_eos=p.ignore_eos,
+    )
+
+
+def params_to_proto(p: SamplingParams) -> worker_pb2.SamplingParams:
+    return worker_pb2.SamplingParams(
+        max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
+        seed=p.seed, stop_token_ids=list(p.stop_token_ids), ignore_eos=p.ignore_eos,
+    )
+
+
+class WorkerRuntime:
+    """Owns the engine thread; asyncio code awaits ``call`` and reads per-request queues."""
+
+    def __init__(self, options: WorkerOptions, engine: LLMEngine) -> None:
+        self.options = options
+        self.worker_id = options.worker_id or f"{options.role}-{uuid.uuid4().hex[:8]}"
+        self.engine = engine
+        self.loop = asyncio.get_running_loop()
+        self.streams: dict[str, asyncio.Queue[RequestOutput]] = {}
+        self.engine_loop = EngineLoop(engine, self._on_outputs)
+        self.endpoint = ""
+        self.redis = aioredis.Redis.from_url(options.redis_url)
+        self.registry = WorkerRegistry(self.redis, options.heartbeat_s)
+        self.heartbeater = Heartbeater(self.registry, self.info)
+
+    def start(self, endpoint: str) -> None:
+        self.endpoint = endpoint
+        self.engine_loop.start()
+        self.heartbeater.start()
+
+    async def stop(self) -> None:
+        """Stop the engine thread and close Redis (stop ``heartbeater`` first to deregister)."""
+        self.engine_loop.stop()
+        await self.redis.aclose()
+
+    # engine thread -> event loop
+    def _on_outputs(self, outputs: list[RequestOutput]) -> None:
+        self.loop.call_soon_threadsafe(self._dispatch, outputs)
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            queue = self.streams.get(out.request_id)
+            if queue is not None:
+                queue.put_nowait(out)
+
+    async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        """Run ``fn(engine)`` on the engine thread between steps and await its result."""
+        return await asyncio.wrap_future(self.engine_loop.call(fn))
+
+    def open_stream(self, request_id: str) -> asyncio.Queue[RequestOutput]:
+        if request_id in self.streams:
+            raise ValueError(f"request_id: {request_id!r} is already in flight on this worker")
+        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self.streams[request_id] = queue
+        return queue
+
+    async def close_stream(self, request_id: str, abort: bool) -> None:
+        """Forget the stream; with ``abort`` also abort the request, freeing its blocks."""
+        self.streams.pop(request_id, None)
+        if abort:
+            await self.call(lambda e: e.abort(request_id))
+
+    def info(self) -> WorkerInfo:
+        load = self.engine.load()  # plain int reads: safe from the event loop thread
+        return WorkerInfo(self.worker_id, self.options.role, self.endpoint, **load)
+
+    # shared RPC handlers
+    async def Abort(self, request, context) -> worker_pb2.WorkerAbortResponse:
+        found = await self.call(lambda e: e.abort(request.request_id))
+        return worker_pb2.WorkerAbortResponse(found=found)
+
+    async def GetLoad(self, request, context) -> worker_pb2.WorkerLoad:
+        return worker_pb2.WorkerLoad(worker_id=self.worker_id, role=self.options.role,
+                                     **self.engine.load())
