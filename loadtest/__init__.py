@@ -1,0 +1,1 @@
+"""Load generation and benchmarks: ``tandem bench online`` (a running stack) and ``offline``."""
