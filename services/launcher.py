@@ -14,6 +14,7 @@ import grpc
 import redis.asyncio as aioredis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.process import die_with_parent
 from services.state.redis_server import check_redis, start_redis_server
 from services.state.registry import WorkerRegistry
 
@@ -60,8 +61,9 @@ class Stack:
                                 *self.opts.gateway_args])
 
     def _spawn(self, name: str, argv: list[str]) -> None:
-        # own process group: a terminal's Ctrl-C reaches only us, and we stop children in order
-        proc = subprocess.Popen(argv, start_new_session=True)
+        # own session: a terminal's Ctrl-C reaches only us, and we stop children in order;
+        # the parent-death signal ends a child even if we are killed with SIGKILL
+        proc = subprocess.Popen(argv, start_new_session=True, preexec_fn=die_with_parent)
         self.procs.append((name, proc))
 
     def check_alive(self) -> None:
@@ -117,18 +119,20 @@ class Stack:
 
 
 def run_until_interrupted(stack: Stack) -> None:
-    """Supervise: return on Ctrl-C/SIGTERM, raise if a child dies."""
+    """Supervise: return on SIGINT (Ctrl-C) or SIGTERM, raise if a child dies.
+
+    Both handlers are installed explicitly: a shell starts background jobs with SIGINT ignored,
+    and Python then raises no KeyboardInterrupt.
+    """
     stop = False
 
     def _handler(signum, frame):
         nonlocal stop
         stop = True
 
-    signal.signal(signal.SIGTERM, _handler)
-    try:
-        while not stop:
-            stack.check_alive()
-            time.sleep(0.5)
-    except KeyboardInterrupt:
-        pass
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _handler)
+    while not stop:
+        stack.check_alive()
+        time.sleep(0.5)
 

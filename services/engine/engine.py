@@ -104,9 +104,15 @@ class LLMEngine:
         return self.scheduler.reserve(request)
 
     def finish_remote_prefill(self, request_id: str, first_token_id: int) -> RequestOutput | None:
+        """Decode role: the prompt's KV has landed; admit the request with its first token."""
+        request = self.scheduler.requests.get(request_id)
         output = self.scheduler.finish_remote_prefill(request_id, first_token_id)
-        if output is not None and output.finish_reason:
+        if output is None:
+            return None
+        if output.finish_reason:
             self.runner.remove_request(request_id)
+        else:
+            self.runner.skip_first_draw(request)
         return output
 
     def abort(self, request_id: str) -> bool:

@@ -39,6 +39,14 @@ class ModelRunner:
     def remove_request(self, request_id: str) -> None:
         self.generators.pop(request_id, None)
 
+    def skip_first_draw(self, request: Request) -> None:
+        """Decode role: another worker sampled the first token with this request's seed; burn
+        that draw here so seeded output equals a unified run's (one ``[vocab]`` noise row)."""
+        if request.sampling_params.greedy:
+            return
+        gen = self.generators.setdefault(request.request_id, make_generator(request.sampling_params.seed))
+        torch.empty(self.model.config.vocab_size).exponential_(generator=gen)
+
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> list[int | None]:
         """Run one step; returns a token id per ``out.scheduled`` entry (None: prompt chunk)."""

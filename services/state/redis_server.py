@@ -21,6 +21,8 @@ import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
+from services.process import die_with_parent
+
 REDIS_BINARY = "redis-server"
 INSTALL_HINT = ("install it with `apt-get install -y redis-server` (Debian/Ubuntu) "
                 "or `brew install redis` (macOS)")
@@ -149,7 +151,8 @@ def _spawn(binary: str, host: str, port: int) -> RedisServer:
     args = [binary, "--port", str(port), "--bind", host, "--save", "", "--appendonly", "no",
             "--dir", workdir.name, "--daemonize", "no", "--logfile", "redis.log"]
     process = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                               stderr=subprocess.DEVNULL, cwd=workdir.name)
+                               stderr=subprocess.DEVNULL, cwd=workdir.name,
+                               preexec_fn=die_with_parent)
     return RedisServer(process, host, port, workdir)
 
 

@@ -109,3 +109,16 @@ def test_stack_keeps_serving_after_bad_input(stack):
     tokens, _, last = asyncio.run(generate(stack.address, chat_request(CHAT_PROMPTS[0], max_tokens=8)))
     assert tokens == list(hf_greedy_outputs()[0][:8])
     assert last.finish_reason == "length"
+
+
+def test_seeded_sampling_through_the_stack_equals_a_unified_run(stack):
+    from services.engine.llm import LLM
+    from services.engine.sampling_params import SamplingParams
+
+    request = chat_request(CHAT_PROMPTS[1], temperature=0.9, top_p=0.95, seed=1234, max_tokens=24)
+    tokens, _, _ = asyncio.run(generate(stack.address, request))
+    llm = LLM(num_kv_blocks=64)
+    params = SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=24, ignore_eos=True)
+    expected = llm.chat([[{"role": "user", "content": CHAT_PROMPTS[1]}]], params)[0].token_ids
+    assert tokens == expected
+    assert tokens != list(hf_greedy_outputs()[1][:24])  # it really sampled
