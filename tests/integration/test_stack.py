@@ -9,6 +9,7 @@ import redis.asyncio as aioredis
 
 from services.api import gateway_pb2, gateway_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services.state.registry import WorkerRegistry
+from services.state.store import RequestState, RequestStateStore
 from tests.reference import CHAT_PROMPTS, NUM_TOKENS, hf_greedy_outputs
 
 pytestmark = pytest.mark.integration
@@ -79,6 +80,14 @@ def test_blocks_freed_and_state_recorded(stack, redis_server):
         assert info.output_tokens == NUM_TOKENS
         assert 0 < info.arrival_time <= info.prefill_start_time <= info.first_token_time <= info.finish_time
         assert info.prefill_start_time <= info.prefill_end_time <= info.finish_time
+        client = aioredis.Redis.from_url(redis_server.url)
+        store = RequestStateStore(client)
+        for n in range(16):  # the concurrent requests of the test above
+            rec = await store.get(f"conc-{n}")
+            assert rec["status"] == RequestState.FINISHED and rec["output_tokens"] == NUM_TOKENS
+            assert rec["arrival_time"] <= rec["first_token_time"] <= rec["finish_time"]
+            assert rec["decode_worker"] == "decode-0" and rec["prefill_worker"] == "prefill-0"
+        await client.aclose()
 
     asyncio.run(check())
 
@@ -122,3 +131,79 @@ def test_seeded_sampling_through_the_stack_equals_a_unified_run(stack):
     expected = llm.chat([[{"role": "user", "content": CHAT_PROMPTS[1]}]], params)[0].token_ids
     assert tokens == expected
     assert tokens != list(hf_greedy_outputs()[1][:24])  # it really sampled
+
+
+def test_abort_mid_stream_ends_the_stream_and_frees_blocks(stack):
+    async def run():
+        async with grpc.aio.insecure_channel(stack.address) as ch:
+            stub = gateway_pb2_grpc.GatewayStub(ch)
+            call = stub.Generate(chat_request(CHAT_PROMPTS[2], request_id="to-abort", max_tokens=2000))
+            first = await call.read()
+            assert first.token_ids
+            assert (await stub.Abort(gateway_pb2.AbortRequest(request_id="to-abort"))).found
+            msgs = []
+            while (msg := await call.read()) is not grpc.aio.EOF:
+                msgs.append(msg)
+            assert msgs[-1].finish_reason == "abort"
+            assert sum(len(m.token_ids) for m in msgs) < 2000
+            assert not (await stub.Abort(gateway_pb2.AbortRequest(request_id="to-abort"))).found
+            for _ in range(50):  # the workers free the blocks as the cancellation reaches them
+                info = await stub.GetRequest(gateway_pb2.GetRequestRequest(request_id="to-abort"))
+                loads = await all_loads()
+                if all(l.free_kv_blocks == l.total_kv_blocks for l in loads):
+                    break
+                await asyncio.sleep(0.1)
+            assert info.status == "ABORTED" and info.finish_reason == "abort"
+            assert all(l.free_kv_blocks == l.total_kv_blocks and l.num_running == 0 for l in loads)
+
+    async def all_loads():
+        loads = []
+        for role, stub_cls in (("decode", worker_pb2_grpc.DecodeWorkerStub),
+                               ("prefill", worker_pb2_grpc.PrefillWorkerStub)):
+            client = aioredis.Redis.from_url(stack.redis_url)
+            workers = await WorkerRegistry(client).list(role)
+            await client.aclose()
+            for w in workers:
+                async with grpc.aio.insecure_channel(w.endpoint) as ch:
+                    loads.append(await stub_cls(ch).GetLoad(worker_pb2.GetLoadRequest()))
+        return loads
+
+    asyncio.run(run())
+
+
+def test_health_and_reflection_on_every_service(stack):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    async def services_of(endpoint: str) -> set[str]:
+        async with grpc.aio.insecure_channel(endpoint) as ch:
+            health = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest())
+            assert health.status == health_pb2.HealthCheckResponse.SERVING
+            stream = reflection_pb2_grpc.ServerReflectionStub(ch).ServerReflectionInfo(
+                iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
+            async for resp in stream:
+                return {s.name for s in resp.list_services_response.service}
+
+    async def check():
+        client = aioredis.Redis.from_url(stack.redis_url)
+        registry = WorkerRegistry(client)
+        endpoints = {"tandem.v1.Gateway": stack.address}
+        for role, name in (("decode", "tandem.v1.DecodeWorker"), ("prefill", "tandem.v1.PrefillWorker")):
+            endpoints[name] = (await registry.list(role))[0].endpoint
+        await client.aclose()
+        for name, endpoint in endpoints.items():
+            names = await services_of(endpoint)
+            assert {name, "grpc.health.v1.Health"} <= names, names
+
+    asyncio.run(check())
+
+
+def test_tandem_chat_client(stack):
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "services.cli", "chat", "What is the capital of France?",
+                           "--address", stack.address, "--temperature", "0", "--max-tokens", "12"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "Paris" in proc.stdout and "finish_reason=" in proc.stdout
