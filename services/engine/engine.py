@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -17,12 +18,13 @@ from pydantic import BaseModel, ConfigDict, Field
 from .block_manager import BlockManager
 from .config import KVCacheLayout, ModelConfig
 from .loader import load_model
+from .metrics import STEP_PHASES, EngineMetrics
 from .model import LlamaForCausalLM
 from .model_files import default_model_path
 from .model_runner import ModelRunner
 from .request import Request
 from .sampling_params import SamplingParams
-from .scheduler import RequestOutput, Scheduler, SchedulerConfig
+from .scheduler import RequestOutput, Scheduler, SchedulerConfig, SchedulerOutput
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +43,8 @@ class EngineConfig(BaseModel):
     max_num_seqs: int = Field(default=64, gt=0)
     max_num_batched_tokens: int = Field(default=2048, gt=0)
     max_model_len: int | None = Field(default=None, gt=1)  # default: the model's context
+    scheduling_policy: Literal["continuous", "static"] = "continuous"
+    enable_prefix_caching: bool = True
 
 
 class LLMEngine:
@@ -64,10 +68,12 @@ class LLMEngine:
                                  model_config.max_position_embeddings)
         self.block_manager = BlockManager(num_blocks, config.block_size)
         self.scheduler = Scheduler(
-            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len),
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
+                            config.scheduling_policy, config.enable_prefix_caching),
             self.block_manager,
         )
         self.runner = ModelRunner(model, self.kv_cache, config.block_size)
+        self.metrics = EngineMetrics()
         log.info("engine ready in %.1fs: %d KV blocks of %d tokens, max_model_len %d",
                  time.perf_counter() - t0, num_blocks, config.block_size, self.max_model_len)
 
@@ -130,15 +136,39 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One iteration: schedule, run the model once, sample, update. Finished requests are
         evicted and their blocks freed (unless held) before this returns."""
+        m = self.metrics
+        t0 = time.perf_counter()
         out = self.scheduler.schedule()
         if not out.scheduled:
             return []
-        sampled = self.runner.execute(out)
+        t1 = time.perf_counter()
+        inputs = self.runner.prepare_inputs(out)
+        t2 = time.perf_counter()
+        logits = self.runner.forward(inputs)
+        t3 = time.perf_counter()
+        sampled = self.runner.sample(out, inputs, logits)
+        t4 = time.perf_counter()
         outputs = self.scheduler.update_from_output(out, sampled)
         for o in outputs:
             if o.finish_reason:
                 self.runner.remove_request(o.request_id)
+        t5 = time.perf_counter()
+        for phase, dt in zip(STEP_PHASES, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4)):
+            m.phase_s[phase] += dt
+        self._count(out, len(outputs))
         return outputs
+
+    def _count(self, out: SchedulerOutput, num_generated: int) -> None:
+        m = self.metrics
+        m.num_steps += 1
+        m.num_batched_tokens += out.total_num_scheduled_tokens
+        m.num_scheduled_seqs += len(out.scheduled)
+        m.num_generated_tokens += num_generated
+        bs = self.block_manager.block_size
+        m.kv_allocated_slots += sum(len(r.block_table) for r in out.scheduled) * bs
+        m.kv_used_slots += sum(min(r.num_computed_tokens, len(r.block_table) * bs) for r in out.scheduled)
+        m.kv_used_blocks += self.block_manager.num_used_blocks
+        m.num_preemptions = self.scheduler.num_preemptions
 
     def load(self) -> dict[str, int]:
         """Load figures for the worker registry."""

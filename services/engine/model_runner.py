@@ -48,14 +48,18 @@ class ModelRunner:
         torch.empty(self.model.config.vocab_size).exponential_(generator=gen)
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> list[int | None]:
-        """Run one step; returns a token id per ``out.scheduled`` entry (None: prompt chunk)."""
-        inputs = self.prepare_inputs(out)
+    def forward(self, inputs: ModelInputs) -> torch.Tensor:
+        """Run the model; returns logits ``[num_sampled, vocab]`` float32 (possibly 0 rows)."""
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.attn)
+        return self.model.compute_logits(hidden[inputs.logits_indices])
+
+    @torch.inference_mode()
+    def sample(self, out: SchedulerOutput, inputs: ModelInputs, logits: torch.Tensor,
+               ) -> list[int | None]:
+        """A token id per ``out.scheduled`` entry (None: a prompt chunk that is not the last)."""
         sampled: list[int | None] = [None] * len(out.scheduled)
         if not inputs.sampled_rows:
             return sampled
-        logits = self.model.compute_logits(hidden[inputs.logits_indices])
         requests = [out.scheduled[inputs.order[row]] for row in inputs.sampled_rows]
         for r in requests:
             if r.request_id not in self.generators and not r.sampling_params.greedy:
@@ -64,6 +68,11 @@ class ModelRunner:
         for row, token_id in zip(inputs.sampled_rows, token_ids.tolist()):
             sampled[inputs.order[row]] = token_id
         return sampled
+
+    def execute(self, out: SchedulerOutput) -> list[int | None]:
+        """prepare_inputs + forward + sample in one call."""
+        inputs = self.prepare_inputs(out)
+        return self.sample(out, inputs, self.forward(inputs))
 
     def prepare_inputs(self, out: SchedulerOutput) -> ModelInputs:
         reqs = out.scheduled

@@ -82,10 +82,10 @@ class Request:
         """Finish status after the newest token was appended, or None to keep going."""
         last = self.output_token_ids[-1]
         params = self.sampling_params
-        if not params.ignore_eos and last == self.eos_token_id:
+        num_output = len(self.output_token_ids)
+        stop_token = (not params.ignore_eos and last == self.eos_token_id) or last in params.stop_token_ids
+        if stop_token and num_output >= params.min_tokens:
             return RequestStatus.FINISHED_STOPPED
-        if last in params.stop_token_ids:
-            return RequestStatus.FINISHED_STOPPED
-        if len(self.output_token_ids) >= params.max_tokens or self.num_tokens >= max_model_len:
+        if num_output >= params.max_tokens or self.num_tokens >= max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None

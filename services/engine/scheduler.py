@@ -21,6 +21,10 @@ class SchedulerConfig:
     max_num_seqs: int = 64  # running requests per step
     max_num_batched_tokens: int = 2048  # tokens through the model per step
     max_model_len: int = 8192  # prompt + output tokens of one request
+    # "continuous": admit every step; "static": a fixed batch, no admission until it drains,
+    # KV preallocated to the longest sequence's maximum length per slot (the baseline)
+    policy: str = "continuous"
+    enable_prefix_caching: bool = True
 
 
 @dataclass
@@ -48,6 +52,7 @@ class RequestOutput:
     finish_reason: str | None = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
+    logprobs: list | None = None  # per new token, when the request asked for logprobs
 
 
 class Scheduler:

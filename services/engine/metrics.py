@@ -1,0 +1,46 @@
+"""Counters an engine accumulates over its steps; benchmarks read and reset them."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+STEP_PHASES = ("schedule", "prepare_inputs", "forward", "sample", "postprocess")
+
+
+@dataclass
+class EngineMetrics:
+    """Sums over steps (divide by ``num_steps`` for means). Times in seconds, sizes in tokens.
+
+    On CUDA the forward pass is asynchronous: ``forward`` then only covers the launch and the
+    wait shows up in ``sample`` (which synchronises when it reads the tokens back).
+    """
+
+    num_steps: int = 0
+    num_batched_tokens: int = 0  # tokens through the model
+    num_scheduled_seqs: int = 0  # running batch size, summed over steps
+    num_generated_tokens: int = 0
+    kv_allocated_slots: int = 0  # block slots held by scheduled requests, summed over steps
+    kv_used_slots: int = 0  # of those, slots holding a token's KV after the step
+    kv_used_blocks: int = 0  # blocks in use in the whole pool, summed over steps
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # of those, tokens found (their KV reused)
+    num_preemptions: int = 0
+    phase_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STEP_PHASES, 0.0))
+
+    @property
+    def mean_batch_size(self) -> float:
+        return self.num_scheduled_seqs / max(self.num_steps, 1)
+
+    @property
+    def kv_waste(self) -> float:
+        """Allocated but unused slots / allocated slots (PagedAttention's internal waste)."""
+        return 1.0 - self.kv_used_slots / max(self.kv_allocated_slots, 1)
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / max(self.prefix_cache_queries, 1)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.update(mean_batch_size=self.mean_batch_size, kv_waste=self.kv_waste,
+                 prefix_cache_hit_rate=self.prefix_cache_hit_rate)
+        return d
