@@ -23,9 +23,12 @@ class Unavailable(Exception):
 
 def validation_message(exc: pydantic.ValidationError) -> str:
     """``'temperature: Input should be greater than or equal to 0'`` for each error."""
-    return "; ".join(
-        f"{'.'.join(str(p) for p in e['loc']) or 'request'}: {e['msg']}" for e in exc.errors()
-    )
+    parts = []
+    for e in exc.errors():
+        msg = str(e.get("ctx", {}).get("error", e["msg"]))  # our own ValueError text, unprefixed
+        loc = ".".join(str(p) for p in e["loc"])
+        parts.append(f"{loc}: {msg}" if loc else msg)  # model-level checks name their fields
+    return "; ".join(parts)
 
 
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:

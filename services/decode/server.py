@@ -12,7 +12,8 @@ from services.engine.request import Request
 from services.engine.scheduler import RequestOutput
 from services.kv_transfer import create_transport
 from services.rpc import ResourceExhausted
-from services.worker import WorkerRuntime, params_from_proto
+from services.engine.sampler import TokenLogprobs
+from services.worker import WorkerRuntime, logprobs_to_proto, params_from_proto
 
 log = logging.getLogger(__name__)
 
@@ -37,9 +38,10 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         """Transport thread: the prompt's KV is in our blocks; admit it at the next step."""
         note = json.loads(notification)
         request_id, first_token = note["request_id"], int(note["first_token_id"])
+        logprobs = TokenLogprobs.from_dict(note["logprobs"]) if note.get("logprobs") else None
 
         def admit(engine):
-            out = engine.finish_remote_prefill(request_id, first_token)
+            out = engine.finish_remote_prefill(request_id, first_token, logprobs)
             if out is not None:
                 self.rt._on_outputs([out])
 
@@ -71,7 +73,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 finished = last.finish_reason is not None
                 yield worker_pb2.DecodeResponse(
                     token_ids=[t for o in outs for t in o.new_token_ids],
-                    finish_reason=last.finish_reason or "", num_output_tokens=last.num_output_tokens)
+                    finish_reason=last.finish_reason or "", num_output_tokens=last.num_output_tokens,
+                    logprobs=[logprobs_to_proto(lp) for o in outs for lp in o.logprobs or ()])
                 if finished:
                     return
         finally:  # client gone, lease expired or error: free whatever the request holds

@@ -23,6 +23,7 @@ from .model import LlamaForCausalLM
 from .model_files import default_model_path
 from .model_runner import ModelRunner
 from .request import Request
+from .sampler import TokenLogprobs
 from .sampling_params import SamplingParams
 from .scheduler import RequestOutput, Scheduler, SchedulerConfig, SchedulerOutput
 
@@ -109,12 +110,16 @@ class LLMEngine:
         """Decode role: reserve blocks for the prompt's KV; False when too few are free."""
         return self.scheduler.reserve(request)
 
-    def finish_remote_prefill(self, request_id: str, first_token_id: int) -> RequestOutput | None:
-        """Decode role: the prompt's KV has landed; admit the request with its first token."""
+    def finish_remote_prefill(self, request_id: str, first_token_id: int,
+                              logprobs: TokenLogprobs | None = None) -> RequestOutput | None:
+        """Decode role: the prompt's KV has landed; admit the request with its first token
+        (and its logprobs, computed by the prefill worker)."""
         request = self.scheduler.requests.get(request_id)
         output = self.scheduler.finish_remote_prefill(request_id, first_token_id)
         if output is None:
             return None
+        if logprobs is not None:
+            output.logprobs = [logprobs]
         if output.finish_reason:
             self.runner.remove_request(request_id)
         else:
@@ -146,10 +151,13 @@ class LLMEngine:
         t2 = time.perf_counter()
         logits = self.runner.forward(inputs)
         t3 = time.perf_counter()
-        sampled = self.runner.sample(out, inputs, logits)
+        sampled, logprobs = self.runner.sample(out, inputs, logits)
         t4 = time.perf_counter()
         outputs = self.scheduler.update_from_output(out, sampled)
+        by_id = {r.request_id: lp for r, lp in zip(out.scheduled, logprobs) if lp is not None}
         for o in outputs:
+            if o.request_id in by_id:
+                o.logprobs = [by_id[o.request_id]]
             if o.finish_reason:
                 self.runner.remove_request(o.request_id)
         t5 = time.perf_counter()
@@ -169,6 +177,8 @@ class LLMEngine:
         m.kv_used_slots += sum(min(r.num_computed_tokens, len(r.block_table) * bs) for r in out.scheduled)
         m.kv_used_blocks += self.block_manager.num_used_blocks
         m.num_preemptions = self.scheduler.num_preemptions
+        m.prefix_cache_queries = self.scheduler.prefix_cache_queries  # cumulative, tokens
+        m.prefix_cache_hits = self.scheduler.prefix_cache_hits
 
     def load(self) -> dict[str, int]:
         """Load figures for the worker registry."""

@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .engine import EngineConfig, LLMEngine
+from .output_processor import OutputProcessor
+from .sampler import TokenLogprobs
 from .sampling_params import SamplingParams
 from .tokenizer import Tokenizer
 
@@ -12,9 +14,10 @@ from .tokenizer import Tokenizer
 @dataclass
 class Completion:
     prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str
-    finish_reason: str
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str = ""
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
 
 
 class LLM:
@@ -31,25 +34,32 @@ class LLM:
 
     def generate(self, prompts: list[str] | list[list[int]], params: SamplingParams | None = None,
                  ) -> list[Completion]:
-        """Generate for every prompt (text, or token ids); results in input order."""
+        """Generate for every prompt (text, or token ids); results in input order.
+
+        Raises ValueError naming the field for a bad prompt."""
         params = params or SamplingParams()
-        token_lists = [p if isinstance(p, list) else self.tokenizer.encode(p) for p in prompts]
-        ids = []
-        for tokens in token_lists:
+        done: dict[str, Completion] = {}
+        texts: dict[str, OutputProcessor] = {}
+        for prompt in prompts:
+            tokens = prompt if isinstance(prompt, list) else self.tokenizer.encode(prompt)
             request_id = f"offline-{next(self._ids)}"
             self.engine.add_request(self.engine.make_request(request_id, tokens, params))
-            ids.append(request_id)
-        outputs: dict[str, list[int]] = {i: [] for i in ids}
-        reasons: dict[str, str] = {}
+            done[request_id] = Completion(tokens)
+            texts[request_id] = OutputProcessor(self.tokenizer, params)
         while self.engine.has_work():
             for out in self.engine.step():
-                outputs[out.request_id].extend(out.new_token_ids)
-                if out.finish_reason:
-                    reasons[out.request_id] = out.finish_reason
-        return [
-            Completion(toks, outputs[i], self.tokenizer.decode(outputs[i]), reasons[i])
-            for i, toks in zip(ids, token_lists)
-        ]
+                c = done[out.request_id]
+                c.token_ids.extend(out.new_token_ids)
+                c.logprobs.extend(out.logprobs or ())
+                text, stopped = texts[out.request_id].process(out.new_token_ids)
+                c.text += text
+                if stopped:
+                    self.engine.abort(out.request_id)
+                    c.finish_reason = "stop"
+                elif out.finish_reason:
+                    c.text += texts[out.request_id].flush()
+                    c.finish_reason = out.finish_reason
+        return list(done.values())
 
     def chat(self, conversations: list[list[dict[str, str]]], params: SamplingParams | None = None,
              ) -> list[Completion]:

@@ -13,7 +13,7 @@ import torch
 from .attention import AttentionMetadata
 from .model import LlamaForCausalLM
 from .request import Request
-from .sampler import SamplingMetadata, make_generator, sample
+from .sampler import SamplingMetadata, TokenLogprobs, make_generator, sample
 from .scheduler import SchedulerOutput
 
 
@@ -55,24 +55,30 @@ class ModelRunner:
 
     @torch.inference_mode()
     def sample(self, out: SchedulerOutput, inputs: ModelInputs, logits: torch.Tensor,
-               ) -> list[int | None]:
-        """A token id per ``out.scheduled`` entry (None: a prompt chunk that is not the last)."""
-        sampled: list[int | None] = [None] * len(out.scheduled)
+               ) -> tuple[list[int | None], list[TokenLogprobs | None]]:
+        """A token id per ``out.scheduled`` entry (None: a prompt chunk that is not the last),
+        and its logprobs where the request asked for them."""
+        n = len(out.scheduled)
+        sampled: list[int | None] = [None] * n
+        logprobs: list[TokenLogprobs | None] = [None] * n
         if not inputs.sampled_rows:
-            return sampled
+            return sampled, logprobs
         requests = [out.scheduled[inputs.order[row]] for row in inputs.sampled_rows]
         for r in requests:
             if r.request_id not in self.generators and not r.sampling_params.greedy:
                 self.generators[r.request_id] = make_generator(r.sampling_params.seed)
-        token_ids = sample(logits, SamplingMetadata.from_requests(requests, self.generators))
-        for row, token_id in zip(inputs.sampled_rows, token_ids.tolist()):
+        result = sample(logits, SamplingMetadata.from_requests(requests, self.generators))
+        for k, (row, token_id) in enumerate(zip(inputs.sampled_rows, result.token_ids.tolist())):
             sampled[inputs.order[row]] = token_id
-        return sampled
+            num_top = requests[k].sampling_params.logprobs
+            if num_top is not None:
+                logprobs[inputs.order[row]] = TokenLogprobs.from_sampler(result, k, num_top)
+        return sampled, logprobs
 
     def execute(self, out: SchedulerOutput) -> list[int | None]:
         """prepare_inputs + forward + sample in one call."""
         inputs = self.prepare_inputs(out)
-        return self.sample(out, inputs, self.forward(inputs))
+        return self.sample(out, inputs, self.forward(inputs))[0]
 
     def prepare_inputs(self, out: SchedulerOutput) -> ModelInputs:
         reqs = out.scheduled

@@ -18,9 +18,22 @@ class SamplingParams(BaseModel):
     temperature: float = Field(default=1.0, ge=0.0)  # 0 means greedy
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)  # nucleus mass kept
     top_k: int = Field(default=0, ge=0)  # 0 disables top-k
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)  # drop tokens below min_p x top prob
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)  # OpenAI: once per seen token
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)  # OpenAI: per occurrence
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=10.0)  # CTRL: prompt + output
     seed: int | None = None  # per-request generator: same seed, same tokens, whatever the batch
+    stop: tuple[str, ...] = ()  # finish when the text contains one; it is not emitted
     stop_token_ids: tuple[int, ...] = ()  # finish (token kept) when one of these is sampled
     ignore_eos: bool = False  # keep going past EOS (benchmarks with exact output lengths)
+    logprobs: int | None = Field(default=None, ge=0, le=20)  # top-N alternatives; 0: chosen only
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_strings(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        if any(not s for s in v):
+            raise ValueError("stop strings must not be empty")
+        return v
 
     @field_validator("seed")
     @classmethod
@@ -38,3 +51,8 @@ class SamplingParams(BaseModel):
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)

@@ -14,7 +14,8 @@ import grpc
 import redis
 
 from services.api import gateway_pb2, gateway_pb2_grpc, worker_pb2, worker_pb2_grpc
-from services.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from services.engine.output_processor import OutputProcessor
+from services.engine.tokenizer import Tokenizer
 from services.gateway import validation
 from services.rpc import ResourceExhausted, Unavailable
 from services.state.registry import WorkerInfo, WorkerRegistry
@@ -68,19 +69,23 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         params = validation.sampling_params(request, len(prompt), self.max_model_len)
         await self._record(self.store.create(rid, prompt_tokens=len(prompt), model=self.model_name))
         inflight = self._inflight[rid] = _InFlight()
-        detok = IncrementalDetokenizer(self.tokenizer)
+        text_out = OutputProcessor(self.tokenizer, params)
         n_out, state, fields = 0, RequestState.FAILED, {}
+        run = self._run(rid, prompt, params, inflight)
         try:
-            async for msg in self._run(rid, prompt, params, inflight):
+            async for msg in run:
                 n_out += len(msg.token_ids)
-                done = msg.finish_reason != ""
+                text, stopped = text_out.process(list(msg.token_ids))
+                reason = "stop" if stopped else msg.finish_reason
+                if reason and not stopped:
+                    text += text_out.flush()
                 yield gateway_pb2.GenerateResponse(
-                    request_id=rid, token_ids=msg.token_ids,
-                    text="".join(detok.step(t) for t in msg.token_ids),
-                    finish_reason=msg.finish_reason,
-                    usage=_usage(len(prompt), n_out) if done else None)
-                if done:
-                    state, fields = RequestState.FINISHED, {"finish_reason": msg.finish_reason}
+                    request_id=rid, token_ids=msg.token_ids, text=text, finish_reason=reason,
+                    usage=_usage(len(prompt), n_out) if reason else None,
+                    logprobs=[self._logprob(lp) for lp in msg.logprobs])
+                if reason:
+                    state, fields = RequestState.FINISHED, {"finish_reason": reason}
+                    break  # a stop string: the finally below cancels the decode stream
         except asyncio.CancelledError:
             state = RequestState.ABORTED
             if not inflight.aborted or asyncio.current_task().cancelling():
@@ -94,6 +99,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             raise
         finally:
             inflight.cancel()  # no-op for finished calls; frees worker blocks otherwise
+            await run.aclose()
             self._inflight.pop(rid, None)
             if inflight.aborted:
                 state, fields = RequestState.ABORTED, {"finish_reason": "abort"}
@@ -102,6 +108,13 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         if inflight.aborted:
             yield gateway_pb2.GenerateResponse(request_id=rid, finish_reason="abort",
                                                usage=_usage(len(prompt), n_out))
+
+    def _logprob(self, lp: worker_pb2.SampledLogprobs) -> gateway_pb2.TokenLogprob:
+        decode = lambda t: self.tokenizer.decode([t], skip_special_tokens=False)  # noqa: E731
+        return gateway_pb2.TokenLogprob(
+            token_id=lp.token_id, logprob=lp.logprob, text=decode(lp.token_id),
+            top_logprobs=[gateway_pb2.TopLogprob(token_id=t, logprob=v, text=decode(t))
+                          for t, v in zip(lp.top_token_ids, lp.top_logprobs)])
 
     async def Abort(self, request: gateway_pb2.AbortRequest, context):
         inflight = self._inflight.get(request.request_id)

@@ -52,9 +52,16 @@ def sampling_params(req: gateway_pb2.GenerateRequest, num_prompt_tokens: int, ma
     top_k = req.top_k if req.HasField("top_k") else 0
     if top_k == -1:
         top_k = 0
+    if req.HasField("top_logprobs") and not req.logprobs:
+        raise ValueError("top_logprobs: needs logprobs set to true")
     fields = {"max_tokens": max_tokens, "top_k": top_k, "ignore_eos": req.ignore_eos,
-              "stop_token_ids": tuple(req.stop_token_ids)}
-    for name in ("temperature", "top_p", "seed"):
+              "stop_token_ids": tuple(req.stop_token_ids), "stop": tuple(req.stop),
+              "logprobs": (req.top_logprobs if req.HasField("top_logprobs") else 0) if req.logprobs else None}
+    for name in _OPTIONAL_FIELDS:
         if req.HasField(name):
             fields[name] = getattr(req, name)
     return SamplingParams(**fields)
+
+
+_OPTIONAL_FIELDS = ("temperature", "top_p", "seed", "min_tokens", "min_p", "presence_penalty",
+                    "frequency_penalty", "repetition_penalty")

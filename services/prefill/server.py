@@ -56,7 +56,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             t_first = time.monotonic()
             first_token = out.new_token_ids[0]
             peer = await asyncio.to_thread(self.transport.add_remote, dest.transport_metadata)
-            note = json.dumps({"request_id": rid, "first_token_id": first_token}).encode()
+            note = json.dumps({"request_id": rid, "first_token_id": first_token,
+                               "logprobs": out.logprobs[0].to_dict() if out.logprobs else None}).encode()
             await asyncio.to_thread(
                 self.transport.write_blocks, peer, req.block_table[:n_blocks],
                 list(dest.block_ids), note, self.transfer_timeout_s)

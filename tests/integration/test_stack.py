@@ -103,6 +103,15 @@ BAD_INPUTS = [
     ("unknown model", gateway_pb2.GenerateRequest(prompt="hi", model="gpt-9"), "model"),
     ("bad role", gateway_pb2.GenerateRequest(messages=[gateway_pb2.ChatMessage(role="robot", content="x")]),
      "messages[0].role"),
+    ("min_p above one", gateway_pb2.GenerateRequest(prompt="hi", min_p=1.5), "min_p"),
+    ("presence_penalty", gateway_pb2.GenerateRequest(prompt="hi", presence_penalty=3), "presence_penalty"),
+    ("frequency_penalty", gateway_pb2.GenerateRequest(prompt="hi", frequency_penalty=-2.5), "frequency_penalty"),
+    ("repetition_penalty zero", gateway_pb2.GenerateRequest(prompt="hi", repetition_penalty=0), "repetition_penalty"),
+    ("top_logprobs too many", gateway_pb2.GenerateRequest(prompt="hi", logprobs=True, top_logprobs=25), "logprobs"),
+    ("top_logprobs alone", gateway_pb2.GenerateRequest(prompt="hi", top_logprobs=2), "top_logprobs"),
+    ("empty stop string", gateway_pb2.GenerateRequest(prompt="hi", stop=[""]), "stop"),
+    ("min_tokens above max", gateway_pb2.GenerateRequest(prompt="hi", min_tokens=9, max_tokens=4), "min_tokens"),
+    ("top_k below -1", gateway_pb2.GenerateRequest(prompt="hi", top_k=-2), "top_k"),
 ]
 
 
@@ -207,3 +216,47 @@ def test_tandem_chat_client(stack):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "Paris" in proc.stdout and "finish_reason=" in proc.stdout
+
+
+def test_sampling_options_through_the_stack_equal_the_in_process_engine(stack):
+    from services.engine.llm import LLM
+    from services.engine.sampling_params import SamplingParams
+
+    llm = LLM(num_kv_blocks=64)
+    chat = [{"role": "user", "content": CHAT_PROMPTS[6]}]
+    cases = [
+        (dict(temperature=0.0, max_tokens=30, stop=["def ", "\n\n"]), {}),
+        (dict(temperature=0.8, seed=7, top_k=20, min_p=0.05, max_tokens=20, repetition_penalty=1.3,
+              presence_penalty=0.4, frequency_penalty=0.3), {}),
+        (dict(temperature=0.0, max_tokens=6, min_tokens=6, logprobs=True, top_logprobs=3),
+         {"logprobs": 3}),
+    ]
+    for fields, engine_overrides in cases:
+        tokens, text, last, logprobs = asyncio.run(generate_with_logprobs(stack.address, chat, fields))
+        engine_fields = {k: v for k, v in fields.items() if k not in ("logprobs", "top_logprobs")}
+        engine_fields["stop"] = tuple(engine_fields.get("stop", ()))
+        expected = llm.chat([chat], SamplingParams(**engine_fields, **engine_overrides))[0]
+        assert tokens == expected.token_ids, fields
+        assert text == expected.text and last.finish_reason == expected.finish_reason, fields
+        if "stop" in fields and fields["stop"]:
+            assert last.finish_reason == "stop" and not any(st in text for st in fields["stop"])
+        if fields.get("logprobs"):
+            assert [lp.token_id for lp in logprobs] == tokens
+            assert [len(lp.top_logprobs) for lp in logprobs] == [3] * len(tokens)
+            for got, want in zip(logprobs, expected.logprobs):
+                assert abs(got.logprob - want.logprob) < 1e-4
+                assert got.top_logprobs[0].logprob >= got.logprob - 1e-6  # greedy: the top one
+            assert logprobs[0].text == llm.tokenizer.decode([tokens[0]], skip_special_tokens=False)
+
+
+async def generate_with_logprobs(address, messages, fields):
+    request = gateway_pb2.GenerateRequest(
+        messages=[gateway_pb2.ChatMessage(**m) for m in messages], **fields)
+    async with grpc.aio.insecure_channel(address) as channel:
+        tokens, text, last, logprobs = [], [], None, []
+        async for msg in gateway_pb2_grpc.GatewayStub(channel).Generate(request, timeout=300):
+            tokens.extend(msg.token_ids)
+            text.append(msg.text)
+            logprobs.extend(msg.logprobs)
+            last = msg
+        return tokens, "".join(text), last, logprobs
