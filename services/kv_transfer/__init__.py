@@ -8,7 +8,7 @@ from services.kv_transfer.base import (
     KVLayoutMismatchError, KVTransferError, KVTransport, NotificationHandler,
 )
 
-BACKENDS = ("tcp",)
+BACKENDS = ("tcp", "nixl")
 
 __all__ = [
     "BACKENDS", "KVLayoutMismatchError", "KVTransferError", "KVTransport",
@@ -21,16 +21,22 @@ def create_transport(
     advertise_host: str | None = None,
 ) -> KVTransport:
     """Build the ``backend`` transport over ``kv_cache``
-    (``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``, dtype ``layout.dtype``),
-    listening on ``host:port`` (0: ephemeral) and advertising ``advertise_host`` to peers.
+    (``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``, dtype ``layout.dtype``).
 
-    Raises ValueError for an unknown backend, for "nixl" (not available yet; use "tcp"), or
-    when ``kv_cache`` disagrees with ``layout``.
+    "tcp" listens on ``host:port`` (0: ephemeral) and advertises ``advertise_host`` to peers.
+    "nixl" ignores them: UCX picks its own interfaces and ports (``UCX_TLS``,
+    ``UCX_NET_DEVICES``); its metadata carries them to peers.
+
+    Raises ValueError for an unknown backend or when ``kv_cache`` disagrees with ``layout``;
+    ImportError ("NIXL is not installed (pip install nixl-cu12); use --kv-transport tcp") for
+    "nixl" without NIXL; KVTransferError when the NIXL agent cannot start.
     """
     if backend == "tcp":
         from services.kv_transfer.tcp import TcpKVTransport
 
         return TcpKVTransport(kv_cache, layout, host=host, port=port, advertise_host=advertise_host)
     if backend == "nixl":
-        raise ValueError("kv transfer backend 'nixl' is not available yet; use 'tcp' instead")
+        from services.kv_transfer.nixl import NixlKVTransport
+
+        return NixlKVTransport(kv_cache, layout)
     raise ValueError(f"unknown kv transfer backend {backend!r}; valid choices: {', '.join(BACKENDS)}")

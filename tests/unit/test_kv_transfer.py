@@ -1,4 +1,5 @@
-"""Contract tests of every KVTransport backend (add "nixl" to BACKENDS when it exists).
+"""Contract tests of every KVTransport backend: the whole suite runs on TCP and on NIXL
+(NIXL's cases skip when NIXL is not installed).
 
 Transports talk over 127.0.0.1 only. Receivers start filled with random data, so a block that
 changes when it should not, or a write that misses, shows up as a mismatch.
@@ -7,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 import threading
 import time
 
@@ -17,8 +19,15 @@ from services.engine.config import KVCacheLayout
 from services.kv_transfer import (
     KVLayoutMismatchError, KVTransferError, KVTransport, create_transport,
 )
+from services.kv_transfer.nixl import load_nixl
 
-BACKENDS = ["tcp"]
+try:
+    load_nixl()
+    NIXL_MISSING = ""
+except ImportError as exc:
+    NIXL_MISSING = str(exc)
+needs_nixl = pytest.mark.skipif(bool(NIXL_MISSING), reason=NIXL_MISSING)
+BACKENDS = ["tcp", pytest.param("nixl", marks=needs_nixl)]
 LAYOUT = KVCacheLayout(num_layers=3, block_size=4, num_kv_heads=2, head_dim=8, dtype="float32")
 TIMEOUT_S = 5.0
 
@@ -282,11 +291,13 @@ def test_cache_not_matching_layout_is_rejected(backend, cache, message):
         create_transport(backend, cache, LAYOUT, host="127.0.0.1", port=0)
 
 
-def test_create_transport_rejects_unknown_and_unavailable_backends():
+def test_create_transport_rejects_unknown_and_unavailable_backends(monkeypatch):
     cache = make_cache(LAYOUT, 2, 0)
     with pytest.raises(ValueError, match="tcp"):
         create_transport("carrier-pigeon", cache, LAYOUT, host="127.0.0.1", port=0)
-    with pytest.raises(ValueError, match="not available.*tcp"):
+    for module in ("nixl_cu12", "nixl", "nixl._api"):  # None in sys.modules: import fails
+        monkeypatch.setitem(sys.modules, module, None)
+    with pytest.raises(ImportError, match=r"not installed \(pip install nixl-cu12\).*tcp"):
         create_transport("nixl", cache, LAYOUT, host="127.0.0.1", port=0)
 
 
@@ -317,3 +328,57 @@ def test_tcp_metadata_reports_real_port_and_rejects_garbage():
             transport.add_remote(b"not json")
     finally:
         transport.close()
+
+
+# ---- NIXL backend specifics ----------------------------------------------------------------
+
+@needs_nixl
+def test_nixl_receiver_refuses_mismatched_layout_at_handshake():
+    """Metadata that lies about the layout gets past the sender; the receiver still refuses."""
+    sender = create_transport("nixl", make_cache(LAYOUT, 4, 0), LAYOUT, host="127.0.0.1", port=0)
+    other = dataclasses.replace(LAYOUT, num_kv_heads=1)
+    receiver = create_transport("nixl", make_cache(other, 4, 0), other, host="127.0.0.1", port=0)
+    try:
+        forged = json.loads(receiver.metadata())
+        forged["layout"] = dataclasses.asdict(LAYOUT)
+        with pytest.raises(KVLayoutMismatchError, match="num_kv_heads") as info:
+            sender.add_remote(json.dumps(forged).encode())
+        assert info.value.fields == ("num_kv_heads",)
+        with pytest.raises(KVTransferError, match="unknown peer"):  # nothing was set up
+            sender.write_blocks(forged["name"], [0], [0], b"x", TIMEOUT_S)
+    finally:
+        sender.close(), receiver.close()
+
+
+@needs_nixl
+def test_nixl_rejects_garbage_and_other_backends_metadata():
+    nixl = create_transport("nixl", make_cache(LAYOUT, 2, 0), LAYOUT, host="127.0.0.1", port=0)
+    tcp = create_transport("tcp", make_cache(LAYOUT, 2, 0), LAYOUT, host="127.0.0.1", port=0)
+    try:
+        for metadata, message in ((b"not json", "invalid"), (b"{}", "invalid"),
+                                  (tcp.metadata(), "uses backend 'tcp'")):
+            with pytest.raises(KVTransferError, match=message):
+                nixl.add_remote(metadata)
+    finally:
+        nixl.close(), tcp.close()
+
+
+@needs_nixl
+def test_nixl_two_workers_write_to_each_other():
+    """One agent acts as sender and receiver at once: handshakes both ways, data both ways."""
+    a = create_transport("nixl", make_cache(LAYOUT, 6, 1), LAYOUT, host="127.0.0.1", port=0)
+    b = create_transport("nixl", make_cache(LAYOUT, 6, 2), LAYOUT, host="127.0.0.1", port=0)
+    try:
+        notes: list[bytes] = []
+        a.set_notification_handler(notes.append)
+        b.set_notification_handler(notes.append)
+        a_to_b = a.add_remote(b.metadata())
+        b_to_a = b.add_remote(a.metadata())
+        before_a, before_b = a.kv_cache.clone(), b.kv_cache.clone()
+        a.write_blocks(a_to_b, [0, 1], [4, 5], b"a->b", TIMEOUT_S)
+        b.write_blocks(b_to_a, [2], [3], b"b->a", TIMEOUT_S)
+        assert_landed(before_a, b.kv_cache, before_b, [0, 1], [4, 5])
+        assert_landed(before_b, a.kv_cache, before_a, [2], [3])
+        assert notes == [b"a->b", b"b->a"]
+    finally:
+        a.close(), b.close()
