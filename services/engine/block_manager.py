@@ -1,21 +1,55 @@
-"""Paged KV cache bookkeeping: a pool of fixed-size blocks and each request's block table.
+"""Paged KV cache bookkeeping: a pool of ref-counted blocks, each request's block table, and a
+prefix cache over full blocks.
 
-PagedAttention (Kwon et al., SOSP 2023, section 4.2): KV is stored in blocks of ``block_size``
-tokens allocated on demand, so a sequence wastes at most the unused slots of its last block.
+PagedAttention (Kwon et al., SOSP 2023, section 4.2): KV lives in blocks of ``block_size`` tokens
+allocated on demand, so a sequence wastes at most the unused slots of its last block; section
+4.4 shares blocks between sequences by reference count. The prefix cache follows vLLM v1's
+KV cache manager (and nano-vllm's ``block_manager.py``): every full block is keyed by a hash
+chained over the blocks before it, ``h = hash((parent_h, block_tokens))``, so one dict lookup per
+block finds the longest cached prefix of a prompt.
+
+NOTE: a hash can collide (Python's int hash is easy to invert), so a hit is accepted only when
+the block holds exactly these tokens *and* its recorded parent is the cache entry matched for
+the block before it. Each registration gets a fresh serial number and a block records its
+parent's serial, so by induction a hit holds KV computed from exactly the query's prefix.
 """
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict
+from itertools import count
 
 from .request import Request
 
+_ROOT_HASH = 0  # parent hash of a sequence's first block
+_ROOT = 0  # parent serial of a sequence's first block (real serials start at 1)
+_DEAD = -1  # serial of a chain that could not be registered (hash taken by other tokens)
+
+
+class Block:
+    """One physical KV block. ``hash`` is set while the block is in the prefix cache."""
+
+    __slots__ = ("block_id", "ref_count", "hash", "token_ids", "serial", "parent_serial")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_count = 0  # requests whose block table holds this block
+        self.hash: int | None = None
+        self.token_ids: tuple[int, ...] = ()  # the block_size tokens whose KV it holds
+        self.serial = _ROOT  # unique per registration; a child records its parent's
+        self.parent_serial = _ROOT
+
 
 class BlockManager:
-    """Allocates and frees KV blocks for requests.
+    """Allocates, shares and frees KV blocks; caches full blocks by prefix hash.
 
     Block ids index axis 2 of the KV cache tensor
-    ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``. The free list is a
-    deque, so allocate and free are O(1) per block.
+    ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``.
+
+    Free list: an ``OrderedDict`` of block ids. Allocation pops the head; a freed block that is
+    in the prefix cache goes to the end (so the least recently freed cached block is evicted
+    first, LRU), one that is not goes to the head (it holds nothing worth keeping). A prefix hit
+    on a free cached block takes it out of the free list by key. Every operation is O(1) per
+    block; a lookup is O(tokens looked up). Free blocks include cached ones: they are evictable.
     """
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
@@ -23,7 +57,12 @@ class BlockManager:
             raise ValueError(f"num_blocks ({num_blocks}) and block_size ({block_size}) must be > 0")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._free: deque[int] = deque(range(num_blocks))
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._cache: dict[int, int] = {}  # chained hash -> block id
+        # request (by identity) -> (full blocks registered, hash of the last, its entry's serial)
+        self._chains: dict[Request, tuple[int, int, int]] = {}
+        self._serials = count(1)
 
     @property
     def num_free_blocks(self) -> int:
@@ -33,25 +72,125 @@ class BlockManager:
     def num_used_blocks(self) -> int:
         return self.num_blocks - len(self._free)
 
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks in the prefix cache, in use or free."""
+        return len(self._cache)
+
     def blocks_needed(self, num_tokens: int) -> int:
         """Blocks that hold ``num_tokens`` tokens (ceiling division)."""
         return -(-num_tokens // self.block_size)
 
-    def allocate_slots(self, request: Request, num_new_tokens: int) -> bool:
-        """Grow ``request.block_table`` to hold ``num_computed_tokens + num_new_tokens`` tokens.
+    # -- prefix cache ----------------------------------------------------------------------
+    def get_computed_blocks(self, request: Request) -> list[int]:
+        """Ids of the cached blocks holding the longest prefix of ``request.all_token_ids``.
 
-        Returns False (and allocates nothing) when too few blocks are free.
+        At most ``(num_tokens - 1) // block_size`` blocks (vLLM v1): the last token is always
+        recomputed, for its logits, into a block of the request's own, so a shared block is
+        never written. A request that already holds blocks gets none. Nothing changes until
+        ``allocate_slots`` takes the blocks.
         """
-        needed = self.blocks_needed(request.num_computed_tokens + num_new_tokens)
-        missing = needed - len(request.block_table)
-        if missing <= 0:
-            return True
-        if missing > len(self._free):
+        bs = self.block_size
+        parent_hash, parent_serial = _ROOT_HASH, _ROOT
+        hits: list[int] = []
+        if request.block_table:
+            return hits
+        for i in range((request.num_tokens - 1) // bs):
+            tokens = tuple(request.token_slice(i * bs, (i + 1) * bs))
+            h = hash((parent_hash, tokens))
+            block_id = self._cache.get(h)
+            if block_id is None:
+                break
+            block = self.blocks[block_id]
+            if block.parent_serial != parent_serial or block.token_ids != tokens:
+                break  # a hash collision
+            hits.append(block_id)
+            parent_hash, parent_serial = h, block.serial
+        return hits
+
+    def cache_full_blocks(self, request: Request) -> None:
+        """Register the request's blocks that are full of computed tokens (KV written).
+
+        Call after ``num_computed_tokens`` advanced. A block whose prefix is already cached in
+        another block stays private (the first copy is the one shared).
+        """
+        bs = self.block_size
+        num_full = min(request.num_computed_tokens // bs, len(request.block_table))
+        done, parent_hash, parent_serial = self._chains.get(request, (0, _ROOT_HASH, _ROOT))
+        if done >= num_full:
+            return
+        for i in range(done, num_full):
+            tokens = tuple(request.token_slice(i * bs, (i + 1) * bs))
+            h = hash((parent_hash, tokens))
+            if parent_serial != _DEAD:
+                block = self.blocks[request.block_table[i]]
+                parent_serial = self._register(block, h, tokens, parent_serial)
+            parent_hash = h
+        self._chains[request] = (num_full, parent_hash, parent_serial)
+
+    def _register(self, block: Block, h: int, tokens: tuple[int, ...], parent_serial: int) -> int:
+        """Cache ``block`` under ``h``; returns the serial of the entry now standing for it."""
+        cached_id = self._cache.get(h)
+        if cached_id is None:
+            block.hash, block.token_ids, block.parent_serial = h, tokens, parent_serial
+            block.serial = next(self._serials)
+            self._cache[h] = block.block_id
+            return block.serial
+        cached = self.blocks[cached_id]
+        if cached.token_ids == tokens and cached.parent_serial == parent_serial:
+            return cached.serial  # same prefix computed twice: children chain to the first
+        return _DEAD
+
+    # -- allocation ------------------------------------------------------------------------
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       computed_blocks: list[int] | tuple[int, ...] = ()) -> bool:
+        """Grow ``request.block_table`` to hold ``num_computed_tokens`` + the
+        ``computed_blocks`` (prefix hits, appended and shared) + ``num_new_tokens`` tokens.
+
+        Returns False (and changes nothing) when too few blocks are free; a hit on a free
+        cached block costs one free block, a hit on a block in use costs none.
+        """
+        bs = self.block_size
+        total = request.num_computed_tokens + len(computed_blocks) * bs + num_new_tokens
+        missing = max(self.blocks_needed(total) - len(request.block_table) - len(computed_blocks), 0)
+        revived = sum(1 for b in computed_blocks if self.blocks[b].ref_count == 0)
+        if missing + revived > len(self._free):
             return False
-        request.block_table.extend(self._free.popleft() for _ in range(missing))
+        for block_id in computed_blocks:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self._free[block_id]
+            block.ref_count += 1
+        if computed_blocks:
+            last = self.blocks[computed_blocks[-1]]
+            self._chains[request] = (len(computed_blocks), last.hash, last.serial)
+        request.block_table.extend(computed_blocks)
+        request.block_table.extend(self._pop_free() for _ in range(missing))
         return True
 
+    def _pop_free(self) -> int:
+        """Take the head of the free list, evicting its prefix-cache entry if it has one."""
+        block_id, _ = self._free.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.hash is not None:
+            if self._cache.get(block.hash) == block_id:
+                del self._cache[block.hash]
+            block.hash, block.token_ids, block.serial = None, (), _ROOT
+        block.ref_count = 1
+        return block_id
+
     def free(self, request: Request) -> None:
-        """Return every block of ``request`` to the pool and clear its block table."""
-        self._free.extend(request.block_table)
+        """Drop the request's reference to each of its blocks and clear its block table.
+
+        Blocks are released last first, so a sequence's tail is evicted before its head
+        (vLLM v1): a head is the part other prompts are most likely to share.
+        """
+        for block_id in reversed(request.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._free[block_id] = None
+                if block.hash is None:
+                    self._free.move_to_end(block_id, last=False)
         request.block_table = []
+        self._chains.pop(request, None)

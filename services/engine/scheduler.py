@@ -2,18 +2,26 @@
 
 Every step: running requests first (decode, or the next chunk of a prompt), then waiting
 requests are admitted while the token budget, ``max_num_seqs`` and free KV blocks allow. A
-prompt longer than the remaining budget is split across steps (chunked prefill). When a running
-request cannot get a block, the newest running request is preempted (its blocks freed, its
-tokens recomputed later), so the scheduler never deadlocks on KV memory.
+prompt longer than the remaining budget is split across steps (chunked prefill). A request
+admitted with nothing computed (new, or preempted) starts after its longest prefix found in the
+block manager's prefix cache; blocks that become full are registered after each step. When a
+running request cannot get a block, the newest running request is preempted (its blocks freed,
+its tokens recomputed later, mostly from the prefix cache), so the scheduler never deadlocks on
+KV memory; no request is admitted in a step that preempted (vLLM v1). ``policy="static"`` hands
+admission to ``StaticBatcher`` (the padded static-batching baseline).
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import deque
 from dataclasses import dataclass, field
 
 from .block_manager import BlockManager
 from .request import Request, RequestStatus
+from .static_batch import StaticBatcher
+
+POLICIES = ("continuous", "static")
 
 
 @dataclass(frozen=True)
@@ -56,15 +64,27 @@ class RequestOutput:
 
 
 class Scheduler:
-    """Decides, each step, which requests run and how many tokens each computes."""
+    """Decides, each step, which requests run and how many tokens each computes.
+
+    ``max_model_len`` is capped at the pool's capacity (``num_blocks * block_size`` tokens): a
+    sequence that reaches it finishes with "length" instead of preempting itself forever.
+    Counters (cumulative): ``num_preemptions``; ``prefix_cache_queries`` tokens looked up at
+    admission and ``prefix_cache_hits`` of them found in the prefix cache.
+    """
 
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
-        self.config = config
+        if config.policy not in POLICIES:
+            raise ValueError(f"policy: {config.policy!r} is not one of {POLICIES}")
+        capacity = block_manager.num_blocks * block_manager.block_size
+        self.config = dataclasses.replace(config, max_model_len=min(config.max_model_len, capacity))
         self.block_manager = block_manager
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}  # every unfinished request, and held ones
+        self.static = StaticBatcher(self) if config.policy == "static" else None
         self.num_preemptions = 0
+        self.prefix_cache_queries = 0  # tokens
+        self.prefix_cache_hits = 0  # tokens
 
     # -- admission ---------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -83,21 +103,51 @@ class Scheduler:
         return True
 
     def finish_remote_prefill(self, request_id: str, first_token_id: int) -> RequestOutput | None:
-        """Decode role: the prompt's KV has landed; append the first token and queue the request."""
+        """Decode role: the prompt's KV has landed; append the first token and queue the request.
+        The prompt's full blocks enter the prefix cache (their KV is now written)."""
         request = self.requests.get(request_id)
         if request is None or request.status != RequestStatus.WAITING_FOR_KV:
             return None
         request.num_computed_tokens = request.num_prompt_tokens
+        if self.config.enable_prefix_caching:
+            self.block_manager.cache_full_blocks(request)
         output = self._append_token(request, first_token_id)
         if not request.is_finished():
             request.status = RequestStatus.WAITING
             self.waiting.append(request)
         return output
 
+    def prefix_hit(self, request: Request) -> list[int]:
+        """Cached blocks to start ``request`` from: [] unless caching is on and nothing of the
+        request is computed yet (new or preempted; a decode-role request has its prompt KV)."""
+        if not self.config.enable_prefix_caching or request.num_computed_tokens:
+            return []
+        return self.block_manager.get_computed_blocks(request)
+
+    def start_running(self, request: Request, hits: list[int]) -> None:
+        """Move the head of ``waiting`` (blocks already allocated, ``hits`` included) to running."""
+        self.waiting.popleft()
+        if self.config.enable_prefix_caching and not request.num_computed_tokens:
+            self.prefix_cache_queries += request.num_tokens
+            self.prefix_cache_hits += len(hits) * self.block_manager.block_size
+        request.num_computed_tokens += len(hits) * self.block_manager.block_size
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = time.monotonic()
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+
     # -- one step ----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self.config.max_num_batched_tokens
+        if self.static is not None:
+            self.static.admit()
+        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
+        if self.static is None and not out.preempted:
+            self._schedule_waiting(out, budget)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        """Schedule running requests in order; returns the token budget left."""
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
@@ -108,20 +158,21 @@ class Scheduler:
             out.num_scheduled_tokens[request.request_id] = num_new
             budget -= num_new
             i += 1
+        return budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        """Admit waiting requests in arrival order (the head blocks the rest: FCFS)."""
+        bs = self.block_manager.block_size
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self.block_manager.allocate_slots(request, num_new):
+            hits = self.prefix_hit(request)
+            num_new = min(request.num_tokens - request.num_computed_tokens - len(hits) * bs, budget)
+            if not self.block_manager.allocate_slots(request, num_new, hits):
                 break
-            self.waiting.popleft()
-            if request.first_scheduled_time is None:
-                request.first_scheduled_time = time.monotonic()
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
+            self.start_running(request, hits)
             out.scheduled.append(request)
             out.num_scheduled_tokens[request.request_id] = num_new
             budget -= num_new
-        return out
 
     def _allocate_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
         """Allocate for ``request``, preempting the newest running requests while needed."""
@@ -151,10 +202,14 @@ class Scheduler:
             if request.is_finished():  # aborted while the step ran
                 continue
             request.num_computed_tokens += out.num_scheduled_tokens[request.request_id]
+            if self.config.enable_prefix_caching:  # before a finish frees the blocks
+                self.block_manager.cache_full_blocks(request)
             if token_id is not None:
                 outputs.append(self._append_token(request, token_id))
         if any(r.is_finished() for r in self.running):
             self.running = [r for r in self.running if not r.is_finished()]
+            if self.static is not None and not self.running:
+                self.static.release_slots()  # the batch drained
         return outputs
 
     def _append_token(self, request: Request, token_id: int) -> RequestOutput:
@@ -172,9 +227,14 @@ class Scheduler:
 
     # -- finishing ---------------------------------------------------------------------------
     def _finish(self, request: Request, status: RequestStatus) -> None:
+        was_running = request.status == RequestStatus.RUNNING
         request.status = status
         if request.hold_kv_on_finish and status != RequestStatus.FINISHED_ABORTED:
             return  # the prefill worker frees it with release() once the KV was sent
+        if self.static is not None and was_running:
+            self.requests.pop(request.request_id, None)
+            self.static.hold_slot(request)  # freed when the whole batch has drained
+            return
         self.release(request.request_id)
 
     def release(self, request_id: str) -> None:
@@ -192,6 +252,8 @@ class Scheduler:
             self.waiting.remove(request)
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
+            if self.static is not None and not self.running:
+                self.static.release_slots()
         request.status = RequestStatus.FINISHED_ABORTED
         self.release(request_id)
         return True

@@ -60,6 +60,34 @@ def test_preemption_gives_the_same_tokens_and_frees_every_block(prompts):
     assert engine.block_manager.num_free_blocks == 10
 
 
+def test_prefix_cache_hits_give_the_same_tokens(prompts):
+    # blocks of 8: the 24-token default system prompt is 3 full blocks
+    engine = make_engine(block_size=8)
+    expected = [list(r) for r in hf_greedy_outputs()]
+    assert generate_all(engine, prompts) == expected  # all admitted in one step: no hits yet
+    hits_first_run = engine.scheduler.prefix_cache_hits
+    assert generate_all(engine, prompts) == expected  # every prompt now hits its own blocks
+    m = engine.metrics
+    assert m.prefix_cache_queries == 2 * sum(map(len, prompts))
+    assert m.prefix_cache_hits == engine.scheduler.prefix_cache_hits
+    assert m.prefix_cache_hits - hits_first_run >= sum((len(p) - 1) // 8 * 8 for p in prompts)
+    assert engine.block_manager.num_free_blocks == 256
+    assert all(b.ref_count == 0 for b in engine.block_manager.blocks)
+
+
+def test_chunked_prefill_with_prefix_caching_gives_the_same_tokens(prompts):
+    engine = make_engine(block_size=8, max_num_batched_tokens=16)
+    assert generate_all(engine, prompts[:3]) == [list(r) for r in hf_greedy_outputs()[:3]]
+    assert engine.metrics.prefix_cache_hits >= 2 * 24  # r1 and r2 reuse r0's system prompt
+
+
+def test_static_batching_gives_the_same_tokens(prompts):
+    engine = make_engine(block_size=8, scheduling_policy="static", max_num_seqs=3)
+    assert generate_all(engine, prompts[:5]) == [list(r) for r in hf_greedy_outputs()[:5]]
+    assert engine.metrics.prefix_cache_hits >= 2 * 24  # the second batch reuses the first's
+    assert engine.block_manager.num_free_blocks == 256
+
+
 def test_engine_loop_runs_on_its_own_thread(prompts):
     engine = make_engine()
     done = threading.Event()

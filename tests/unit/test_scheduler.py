@@ -2,6 +2,8 @@
 whose prompt (or recompute) completes in the step."""
 from __future__ import annotations
 
+import pytest
+
 from services.engine.block_manager import BlockManager
 from services.engine.request import Request, RequestStatus
 from services.engine.sampling_params import SamplingParams
@@ -12,8 +14,8 @@ TOKEN = 7  # what the fake runner samples unless told otherwise
 
 
 def create_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=64,
-                     max_model_len=1024) -> Scheduler:
-    return Scheduler(SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len),
+                     max_model_len=1024, **config) -> Scheduler:
+    return Scheduler(SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len, **config),
                      BlockManager(num_blocks, block_size))
 
 
@@ -32,12 +34,44 @@ def step(s: Scheduler, token: int = TOKEN):
     return out, s.update_from_output(out, fake_sample(out, token))
 
 
-def run_to_completion(s: Scheduler, max_steps=10_000) -> dict[str, list[int]]:
+class FakeKVModel:
+    """A model whose KV cache holds token ids: each step writes the scheduled tokens into their
+    slots, reads the sequence back through the block table and samples a token that depends on
+    it. A wrong prefix hit, a lost block or a write into a shared or cached block fails."""
+
+    def __init__(self, s: Scheduler) -> None:
+        self.bm = s.block_manager
+        self.slots: list[int | None] = [None] * (self.bm.num_blocks * self.bm.block_size)
+
+    def slot(self, r: Request, pos: int) -> int:
+        bs = self.bm.block_size
+        return r.block_table[pos // bs] * bs + pos % bs
+
+    def __call__(self, out: SchedulerOutput) -> list[int | None]:
+        sampled: list[int | None] = []
+        for r in out.scheduled:
+            start = r.num_computed_tokens
+            end = start + out.num_scheduled_tokens[r.request_id]
+            for pos in range(start, end):
+                block = self.bm.blocks[r.block_table[pos // self.bm.block_size]]
+                assert block.ref_count == 1 and block.hash is None  # private, not cached
+                self.slots[self.slot(r, pos)] = r.all_token_ids[pos]
+            seen = [self.slots[self.slot(r, p)] for p in range(end)]
+            assert seen == r.all_token_ids[:end]
+            sampled.append(3 + (7 * sum(seen[-3:]) + end) % 40 if end == r.num_tokens else None)
+        return sampled
+
+
+def run_to_completion(s: Scheduler, max_steps=10_000, model=None) -> dict[str, list[int]]:
+    """Step until drained; returns each request's tokens. No request is both preempted and
+    scheduled in one step (no admission in a step that preempted)."""
     tokens: dict[str, list[int]] = {}
     for _ in range(max_steps):
         if not s.has_work():
             return tokens
-        for o in step(s)[1]:
+        out = s.schedule()
+        assert not set(map(id, out.scheduled)) & set(map(id, out.preempted))
+        for o in s.update_from_output(out, (model or fake_sample)(out)):
             tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
     raise AssertionError("scheduler did not drain")
 
@@ -180,3 +214,112 @@ def test_hold_kv_keeps_blocks_until_released():
     assert len(r.block_table) == 3 and s.block_manager.num_used_blocks == 3
     s.release("r0")
     assert s.block_manager.num_free_blocks == 64
+
+
+# -- prefix caching ----------------------------------------------------------------------------
+SYSTEM = list(range(100, 112))  # a 12-token shared system prompt: 3 full blocks of 4
+
+
+def assert_pool_full(s: Scheduler) -> None:
+    bm = s.block_manager
+    assert bm.num_free_blocks == bm.num_blocks and all(b.ref_count == 0 for b in bm.blocks)
+
+
+def test_shared_system_prompt_is_computed_once():
+    s = create_scheduler()
+    sp = SamplingParams(temperature=0, max_tokens=3)
+    a = Request("a", SYSTEM + [1, 2], sp, eos_token_id=EOS)
+    b = Request("b", SYSTEM + [3, 4, 5], sp, eos_token_id=EOS)
+    s.add_request(a)
+    step(s)
+    s.add_request(b)
+    out, _ = step(s)
+    assert out.num_scheduled_tokens == {"a": 1, "b": 3}  # b computes only its own tokens
+    assert b.block_table[:3] == a.block_table[:3]
+    assert (s.prefix_cache_queries, s.prefix_cache_hits) == (14 + 15, 12)
+    run_to_completion(s)
+    assert a.output_token_ids == b.output_token_ids == [TOKEN] * 3
+    assert_pool_full(s)
+
+
+def test_a_fully_cached_prompt_recomputes_its_last_block_for_logits():
+    s = create_scheduler()
+    sp = SamplingParams(temperature=0, max_tokens=1)
+    for rid in ("a", "b"):
+        s.add_request(Request(rid, SYSTEM, sp, eos_token_id=EOS))
+        out, outputs = step(s)
+        assert [o.request_id for o in outputs] == [rid]
+    assert out.num_scheduled_tokens == {"b": 4}  # 2 of 3 blocks hit, the last one is computed
+    assert s.prefix_cache_hits == 8
+
+
+def test_prefix_caching_off_never_hits():
+    s = create_scheduler(enable_prefix_caching=False)
+    sp = SamplingParams(temperature=0, max_tokens=2)
+    s.add_request(Request("a", SYSTEM + [1], sp, eos_token_id=EOS))
+    step(s)
+    s.add_request(Request("b", SYSTEM + [2], sp, eos_token_id=EOS))
+    out, _ = step(s)
+    assert out.num_scheduled_tokens["b"] == 13
+    assert s.prefix_cache_queries == s.prefix_cache_hits == s.block_manager.num_cached_blocks == 0
+
+
+def test_preempted_requests_resume_from_their_cached_blocks():
+    # 3 prompts of 3 blocks growing to 5 blocks; 14 blocks: one preemption
+    s = create_scheduler(num_blocks=14, block_size=4)
+    reqs = create_requests(3, prompt_len=12, max_tokens=8)  # distinct prompts: hits are own blocks
+    for r in reqs:
+        s.add_request(r)
+    tokens = run_to_completion(s, model=FakeKVModel(s))
+    assert s.num_preemptions > 0 and s.prefix_cache_hits > 0
+    reference = create_scheduler(num_blocks=64, enable_prefix_caching=False)
+    for r in create_requests(3, prompt_len=12, max_tokens=8):
+        reference.add_request(r)
+    assert tokens == run_to_completion(reference, model=FakeKVModel(reference))
+    assert_pool_full(s)
+
+
+def test_remote_prefill_blocks_enter_the_prefix_cache():
+    s = create_scheduler()
+    sp = SamplingParams(temperature=0, max_tokens=4)
+    remote = Request("remote", SYSTEM + [1], sp, eos_token_id=EOS)
+    assert s.reserve(remote)
+    s.finish_remote_prefill("remote", 9)
+    local = Request("local", SYSTEM + [5, 6], sp, eos_token_id=EOS)
+    s.add_request(local)
+    out, _ = step(s)
+    assert out.num_scheduled_tokens == {"remote": 1, "local": 2}
+
+
+def shared_prefix_requests(n: int, max_tokens: int) -> list[Request]:
+    """Prompts of 6 tokens: a 4-token system prompt, one of 3 topics, a per-request token."""
+    sp = SamplingParams(temperature=0, max_tokens=max_tokens)
+    return [Request(f"r{i}", [1, 2, 3, 4, 20 + i % 3, 30 + i], sp, eos_token_id=EOS) for i in range(n)]
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_stress_hundreds_of_preemptions_with_shared_prefixes(caching):
+    s = create_scheduler(num_blocks=10, block_size=2, max_num_seqs=16, max_num_batched_tokens=32,
+                         enable_prefix_caching=caching)
+    for r in shared_prefix_requests(120, max_tokens=10):
+        s.add_request(r)
+    tokens = run_to_completion(s, model=FakeKVModel(s))
+    assert s.num_preemptions >= 100
+    assert (s.prefix_cache_hits > 0) == caching
+    reference = create_scheduler(num_blocks=1024, max_num_seqs=64, enable_prefix_caching=False)
+    for r in shared_prefix_requests(120, max_tokens=10):
+        reference.add_request(r)
+    assert tokens == run_to_completion(reference, model=FakeKVModel(reference))
+    assert all(len(t) == 10 for t in tokens.values()) and len(tokens) == 120
+    assert_pool_full(s)
+    assert not s.requests and not s.has_work()
+
+
+def test_a_sequence_longer_than_the_pool_finishes_instead_of_preempting_itself_forever():
+    s = create_scheduler(num_blocks=4, block_size=4)  # 16 tokens in all
+    (r,) = create_requests(1, prompt_len=6, max_tokens=100)
+    s.add_request(r)
+    tokens = run_to_completion(s)
+    assert len(tokens["r0"]) == 10 and r.status == RequestStatus.FINISHED_LENGTH
+    assert s.num_preemptions == 0
+    assert_pool_full(s)
