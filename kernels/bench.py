@@ -1,0 +1,212 @@
+"""GPU kernel benchmarks: paged decode attention bandwidth, prefill attention throughput.
+
+Decode: achieved HBM bandwidth (K/V bytes read / time, 1e9 bytes/s, and % of the device's
+peak) at each batch x context, against ``torch.nn.functional.scaled_dot_product_attention``
+on K/V already gathered into dense ``[batch, num_kv_heads, context, head_dim]`` tensors.
+Prefill: TFLOP/s of causal attention (4 * heads * head_dim * attended query-key pairs), whole
+prompts (against SDPA ``is_causal``) and 512-token chunks after a cached prefix. Times are
+medians of ``triton.testing.do_bench`` (L2 flushed between runs). Needs a CUDA device.
+
+    python -m kernels.bench --out bench-results/kernels.json [--shape llama3-8b] [--peak-gbps N]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+# (substring of torch.cuda.get_device_name(), peak HBM GB/s), first match wins; vendor specs
+PEAK_HBM_GBPS = [
+    ("H200", 4800.0), ("H100 NVL", 3900.0), ("H100 PCIe", 2000.0), ("H100", 3350.0),
+    ("A100-SXM4-80GB", 2039.0), ("A100 80GB PCIe", 1935.0), ("A100", 1555.0),
+    ("L40S", 864.0), ("L4", 300.0), ("A10G", 600.0), ("A10", 600.0), ("RTX 4090", 1008.0),
+]
+# name -> (num_heads, num_kv_heads, head_dim)
+SHAPES = {"smollm2-135m": (9, 3, 64), "llama3-8b": (32, 8, 128), "qwen2.5-7b": (28, 4, 128)}
+BLOCK_SIZE = 16
+CHUNK = 512  # prefill chunk after a cached prefix, tokens
+
+
+def peak_hbm_gbps(device_name: str) -> float | None:
+    """The device's peak HBM bandwidth (GB/s) from ``PEAK_HBM_GBPS``, or None if unknown."""
+    return next((gbps for key, gbps in PEAK_HBM_GBPS if key in device_name), None)
+
+
+def time_ms(fn, device: torch.device) -> float:
+    """Median milliseconds of ``fn()``: ``triton.testing.do_bench`` on CUDA; a few plain runs
+    elsewhere (``--smoke``: checks this script, not the speed)."""
+    if device.type == "cuda":
+        from triton.testing import do_bench
+
+        return do_bench(fn, warmup=25, rep=100, return_mode="median")
+    times = []
+    for _ in range(3):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def paged_cache(batch: int, context: int, shape: tuple[int, int, int], dtype: torch.dtype,
+                device: torch.device):
+    """K/V caches holding ``batch`` sequences of ``context`` tokens in shuffled blocks, their
+    block tables ``[batch, context // BLOCK_SIZE]`` and seq_lens ``[batch]``."""
+    _, num_kv_heads, head_dim = shape
+    blocks_per_seq = context // BLOCK_SIZE
+    num_blocks = batch * blocks_per_seq
+    cache_shape = (num_blocks, BLOCK_SIZE, num_kv_heads, head_dim)
+    k_cache = torch.randn(cache_shape, device=device).to(dtype)
+    v_cache = torch.randn(cache_shape, device=device).to(dtype)
+    tables = torch.randperm(num_blocks, device=device).view(batch, blocks_per_seq)
+    seq_lens = torch.full((batch,), context, dtype=torch.int64, device=device)
+    return k_cache, v_cache, tables, seq_lens
+
+
+def decode_row(batch: int, context: int, shape, dtype, device, peak: float | None) -> dict:
+    """One decode case: Triton on the paged cache vs SDPA on the gathered dense K/V."""
+    from kernels.decode_attention import choose_num_splits, paged_decode_attention
+
+    num_heads, num_kv_heads, head_dim = shape
+    k_cache, v_cache, tables, seq_lens = paged_cache(batch, context, shape, dtype, device)
+    q = torch.randn(batch, num_heads, head_dim, device=device).to(dtype)
+    scale = head_dim**-0.5
+    triton_ms = time_ms(lambda: paged_decode_attention(
+        q, k_cache, v_cache, tables, seq_lens, scale), device)
+    k = k_cache[tables].flatten(1, 2).transpose(1, 2).contiguous()  # [batch, kv_heads, ctx, D]
+    v = v_cache[tables].flatten(1, 2).transpose(1, 2).contiguous()
+    q4 = q.unsqueeze(2)  # [batch, heads, 1, head_dim]
+    sdpa = lambda: F.scaled_dot_product_attention(q4, k, v, scale=scale, enable_gqa=True)  # noqa: E731
+    sdpa_ms = time_ms(sdpa, device)
+    got = paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, scale)
+    kv_bytes = k_cache.numel() * k_cache.element_size() * 2
+    gbps = kv_bytes / triton_ms / 1e6
+    return {
+        "batch": batch, "context": context, "kv_bytes": kv_bytes,
+        "num_splits": choose_num_splits(batch, num_kv_heads, context, device),
+        "triton_ms": triton_ms, "sdpa_ms": sdpa_ms,
+        "triton_gbps": gbps, "sdpa_gbps": kv_bytes / sdpa_ms / 1e6,
+        "triton_pct_peak": 100 * gbps / peak if peak else None,
+        "max_abs_diff": (got.float() - sdpa().squeeze(2).float()).abs().max().item(),
+    }
+
+
+def bench_decode(batches, contexts, shape, dtype, device, peak, max_gib: float) -> list[dict]:
+    rows = []
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    for context in contexts:
+        for batch in batches:
+            kv_bytes = 2 * batch * context * shape[1] * shape[2] * itemsize
+            if 2 * kv_bytes > max_gib * 2**30:  # the paged cache and SDPA's gathered copy
+                print(f"skip decode batch {batch} context {context}: over --max-gib",
+                      file=sys.stderr)
+                continue
+            rows.append(decode_row(batch, context, shape, dtype, device, peak))
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    return rows
+
+
+def prefill_row(mode: str, context: int, chunk: int, batch: int, shape, dtype, device) -> dict:
+    """``batch`` sequences whose last ``chunk`` of ``context`` tokens are the queries."""
+    from kernels.prefill_attention import paged_prefill_attention
+
+    num_heads, num_kv_heads, head_dim = shape
+    k_cache, v_cache, tables, seq_lens = paged_cache(batch, context, shape, dtype, device)
+    q = torch.randn(batch * chunk, num_heads, head_dim, device=device).to(dtype)
+    locs = torch.arange(0, batch * chunk + 1, chunk, dtype=torch.int32, device=device)
+    scale = head_dim**-0.5
+    ms = time_ms(lambda: paged_prefill_attention(
+        q, k_cache, v_cache, tables, seq_lens, locs, chunk, scale), device)
+    pairs = batch * (chunk * (context - chunk) + chunk * (chunk + 1) // 2)
+    flops = 4 * num_heads * head_dim * pairs
+    row = {"mode": mode, "context": context, "chunk": chunk, "batch": batch,
+           "triton_ms": ms, "triton_tflops": flops / ms / 1e9}
+    if mode == "prompt":  # the same work as one dense causal attention per sequence
+        dense_q = q.view(batch, chunk, num_heads, head_dim).transpose(1, 2)
+        kv = torch.randn(batch, num_kv_heads, chunk, head_dim, device=device).to(dtype)
+        sdpa_ms = time_ms(lambda: F.scaled_dot_product_attention(
+            dense_q, kv, kv, is_causal=True, scale=scale, enable_gqa=True), device)
+        row |= {"sdpa_ms": sdpa_ms, "sdpa_tflops": flops / sdpa_ms / 1e9}
+    return row
+
+
+def bench_prefill(lengths, shape, dtype, device, tokens_per_batch: int) -> list[dict]:
+    rows = []
+    for length in lengths:
+        cases = [("prompt", length)] + ([("chunk", CHUNK)] if length > CHUNK else [])
+        for mode, chunk in cases:
+            batch = max(1, tokens_per_batch // chunk)
+            rows.append(prefill_row(mode, length, chunk, batch, shape, dtype, device))
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    return rows
+
+
+def print_tables(decode: list[dict], prefill: list[dict]) -> None:
+    print(f"{'batch':>6} {'context':>8} {'splits':>6} {'triton GB/s':>12} {'% peak':>7} "
+          f"{'sdpa GB/s':>10} {'max|diff|':>10}")
+    for r in decode:
+        pct = f"{r['triton_pct_peak']:.0f}" if r["triton_pct_peak"] is not None else "?"
+        print(f"{r['batch']:>6} {r['context']:>8} {r['num_splits']:>6} {r['triton_gbps']:>12.0f} "
+              f"{pct:>7} {r['sdpa_gbps']:>10.0f} {r['max_abs_diff']:>10.1e}")
+    print(f"\n{'mode':>6} {'context':>8} {'chunk':>6} {'batch':>6} {'triton TFLOP/s':>15} "
+          f"{'sdpa TFLOP/s':>13}")
+    for r in prefill:
+        sdpa = f"{r['sdpa_tflops']:.1f}" if "sdpa_tflops" in r else "-"
+        print(f"{r['mode']:>6} {r['context']:>8} {r['chunk']:>6} {r['batch']:>6} "
+              f"{r['triton_tflops']:>15.1f} {sdpa:>13}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b")
+    parser.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 64, 256])
+    parser.add_argument("--contexts", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192])
+    parser.add_argument("--prefill-lengths", type=int, nargs="+", default=[512, 2048, 8192])
+    parser.add_argument("--prefill-tokens", type=int, default=16384,
+                        help="query tokens per prefill batch")
+    parser.add_argument("--peak-gbps", type=float, default=None,
+                        help="peak HBM bandwidth, GB/s (default: from the device name)")
+    parser.add_argument("--max-gib", type=float, default=40.0, help="skip larger decode cases")
+    parser.add_argument("--smoke", action="store_true",
+                        help="tiny shapes on CPU in the Triton interpreter: checks the script")
+    parser.add_argument("--out", type=Path, default=Path("bench-results/kernels.json"))
+    args = parser.parse_args()
+    if args.smoke:
+        os.environ["TRITON_INTERPRET"] = "1"  # before any kernel module is imported
+        device = torch.device("cpu")
+    elif torch.cuda.is_available():
+        device = torch.device("cuda")
+    else:
+        sys.exit("kernels.bench needs a CUDA device (torch.cuda.is_available() is False); "
+                 "--smoke checks the script on CPU")
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu (interpreter)"
+    peak = args.peak_gbps or peak_hbm_gbps(name)
+    if peak is None:
+        print(f"unknown peak bandwidth of {name!r}: pass --peak-gbps", file=sys.stderr)
+    dtype, shape = getattr(torch, args.dtype), SHAPES[args.shape]
+    decode = bench_decode(args.batches, args.contexts, shape, dtype, device, peak, args.max_gib)
+    prefill = bench_prefill(args.prefill_lengths, shape, dtype, device, args.prefill_tokens)
+    print(f"{name}, peak {peak} GB/s, {args.shape} {shape}, {args.dtype}\n")
+    print_tables(decode, prefill)
+    import triton
+
+    report = {"device": name, "peak_gbps": peak, "shape": args.shape, "heads": shape,
+              "dtype": args.dtype, "block_size": BLOCK_SIZE, "torch": torch.__version__,
+              "triton": triton.__version__, "python": platform.python_version(),
+              "decode": decode, "prefill": prefill}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"\nwrote {args.out}")
+
+if __name__ == "__main__":
+    main()

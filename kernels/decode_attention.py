@@ -1,0 +1,149 @@
+"""Paged decode attention in Triton: one query token per sequence, split-K over the context.
+
+Algorithm: flash-decoding (Dao et al., "Flash-Decoding for long-context inference", 2023), the
+two-stage form of LightLLM's / SGLang's Triton decode kernels. Stage 1 runs one program per
+(sequence, KV head, split); the program holds all ``num_heads // num_kv_heads`` query heads of
+its KV head as the rows of one ``tl.dot`` (so each K/V tile is loaded once for the whole group),
+walks its share of the context through the block table with an online softmax, and writes a
+partial output and its log-sum-exp. Stage 2 merges the splits. With one split, stage 1 writes
+the normalized output directly and stage 2 is skipped. Splits are chosen on the host from
+shapes alone (no device sync), so that short batches of long sequences still fill the GPU.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from ._attention_tile import attend_tile, kv_tile_offsets
+from ._launch import check_attention_args, dot_options, next_power_of_2, num_parallel_units
+
+LOG2E = 1.4426950408889634
+MIN_TOKENS_PER_SPLIT = 256  # a split shorter than this costs more to merge than it saves
+MAX_SPLITS = 32
+
+
+@triton.jit
+def _decode_split_kernel(
+    Q, K_cache, V_cache, Block_tables, Seq_lens, Out, Lse, qk_scale, num_splits,
+    stride_qs, stride_qh, stride_bt, stride_b, stride_s, stride_h,
+    stride_os, stride_oh, stride_ok, stride_ls, stride_lh,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(Seq_lens + seq)
+    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    start = split * split_len
+    end = tl.minimum(start + split_len, seq_len)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    heads = kv_head * GROUP + offs_g
+    row_mask = (offs_g < GROUP)[:, None] & (offs_d < HEAD_DIM)[None, :]
+    q = tl.load(Q + seq * stride_qs + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=row_mask, other=0.0)
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    table_row = Block_tables + seq * stride_bt
+    for n0 in range(start, end, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)
+        kv_offsets, kv_mask = kv_tile_offsets(table_row, pos, end, kv_head, stride_b, stride_s,
+                                              stride_h, BLOCK_SIZE, HEAD_DIM, BLOCK_D)
+        m_i, l_i, acc = attend_tile(q, K_cache, V_cache, kv_offsets, kv_mask,
+                                    (pos < end)[None, :], m_i, l_i, acc, qk_scale,
+                                    PRECISION, UPCAST_DOT)
+    l_safe = tl.where(l_i > 0, l_i, 1.0)  # an empty split: zero output, log-sum-exp -inf
+    out = Out + seq * stride_os + heads[:, None] * stride_oh + split * stride_ok + offs_d[None, :]
+    tl.store(out, (acc / l_safe[:, None]).to(Out.dtype.element_ty), mask=row_mask)
+    if SPLIT:
+        lse = Lse + seq * stride_ls + heads * stride_lh + split
+        tl.store(lse, m_i + tl.log2(l_safe), mask=offs_g < GROUP)
+
+
+@triton.jit
+def _decode_merge_kernel(
+    Partial, Lse, Out, num_splits,
+    stride_ps, stride_ph, stride_pk, stride_ls, stride_lh, stride_os, stride_oh,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_k = offs_k < num_splits
+    lse = tl.load(Lse + seq * stride_ls + head * stride_lh + offs_k, mask=mask_k,
+                  other=float("-inf"))
+    weight = tl.exp2(lse - tl.max(lse, 0))
+    weight = weight / tl.sum(weight, 0)
+    partial_ptrs = (Partial + seq * stride_ps + head * stride_ph + offs_k[:, None] * stride_pk
+                    + offs_d[None, :])
+    partial = tl.load(partial_ptrs, mask=mask_k[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
+    out = tl.sum(partial * weight[:, None], 0)
+    tl.store(Out + seq * stride_os + head * stride_oh + offs_d, out.to(Out.dtype.element_ty),
+             mask=offs_d < HEAD_DIM)
+
+
+def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context: int,
+                      device: torch.device) -> int:
+    """Splits per sequence: enough (sequence, KV head, split) programs for about two per SM,
+    each split at least ``MIN_TOKENS_PER_SPLIT`` tokens of ``max_context`` (an upper bound of
+    the longest context, in tokens), at most ``MAX_SPLITS``."""
+    by_length = math.ceil(max_context / MIN_TOKENS_PER_SPLIT)
+    by_occupancy = math.ceil(2 * num_parallel_units(device) / max(1, num_seqs * num_kv_heads))
+    return max(1, min(by_length, by_occupancy, MAX_SPLITS))
+
+
+def paged_decode_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    seq_lens: torch.Tensor, scale: float, *, num_splits: int | None = None,
+    block_n: int | None = None, out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of one query token per sequence over its paged K/V.
+
+    q: ``[num_seqs, num_heads, head_dim]`` (float32/float16/bfloat16, last dim contiguous);
+    k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, q's dtype, equal
+    strides; block_tables: ``[num_seqs, max_blocks]`` int32/int64; seq_lens: ``[num_seqs]``
+    int, each >= 1 (positions ``0 .. seq_len - 1`` are attended); scale: softmax scale.
+    num_splits / block_n: override the split count and the key-tile size (tests, tuning).
+    Returns ``out`` (``[num_seqs, num_heads, head_dim]``, q's dtype), written in place if given.
+    Same result as ``kernels.reference.paged_decode_attention``. Raises ``ValueError`` on
+    mismatched shapes, dtypes or devices.
+    """
+    num_seqs, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    check_attention_args(q, k_cache, v_cache, block_tables, seq_lens)
+    out = torch.empty_like(q) if out is None else out
+    if num_seqs == 0:
+        return out
+    splits = num_splits or choose_num_splits(num_seqs, num_kv_heads,
+                                             block_tables.shape[1] * block_size, q.device)
+    group = num_heads // num_kv_heads
+    meta = dict(GROUP=group, BLOCK_G=max(16, next_power_of_2(group)), HEAD_DIM=head_dim,
+                BLOCK_D=max(16, next_power_of_2(head_dim)), BLOCK_SIZE=block_size,
+                BLOCK_N=block_n or (64 if head_dim <= 128 else 32), SPLIT=splits > 1,
+                **dot_options(q.dtype, q.device))
+    grid = (num_seqs, num_kv_heads, splits)
+    args = (q, k_cache, v_cache, block_tables, seq_lens)
+    strides = (q.stride(0), q.stride(1), block_tables.stride(0), *k_cache.stride()[:3])
+    if splits == 1:
+        _decode_split_kernel[grid](*args, out, out, scale * LOG2E, 1, *strides,
+                                   out.stride(0), out.stride(1), 0, 0, 0, **meta)
+        return out
+    partial = torch.empty((num_seqs, num_heads, splits, head_dim), dtype=torch.float32,
+                          device=q.device)
+    lse = torch.empty((num_seqs, num_heads, splits), dtype=torch.float32, device=q.device)
+    _decode_split_kernel[grid](*args, partial, lse, scale * LOG2E, splits, *strides,
+                               *partial.stride()[:3], *lse.stride()[:2], **meta)
+    _decode_merge_kernel[(num_seqs, num_heads)](
+        partial, lse, out, splits, *partial.stride()[:3], *lse.stride()[:2], out.stride(0),
+        out.stride(1), HEAD_DIM=head_dim, BLOCK_D=meta["BLOCK_D"],
+        BLOCK_K=next_power_of_2(splits))
+    return out
+

@@ -1,0 +1,134 @@
+"""Torch references for every kernel: the engine's CPU path, and what the Triton kernels match.
+
+Layouts (one layer): ``k_cache`` / ``v_cache`` are ``[num_blocks, block_size, num_kv_heads,
+head_dim]``; token ``i`` of a sequence lives in slot ``block_table[i // block_size] *
+block_size + i % block_size``. A batch is ragged and flattened (``[num_tokens, ...]``, no
+padding): sequence ``s`` owns rows ``query_start_loc[s]:query_start_loc[s + 1]``, and those are
+the last rows of its ``seq_lens[s]`` positions (the earlier ones are its cached prefix).
+Grouped-query attention: query head ``h`` reads KV head ``h // (num_heads // num_kv_heads)``.
+Source: PagedAttention (Kwon et al., SOSP 2023), in plain torch. Works on any device.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+
+def write_kv_cache(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Scatter new K/V (``[num_tokens, num_kv_heads, head_dim]``) into their cache slots.
+
+    slot_mapping: ``[num_tokens]`` int64, ``block_id * block_size + offset``.
+    """
+    num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+
+
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """One sequence's first ``seq_len`` K (or V) rows: ``[seq_len, num_kv_heads, head_dim]``."""
+    num_blocks = -(-seq_len // cache.shape[1])
+    return cache[block_table[:num_blocks]].flatten(0, 1)[:seq_len]
+
+
+def paged_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    seq_lens: torch.Tensor, query_start_loc: Sequence[int], num_decode_seqs: int, scale: float,
+) -> torch.Tensor:
+    """Causal attention of ``q`` (``[num_tokens, num_heads, head_dim]``) over each sequence's
+    cached K/V (this step's K/V already written). The first ``num_decode_seqs`` sequences have
+    exactly one query token. block_tables: ``[num_seqs, max_blocks]`` int; seq_lens:
+    ``[num_seqs]`` int, context length after this step; query_start_loc: ``num_seqs + 1``
+    offsets into the flattened tokens. Returns ``[num_tokens, num_heads, head_dim]``.
+    """
+    out = torch.empty_like(q)
+    nd = num_decode_seqs
+    if nd:
+        out[:nd] = paged_decode_attention(q[:nd], k_cache, v_cache, block_tables[:nd],
+                                          seq_lens[:nd], scale)
+    paged_prefill_attention(q, k_cache, v_cache, block_tables[nd:], seq_lens[nd:],
+                            query_start_loc[nd:], scale, out=out)
+    return out
+
+
+def paged_prefill_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    seq_lens: torch.Tensor, query_start_loc: Sequence[int], scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Prefill / chunked prefill over the paged cache, one sequence at a time.
+
+    Sequence ``s`` owns rows ``query_start_loc[s]:query_start_loc[s + 1]`` of ``q`` and ``out``
+    (absolute offsets: rows outside every sequence are left untouched); its queries are the
+    last of its ``seq_lens[s]`` positions and see every earlier position (cached prefix,
+    earlier chunks) and themselves. Shapes as in ``paged_attention``.
+    """
+    out = torch.empty_like(q) if out is None else out
+    for i in range(len(query_start_loc) - 1):
+        start, end = int(query_start_loc[i]), int(query_start_loc[i + 1])
+        seq_len = int(seq_lens[i])
+        k = gather_kv(k_cache, block_tables[i], seq_len)
+        v = gather_kv(v_cache, block_tables[i], seq_len)
+        out[start:end] = prefill_attention(q[start:end], k, v, scale)
+    return out
+
+
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of a chunk of ``n`` queries that are the last ``n`` of ``seq_len``
+    positions. q: ``[n, num_heads, head_dim]``; k, v: ``[seq_len, num_kv_heads, head_dim]``."""
+    n, seq_len = q.shape[0], k.shape[0]
+    if n == seq_len:
+        mask, causal = None, True
+    else:  # query j sits at position seq_len - n + j and sees keys up to it
+        pos_q = torch.arange(seq_len - n, seq_len, device=q.device).unsqueeze(1)
+        mask, causal = torch.arange(seq_len, device=q.device).unsqueeze(0) <= pos_q, False
+    o = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+        attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True,
+    )
+    return o.transpose(0, 1)
+
+
+def paged_decode_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    seq_lens: torch.Tensor, scale: float,
+) -> torch.Tensor:
+    """One query token per sequence, batched. q: ``[num_seqs, num_heads, head_dim]``;
+    block_tables: ``[num_seqs, max_blocks]``; seq_lens: ``[num_seqs]``."""
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    max_len = int(seq_lens.max())
+    num_blocks = -(-max_len // k_cache.shape[1])
+    tables = block_tables[:, :num_blocks]
+    # [num_seqs, num_kv_heads, max_len, head_dim]
+    k = k_cache[tables].flatten(1, 2)[:, :max_len].transpose(1, 2)
+    v = v_cache[tables].flatten(1, 2)[:, :max_len].transpose(1, 2)
+    qg = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    scores = torch.matmul(qg, k.transpose(2, 3)) * scale  # [seqs, kv_heads, group, max_len]
+    pad = torch.arange(max_len, device=q.device).unsqueeze(0) >= seq_lens.unsqueeze(1)
+    scores.masked_fill_(pad[:, None, None, :], float("-inf"))
+    out = torch.matmul(torch.softmax(scores, dim=-1), v)  # [seqs, kv_heads, group, head_dim]
+    return out.reshape(num_seqs, num_heads, head_dim)
+
+
+def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """Copy blocks ``block_ids`` out of a paged cache into a new contiguous buffer.
+
+    cache: ``[..., num_blocks, block_size, num_kv_heads, head_dim]`` (the block axis is the
+    fourth from the end: one layer's K, or the whole ``[num_layers, 2, ...]`` cache);
+    block_ids: ``[n]`` int. Returns ``[..., n, block_size, num_kv_heads, head_dim]``, in
+    ``block_ids`` order. Used to stage KV for transfer and to swap blocks out.
+    """
+    return cache.index_select(-4, block_ids).contiguous()
+
+
+def scatter_blocks(buffer: torch.Tensor, cache: torch.Tensor, block_ids: torch.Tensor) -> None:
+    """Inverse of ``gather_blocks``: ``cache[..., block_ids[i], ...] = buffer[..., i, ...]``.
+
+    buffer: ``[..., n, block_size, num_kv_heads, head_dim]``; block_ids: ``[n]`` int, distinct.
+    """
+    cache.index_copy_(cache.dim() - 4, block_ids, buffer)

@@ -1,0 +1,81 @@
+"""Triton paged decode attention vs ``kernels.reference.paged_decode_attention``.
+
+On CPU the kernel runs in Triton's interpreter (small shapes); on CUDA, larger ones.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import reference
+
+from .conftest import ATOL, DTYPES, HAS_CUDA, make_paged_batch, reference_in_float32
+
+pytest.importorskip("triton", reason="triton is not installed: Triton kernels not tested")
+from kernels.decode_attention import choose_num_splits, paged_decode_attention  # noqa: E402
+
+# context lengths: a single token, exactly one block, one past it, several blocks
+LENS = [1, 16, 17, 40] if not HAS_CUDA else [1, 16, 17, 255, 1000, 4097]
+HEAD_DIM = 32 if not HAS_CUDA else 128
+BLOCK_N = 16 if not HAS_CUDA else None  # small key tiles: several tiles per split on CPU
+
+
+def check(batch, dtype, **kwargs):
+    out = paged_decode_attention(batch.q, batch.k_cache, batch.v_cache, batch.block_tables,
+                                 batch.seq_lens, batch.scale, block_n=BLOCK_N, **kwargs)
+    expected = reference_in_float32(reference.paged_decode_attention, batch, batch.block_tables,
+                                    batch.seq_lens, batch.scale)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.float(), expected, atol=ATOL[dtype], rtol=0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(2, 2), (6, 2), (8, 2)])
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_decode_matches_reference(block_size, num_heads, num_kv_heads, num_splits, dtype):
+    batch = make_paged_batch([(n - 1, 1) for n in LENS], num_heads, num_kv_heads, HEAD_DIM,
+                             block_size, dtype)
+    check(batch, dtype, num_splits=num_splits)
+
+
+@pytest.mark.parametrize("head_dim", [40, 64])
+def test_decode_head_dims(head_dim):
+    """head_dim padded to the next power of two (40), and the default model's (64)."""
+    batch = make_paged_batch([(n - 1, 1) for n in LENS], 9, 3, head_dim, 16)
+    check(batch, torch.float32, num_splits=2)
+
+
+def test_decode_more_splits_than_tiles_and_default_splits():
+    batch = make_paged_batch([(0, 1), (4, 1)], 4, 1, HEAD_DIM, 4)
+    check(batch, torch.float32, num_splits=8)  # most splits are empty
+    check(batch, torch.float32)
+
+
+def test_decode_writes_into_out_view():
+    batch = make_paged_batch([(n - 1, 1) for n in LENS], 4, 2, HEAD_DIM, 16)
+    full = torch.zeros(len(LENS) + 2, 4, HEAD_DIM, device=batch.q.device)
+    paged_decode_attention(batch.q, batch.k_cache, batch.v_cache, batch.block_tables,
+                           batch.seq_lens, batch.scale, out=full[:len(LENS)], block_n=BLOCK_N)
+    expected = reference.paged_decode_attention(batch.q, batch.k_cache, batch.v_cache,
+                                                batch.block_tables, batch.seq_lens, batch.scale)
+    torch.testing.assert_close(full[:len(LENS)], expected, atol=ATOL[torch.float32], rtol=0)
+    assert not full[len(LENS):].any()
+
+
+def test_choose_num_splits():
+    cpu = torch.device("cpu")  # 64 nominal parallel units
+    assert choose_num_splits(1, 8, 8192, cpu) == 16  # fill the device: 128 programs
+    assert choose_num_splits(1, 8, 300, cpu) == 2  # splits of at least ~256 tokens
+    assert choose_num_splits(256, 8, 8192, cpu) == 1  # the batch fills it already
+    assert choose_num_splits(1, 1, 10**6, cpu) == 32  # capped
+
+
+def test_decode_rejects_mismatched_arguments():
+    batch = make_paged_batch([(3, 1)], 4, 2, HEAD_DIM, 16)
+    with pytest.raises(ValueError, match="heads"):
+        paged_decode_attention(batch.q[:, :3], batch.k_cache, batch.v_cache, batch.block_tables,
+                               batch.seq_lens, batch.scale)
+    with pytest.raises(ValueError, match="dtypes"):
+        paged_decode_attention(batch.q.half(), batch.k_cache, batch.v_cache, batch.block_tables,
+                               batch.seq_lens, batch.scale)
