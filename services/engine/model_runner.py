@@ -34,6 +34,7 @@ class ModelRunner:
         self.model = model
         self.kv_cache = kv_cache  # [num_layers, 2, num_blocks, block_size, kv_heads, head_dim]
         self.block_size = block_size
+        self.device = kv_cache.device
         self.generators: dict[str, torch.Generator] = {}
 
     def remove_request(self, request_id: str) -> None:
@@ -51,7 +52,9 @@ class ModelRunner:
     def forward(self, inputs: ModelInputs) -> torch.Tensor:
         """Run the model; returns logits ``[num_sampled, vocab]`` float32 (possibly 0 rows)."""
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.attn)
-        return self.model.compute_logits(hidden[inputs.logits_indices])
+        # NOTE: sampling runs on CPU (per-request CPU generators keep seeded output identical
+        # across devices); on CUDA that costs one [num_sampled, vocab] float32 copy per step
+        return self.model.compute_logits(hidden[inputs.logits_indices]).cpu()
 
     @torch.inference_mode()
     def sample(self, out: SchedulerOutput, inputs: ModelInputs, logits: torch.Tensor,
@@ -114,7 +117,18 @@ class ModelRunner:
             query_start_loc=query_start_loc,
             num_decode_seqs=sum(1 for n in lens if n == 1),
         )
-        return ModelInputs(
+        inputs = ModelInputs(
             torch.tensor(input_ids, dtype=torch.int64), positions, attn, order,
             torch.tensor(logits_indices, dtype=torch.int64), sampled_rows,
         )
+        return inputs if self.device.type == "cpu" else self._to_device(inputs)
+
+    def _to_device(self, inputs: ModelInputs) -> ModelInputs:
+        """Built on CPU, used on the model's device (pinned host memory, asynchronous copies)."""
+        move = lambda t: t.pin_memory().to(self.device, non_blocking=True)  # noqa: E731
+        a = inputs.attn
+        inputs.attn = AttentionMetadata(move(a.slot_mapping), move(a.block_tables), move(a.seq_lens),
+                                        a.query_start_loc, a.num_decode_seqs)
+        inputs.input_ids, inputs.positions = move(inputs.input_ids), move(inputs.positions)
+        inputs.logits_indices = move(inputs.logits_indices)
+        return inputs
