@@ -1,5 +1,6 @@
-"""``tandem``: run the stack (``up``), one service (``serve``), a client (``chat``) or the
-engine in-process (``generate``). Flags default to the environment variables of settings.py."""
+"""``tandem``: run the stack (``up``), one service (``serve``), a client (``chat``), the
+engine in-process (``generate``) or a benchmark (``bench offline|online``). Flags default to
+the environment variables of settings.py."""
 from __future__ import annotations
 
 import argparse
@@ -14,6 +15,8 @@ from services import settings as S
 
 def _engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=S.MODEL.get(), help=S.MODEL.help + " (default: built-in SmolLM2-135M-Instruct)")
+    p.add_argument("--device", default=S.DEVICE.get(), help=S.DEVICE.help)
+    p.add_argument("--dtype", default=S.DTYPE.get(), help=S.DTYPE.help)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--kv-cache-gib", type=float, default=S.KV_CACHE_GIB.get(), help=S.KV_CACHE_GIB.help)
     p.add_argument("--num-kv-blocks", type=int, default=None, help="overrides --kv-cache-gib")
@@ -25,12 +28,26 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
 def _engine_config(args):
     from services.engine.engine import EngineConfig
 
-    fields = dict(block_size=args.block_size, kv_cache_memory_gib=args.kv_cache_gib,
+    fields = dict(device=args.device, dtype=args.dtype,
+                  block_size=args.block_size, kv_cache_memory_gib=args.kv_cache_gib,
                   num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
                   max_num_batched_tokens=args.max_num_batched_tokens)
     if args.model:
         fields["model"] = args.model
     return EngineConfig(**fields)
+
+
+def _gateway_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--kv-failure-policy", choices=["recompute", "fail"],
+                   default=S.KV_FAILURE_POLICY.get(), help=S.KV_FAILURE_POLICY.help)
+    p.add_argument("--max-inflight", type=int, default=S.MAX_INFLIGHT.get(), help=S.MAX_INFLIGHT.help)
+
+
+def _worker_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--kv-lease-s", type=float, default=S.KV_LEASE_S.get(), help=S.KV_LEASE_S.help)
+    p.add_argument("--kv-transfer-timeout-s", type=float, default=S.KV_TRANSFER_TIMEOUT_S.get(),
+                   help=S.KV_TRANSFER_TIMEOUT_S.help)
+    p.add_argument("--max-waiting", type=int, default=S.MAX_WAITING.get(), help=S.MAX_WAITING.help)
 
 
 def _service_flags(p: argparse.ArgumentParser) -> None:
@@ -53,6 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--num-prefill", type=int, default=1)
     up.add_argument("--num-decode", type=int, default=1)
     up.add_argument("--kv-transport", default=S.KV_TRANSPORT.get(), help=S.KV_TRANSPORT.help)
+    _gateway_flags(up)
+    _worker_flags(up)
     up.add_argument("--chat", metavar="MESSAGE", help="send one chat message once ready, print "
                     "the streamed answer, then stop the stack")
     _sampling_flags(up)  # for --chat
@@ -66,7 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--worker-id", default="")
     serve.add_argument("--kv-port", type=int, default=S.KV_PORT.get(), help=S.KV_PORT.help)
     serve.add_argument("--kv-transport", default=S.KV_TRANSPORT.get(), help=S.KV_TRANSPORT.help)
-    serve.add_argument("--kv-lease-s", type=float, default=S.KV_LEASE_S.get(), help=S.KV_LEASE_S.help)
+    _gateway_flags(serve)
+    _worker_flags(serve)
 
     chat = sub.add_parser("chat", help="chat with a running gateway (message, or lines on stdin)")
     chat.add_argument("message", nargs="?")
@@ -78,6 +98,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--raw", action="store_true", help="send the prompt without the chat template")
     _engine_flags(gen)
     _sampling_flags(gen)
+
+    bench = sub.add_parser("bench", help="benchmarks: offline (engine in-process) or online (a gateway)")
+    bench.add_argument("mode", choices=["offline", "online"])
+    bench.add_argument("bench_args", nargs=argparse.REMAINDER,
+                       help="flags of the benchmark (see `tandem bench offline -- --help`)")
     return parser
 
 
@@ -99,8 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        return {"up": cmd_up, "serve": cmd_serve, "chat": cmd_chat, "generate": cmd_generate}[
-            args.command](args)
+        return {"up": cmd_up, "serve": cmd_serve, "chat": cmd_chat, "generate": cmd_generate,
+                "bench": cmd_bench}[args.command](args)
     except grpc.RpcError as exc:
         print(f"tandem {args.command}: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return 1
@@ -117,18 +142,23 @@ def cmd_serve(args) -> int:
 
     if not args.redis_url:
         raise ValueError("--redis-url (or REDIS_URL) is required for `tandem serve`")
+    for flag in ("max_inflight", "max_waiting", "kv_lease_s", "kv_transfer_timeout_s", "rpc_timeout_s"):
+        if getattr(args, flag) <= 0:
+            raise ValueError(f"--{flag.replace('_', '-')}: must be > 0, got {getattr(args, flag)}")
     model = args.model or str(_engine_config(args).model)
     if args.role == "gateway":
         port = S.GATEWAY_PORT.get() if args.port is None else args.port
         uvloop.run(serve_gateway(args.host, port, args.redis_url, model, args.rpc_timeout_s,
-                                 args.heartbeat_s))
+                                 args.heartbeat_s, args.kv_failure_policy, args.max_inflight))
         return 0
     opts = WorkerOptions(
         role=args.role, engine=_engine_config(args), host=args.host,
         advertise_host=args.advertise_host or args.host,
         port=S.WORKER_PORT.get() if args.port is None else args.port, kv_port=args.kv_port,
         kv_transport=args.kv_transport, redis_url=args.redis_url, heartbeat_s=args.heartbeat_s,
-        kv_lease_s=args.kv_lease_s, worker_id=args.worker_id)
+        kv_lease_s=args.kv_lease_s, worker_id=args.worker_id, max_waiting=args.max_waiting,
+        rpc_timeout_s=args.rpc_timeout_s, kv_transfer_timeout_s=args.kv_transfer_timeout_s,
+        fault_injection=S.TEST_FAULT_INJECTION.get())
     uvloop.run(serve_worker(opts, args.num_threads))
     return 0
 
@@ -137,15 +167,21 @@ def cmd_up(args) -> int:
     from services.client import print_chat
     from services.launcher import Stack, UpOptions, run_until_interrupted
 
-    worker_args = ["--block-size", str(args.block_size), "--kv-cache-gib", str(args.kv_cache_gib),
+    worker_args = ["--device", args.device, "--dtype", args.dtype,
+                   "--block-size", str(args.block_size), "--kv-cache-gib", str(args.kv_cache_gib),
                    "--max-num-seqs", str(args.max_num_seqs), "--num-threads", str(args.num_threads),
                    "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-                   "--kv-transport", args.kv_transport, "--heartbeat-s", str(args.heartbeat_s)]
+                   "--kv-transport", args.kv_transport, "--heartbeat-s", str(args.heartbeat_s),
+                   "--kv-lease-s", str(args.kv_lease_s), "--max-waiting", str(args.max_waiting),
+                   "--kv-transfer-timeout-s", str(args.kv_transfer_timeout_s),
+                   "--rpc-timeout-s", str(args.rpc_timeout_s)]
     if args.num_kv_blocks:
         worker_args += ["--num-kv-blocks", str(args.num_kv_blocks)]
     model_args = ["--model", args.model] if args.model else []
+    gateway_args = ["--heartbeat-s", str(args.heartbeat_s), "--rpc-timeout-s", str(args.rpc_timeout_s),
+                    "--kv-failure-policy", args.kv_failure_policy, "--max-inflight", str(args.max_inflight)]
     stack = Stack(UpOptions(args.host, args.port, args.num_prefill, args.num_decode, args.redis_url,
-                            worker_args + model_args, model_args + ["--heartbeat-s", str(args.heartbeat_s)]))
+                            worker_args + model_args, model_args + gateway_args))
     try:
         stack.start()
         stack.wait_ready()
@@ -185,6 +221,18 @@ def cmd_generate(args) -> int:
     else:
         result = llm.chat([[{"role": "user", "content": args.prompt}]], params)[0]
     print(result.text)
+    return 0
+
+
+def cmd_bench(args) -> int:
+    bench_args = [a for a in args.bench_args if a != "--"]
+    if args.mode == "offline":
+        from loadtest.offline import main as offline_main
+
+        return offline_main(bench_args)
+    from loadtest.online import main as online_main
+
+    online_main(bench_args)
     return 0
 
 

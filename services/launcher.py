@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import subprocess
 import sys
@@ -31,6 +32,7 @@ class UpOptions:
     worker_args: list[str]  # passed to every worker (model, KV memory, threads, ...)
     gateway_args: list[str]
     ready_timeout_s: float = 300.0
+    env: dict[str, str] | None = None  # extra environment for every child (tests: fault hooks)
 
 
 class Stack:
@@ -49,22 +51,40 @@ class Stack:
             self.redis_server = start_redis_server(self.opts.host)
             self.redis_url = self.redis_server.url
             log.info("started redis-server at %s (persistence off)", self.redis_url)
-        serve = [sys.executable, "-m", "services.cli", "serve"]
-        common = ["--redis-url", self.redis_url, "--host", self.opts.host]
         for i in range(self.opts.num_decode):
-            self._spawn(f"decode-{i}", [*serve, "decode", *common, "--worker-id", f"decode-{i}",
-                                        *self.opts.worker_args])
+            self.add_worker("decode", f"decode-{i}")
         for i in range(self.opts.num_prefill):
-            self._spawn(f"prefill-{i}", [*serve, "prefill", *common, "--worker-id", f"prefill-{i}",
-                                         *self.opts.worker_args])
-        self._spawn("gateway", [*serve, "gateway", *common, "--port", str(self.opts.port),
-                                *self.opts.gateway_args])
+            self.add_worker("prefill", f"prefill-{i}")
+        self.add_gateway("gateway", self.opts.port)
 
-    def _spawn(self, name: str, argv: list[str]) -> None:
+    def add_worker(self, role: str, worker_id: str, extra_args: list[str] = ()) -> subprocess.Popen:
+        """Start one more worker (it joins through the registry; nothing else restarts)."""
+        return self._spawn(worker_id, [*self._serve(role), "--worker-id", worker_id,
+                                       *self.opts.worker_args, *extra_args])
+
+    def add_gateway(self, name: str, port: int, extra_args: list[str] = ()) -> subprocess.Popen:
+        """Start a gateway on ``port``; several gateways share the workers and Redis."""
+        return self._spawn(name, [*self._serve("gateway"), "--port", str(port),
+                                  *self.opts.gateway_args, *extra_args])
+
+    def _serve(self, role: str) -> list[str]:
+        return [sys.executable, "-m", "services.cli", "serve", role,
+                "--redis-url", self.redis_url, "--host", self.opts.host]
+
+    def process(self, name: str) -> subprocess.Popen:
+        """The child named ``name`` (a worker id, or "gateway"). Raises KeyError."""
+        for n, proc in reversed(self.procs):
+            if n == name:
+                return proc
+        raise KeyError(f"no child process named {name!r}")
+
+    def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
         # own session: a terminal's Ctrl-C reaches only us, and we stop children in order;
         # the parent-death signal ends a child even if we are killed with SIGKILL
-        proc = subprocess.Popen(argv, start_new_session=True, preexec_fn=die_with_parent)
+        env = {**os.environ, **self.opts.env} if self.opts.env else None
+        proc = subprocess.Popen(argv, start_new_session=True, preexec_fn=die_with_parent, env=env)
         self.procs.append((name, proc))
+        return proc
 
     def check_alive(self) -> None:
         for name, proc in self.procs:
@@ -99,7 +119,8 @@ class Stack:
         return resp.status == health_pb2.HealthCheckResponse.SERVING
 
     def stop(self, timeout_s: float = 15.0) -> None:
-        for _, proc in reversed(self.procs):  # gateway first, then workers
+        gateways_first = sorted(reversed(self.procs), key=lambda p: not p[0].startswith("gateway"))
+        for _, proc in gateways_first:  # no new requests, then the workers
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + timeout_s

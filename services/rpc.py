@@ -21,6 +21,11 @@ class Unavailable(Exception):
     """A dependency (Redis, every worker of a role) cannot be reached; maps to UNAVAILABLE."""
 
 
+class Aborted(Exception):
+    """A worker gave a request up (KV handoff failed or cancelled, lease ended, policy
+    ``fail``); maps to ABORTED."""
+
+
 def validation_message(exc: pydantic.ValidationError) -> str:
     """``'temperature: Input should be greater than or equal to 0'`` for each error."""
     parts = []
@@ -42,6 +47,8 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.DEADLINE_EXCEEDED, str(exc) or "timed out"
     if isinstance(exc, Unavailable):
         return grpc.StatusCode.UNAVAILABLE, str(exc)
+    if isinstance(exc, Aborted):
+        return grpc.StatusCode.ABORTED, str(exc)
     return grpc.StatusCode.INTERNAL, f"internal error ({type(exc).__name__})"
 
 

@@ -6,7 +6,6 @@ import logging
 import signal
 from pathlib import Path
 
-import redis.asyncio as aioredis
 import torch
 
 from services.api import gateway_pb2, gateway_pb2_grpc, worker_pb2, worker_pb2_grpc
@@ -18,7 +17,7 @@ from services.rpc import bind, create_server, mark_serving
 from services.state.redis_server import check_redis
 from services.state.registry import WorkerRegistry
 from services.state.store import RequestStateStore
-from services.worker import WorkerOptions, WorkerRuntime
+from services.worker import WorkerOptions, WorkerRuntime, redis_client
 
 log = logging.getLogger(__name__)
 
@@ -69,24 +68,28 @@ async def serve_worker(opts: WorkerOptions, num_threads: int) -> None:
 
 
 async def serve_gateway(host: str, port: int, redis_url: str, model: str, rpc_timeout_s: float,
-                        heartbeat_s: float) -> None:
+                        heartbeat_s: float, kv_failure_policy: str = "recompute",
+                        max_inflight: int = 1024) -> None:
     """Run the public Gateway service until signalled."""
+    from services.gateway.routing import WorkerPool
     from services.gateway.server import GatewayServicer
 
     await check_redis(redis_url)
     tokenizer = Tokenizer.load(model)
     config = load_config(model)
-    redis = aioredis.Redis.from_url(redis_url)
+    redis = redis_client(redis_url)
+    pool = WorkerPool(WorkerRegistry(redis, heartbeat_s), heartbeat_s, rpc_timeout_s)
     servicer = GatewayServicer(
         tokenizer, served_model_name(model), config.max_position_embeddings,
-        RequestStateStore(redis), WorkerRegistry(redis, heartbeat_s), rpc_timeout_s)
+        RequestStateStore(redis), pool, rpc_timeout_s, kv_failure_policy, max_inflight)
     full_name = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
     server, health = create_server([full_name])
     gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, server)
     bound = bind(server, host, port)
     await server.start()
     await mark_serving(health, [full_name])
-    log.info("gateway listening on %s:%d (model %s)", host, bound, served_model_name(model))
+    log.info("gateway listening on %s:%d (model %s, kv failure policy %s, max %d in flight)",
+             host, bound, served_model_name(model), kv_failure_policy, max_inflight)
     try:
         await _wait_for_signal()
     finally:

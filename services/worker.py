@@ -1,5 +1,6 @@
 """What prefill and decode workers share: the engine on its own thread bridged to asyncio,
-per-request output queues, registry heartbeats, and the Abort / GetLoad handlers."""
+per-request output queues (bounded: ``max_waiting``), registry heartbeats, the GetLoad handler,
+and a Redis client that survives Redis outages."""
 from __future__ import annotations
 
 import asyncio
@@ -9,6 +10,8 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
 
 from services.api import worker_pb2
 from services.engine.engine import EngineConfig, LLMEngine
@@ -16,6 +19,7 @@ from services.engine.engine_loop import EngineLoop
 from services.engine.sampler import TokenLogprobs
 from services.engine.sampling_params import SamplingParams
 from services.engine.scheduler import RequestOutput
+from services.rpc import ResourceExhausted
 from services.state.registry import Heartbeater, WorkerInfo, WorkerRegistry
 
 log = logging.getLogger(__name__)
@@ -32,8 +36,25 @@ class WorkerOptions:
     kv_transport: str
     redis_url: str
     heartbeat_s: float
-    kv_lease_s: float
+    kv_lease_s: float  # decode: seconds a reservation waits for its KV
     worker_id: str = ""
+    max_waiting: int = 256  # requests held outside the running batch; more: RESOURCE_EXHAUSTED
+    rpc_timeout_s: float = 600.0  # bound on any wait for the engine thread
+    kv_transfer_timeout_s: float = 30.0  # prefill: one KV write (never past the lease)
+    fault_injection: bool = False  # TEST ONLY: honour fault tags in request ids (prefill)
+
+
+REDIS_TIMEOUT_S = 2.0  # connect and per-command socket timeout of the services' Redis clients
+
+
+def redis_client(url: str) -> aioredis.Redis:
+    """A Redis client for a long-running service: every command fails within
+    ``REDIS_TIMEOUT_S`` seconds when Redis is unreachable (redis.RedisError), and retries once
+    on a fresh connection, so a restarted Redis is used again without any reconnect logic
+    (the pool drops a broken connection; nothing keeps a dead one)."""
+    return aioredis.Redis.from_url(
+        url, socket_timeout=REDIS_TIMEOUT_S, socket_connect_timeout=REDIS_TIMEOUT_S,
+        retry=Retry(NoBackoff(), 1))
 
 
 _SHARED_FIELDS = ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p",
@@ -73,7 +94,7 @@ class WorkerRuntime:
         self.streams: dict[str, asyncio.Queue[RequestOutput]] = {}
         self.engine_loop = EngineLoop(engine, self._on_outputs)
         self.endpoint = ""
-        self.redis = aioredis.Redis.from_url(options.redis_url)
+        self.redis = redis_client(options.redis_url)
         self.registry = WorkerRegistry(self.redis, options.heartbeat_s)
         self.heartbeater = Heartbeater(self.registry, self.info)
 
@@ -98,31 +119,42 @@ class WorkerRuntime:
                 queue.put_nowait(out)
 
     async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
-        """Run ``fn(engine)`` on the engine thread between steps and await its result."""
-        return await asyncio.wrap_future(self.engine_loop.call(fn))
+        """Run ``fn(engine)`` on the engine thread between steps and await its result.
+
+        Raises TimeoutError when the engine thread has not run it within ``rpc_timeout_s``
+        (a stuck or dead engine thread must not hang an RPC forever)."""
+        return await asyncio.wait_for(asyncio.wrap_future(self.engine_loop.call(fn)),
+                                      self.options.rpc_timeout_s)
+
+    def num_queued(self) -> int:
+        """Requests this worker holds outside its running batch: queued, waiting for KV, or
+        handing their KV off (plain reads: safe from the event loop thread)."""
+        return max(len(self.streams) - len(self.engine.scheduler.running),
+                   self.engine.scheduler.num_waiting)
 
     def open_stream(self, request_id: str) -> asyncio.Queue[RequestOutput]:
+        """Accept a request: its output queue. Raises ResourceExhausted when ``max_waiting``
+        requests are already queued (bounded memory under overload), ValueError on a
+        duplicate id."""
         if request_id in self.streams:
             raise ValueError(f"request_id: {request_id!r} is already in flight on this worker")
+        if self.num_queued() >= self.options.max_waiting:
+            raise ResourceExhausted(f"{self.options.role} worker {self.worker_id}: "
+                                    f"{self.options.max_waiting} requests already queued")
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self.streams[request_id] = queue
         return queue
 
-    async def close_stream(self, request_id: str, abort: bool) -> None:
-        """Forget the stream; with ``abort`` also abort the request, freeing its blocks."""
-        self.streams.pop(request_id, None)
-        if abort:
-            await self.call(lambda e: e.abort(request_id))
+    def release(self, request_id: str) -> None:
+        """Abort the request on the engine thread, freeing its blocks. Queued at once and not
+        awaited: no cancellation of the caller can drop it (``call``'s future can be)."""
+        self.engine_loop.call(lambda e: e.abort(request_id))
 
     def info(self) -> WorkerInfo:
         load = self.engine.load()  # plain int reads: safe from the event loop thread
         return WorkerInfo(self.worker_id, self.options.role, self.endpoint, **load)
 
-    # shared RPC handlers
-    async def Abort(self, request, context) -> worker_pb2.WorkerAbortResponse:
-        found = await self.call(lambda e: e.abort(request.request_id))
-        return worker_pb2.WorkerAbortResponse(found=found)
-
+    # shared RPC handler (each role has its own Abort: freeing must wait for KV writes)
     async def GetLoad(self, request, context) -> worker_pb2.WorkerLoad:
         return worker_pb2.WorkerLoad(worker_id=self.worker_id, role=self.options.role,
                                      **self.engine.load())

@@ -1,10 +1,20 @@
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class KVFailurePolicy(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    KV_FAILURE_POLICY_UNSPECIFIED: _ClassVar[KVFailurePolicy]
+    KV_FAILURE_POLICY_RECOMPUTE: _ClassVar[KVFailurePolicy]
+    KV_FAILURE_POLICY_FAIL: _ClassVar[KVFailurePolicy]
+KV_FAILURE_POLICY_UNSPECIFIED: KVFailurePolicy
+KV_FAILURE_POLICY_RECOMPUTE: KVFailurePolicy
+KV_FAILURE_POLICY_FAIL: KVFailurePolicy
 
 class SamplingParams(_message.Message):
     __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "ignore_eos", "min_tokens", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs")
@@ -49,16 +59,18 @@ class SampledLogprobs(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "local_prefill")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "local_prefill", "kv_failure_policy")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
     LOCAL_PREFILL_FIELD_NUMBER: _ClassVar[int]
+    KV_FAILURE_POLICY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling_params: SamplingParams
     local_prefill: bool
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., local_prefill: _Optional[bool] = ...) -> None: ...
+    kv_failure_policy: KVFailurePolicy
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., local_prefill: _Optional[bool] = ..., kv_failure_policy: _Optional[_Union[KVFailurePolicy, str]] = ...) -> None: ...
 
 class KVReservation(_message.Message):
     __slots__ = ("worker_id", "transport", "transport_metadata", "block_ids", "lease_s")
@@ -115,10 +127,12 @@ class PrefillResponse(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., queue_time_s: _Optional[float] = ..., compute_time_s: _Optional[float] = ..., transfer_time_s: _Optional[float] = ...) -> None: ...
 
 class WorkerAbortRequest(_message.Message):
-    __slots__ = ("request_id",)
+    __slots__ = ("request_id", "reservation_unused")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    RESERVATION_UNUSED_FIELD_NUMBER: _ClassVar[int]
     request_id: str
-    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+    reservation_unused: bool
+    def __init__(self, request_id: _Optional[str] = ..., reservation_unused: _Optional[bool] = ...) -> None: ...
 
 class WorkerAbortResponse(_message.Message):
     __slots__ = ("found",)

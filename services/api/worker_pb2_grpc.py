@@ -58,16 +58,20 @@ class DecodeWorkerServicer:
 
     def Decode(self, request, context):
         """/ Reserve KV blocks for the prompt and answer with a reservation as the first message
-        / (RESOURCE_EXHAUSTED when too few blocks are free); once the prompt's KV has arrived from
-        / a prefill worker, stream every output token, the first one included. With local_prefill
-        / set, the worker computes the prompt itself and the first message is not a reservation.
+        / (RESOURCE_EXHAUSTED when too few blocks are free or too many requests wait); once the
+        / prompt's KV has arrived from a prefill worker, stream every output token, the first one
+        / included. If the KV does not arrive (the prefill worker reports a failed transfer, or the
+        / lease ends), apply kv_failure_policy: compute the prompt here, or end with ABORTED. With
+        / local_prefill set, the worker computes the prompt itself and sends no reservation.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Abort(self, request, context):
-        """/ Abort a request and free its blocks.
+        """/ Abort a request and free its blocks. Blocks reserved for KV that a prefill worker may
+        / still be writing stay held until that worker's notification or the lease's end, unless
+        / reservation_unused says that no prefill worker was asked to write into them.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -225,14 +229,17 @@ class PrefillWorkerServicer:
 
     def Prefill(self, request, context):
         """/ Compute the prompt's KV and first token, write the KV into the destination's reserved
-        / blocks with a notification carrying the first token, then answer.
+        / blocks with a notification carrying the first token, then answer. Every write ends
+        / before the destination's lease does. If the KV is not written (cancelled, transfer
+        / failed, lease too short) the worker tells the destination so with an empty write and
+        / answers ABORTED; RESOURCE_EXHAUSTED (queue full) means it never touched the reservation.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Abort(self, request, context):
-        """/ Abort a request and free its blocks.
+        """/ Abort a request; its blocks are freed once no KV write reads them.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -1,21 +1,28 @@
 """Decode worker: reserves KV blocks for a prompt, admits the sequence into its running batch
-once a prefill worker has written the prompt's KV, and streams every output token."""
+once a prefill worker has written the prompt's KV, and streams every output token.
+
+A reservation's blocks are freed only when no KV write into them can be in flight (see
+``reservations.py``). If the KV does not arrive (the prefill worker reports that it was not
+written, or the lease ends) the request's ``kv_failure_policy`` decides: ``recompute`` computes
+the prompt here in the reserved blocks, ``fail`` frees them and ends the stream with ABORTED.
+"""
 from __future__ import annotations
 
 import asyncio
 import json
 import logging
-import time
 
 from services.api import worker_pb2, worker_pb2_grpc
-from services.engine.request import Request
+from services.decode.reservations import Outcome, Reservations
+from services.engine.sampler import TokenLogprobs
 from services.engine.scheduler import RequestOutput
 from services.kv_transfer import create_transport
-from services.rpc import ResourceExhausted
-from services.engine.sampler import TokenLogprobs
+from services.rpc import Aborted, ResourceExhausted
 from services.worker import WorkerRuntime, logprobs_to_proto, params_from_proto
 
 log = logging.getLogger(__name__)
+
+FAIL = worker_pb2.KV_FAILURE_POLICY_FAIL
 
 
 class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
@@ -27,48 +34,53 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             opts.kv_transport, engine.kv_cache, engine.layout,
             host=opts.host, port=opts.kv_port, advertise_host=opts.advertise_host,
         )
-        self.transport.set_notification_handler(self._on_kv_arrived)
-        self.Abort = runtime.Abort
+        self.reservations = Reservations(runtime.release)
+        self.transport.set_notification_handler(self._on_notification)
         self.GetLoad = runtime.GetLoad
 
     def close(self) -> None:
         self.transport.close()
 
-    def _on_kv_arrived(self, notification: bytes) -> None:
-        """Transport thread: the prompt's KV is in our blocks; admit it at the next step."""
+    def _on_notification(self, notification: bytes) -> None:
+        """Transport thread, after the write's blocks landed: post the note to the event loop.
+        Raises ValueError on a malformed note (the sender's write then fails)."""
         note = json.loads(notification)
-        request_id, first_token = note["request_id"], int(note["first_token_id"])
-        logprobs = TokenLogprobs.from_dict(note["logprobs"]) if note.get("logprobs") else None
+        if not isinstance(note, dict) or not isinstance(note.get("request_id"), str):
+            raise ValueError(f"KV notification without a request_id: {notification[:200]!r}")
+        self.rt.loop.call_soon_threadsafe(self._on_note, note)
 
-        def admit(engine):
-            out = engine.finish_remote_prefill(request_id, first_token, logprobs)
-            if out is not None:
-                self.rt._on_outputs([out])
-
-        self.rt.engine_loop.call(admit)
+    def _on_note(self, note: dict) -> None:
+        kind = note.get("status", "landed")
+        if kind not in ("landed", "not_written"):
+            log.warning("request %s: unknown KV notification status %r", note["request_id"], kind)
+            return
+        self.reservations.close(note["request_id"], Outcome(kind, note))
 
     async def Decode(self, request: worker_pb2.DecodeRequest, context):
         rid = request.request_id
         params = params_from_proto(request.sampling_params)
+        if rid in self.reservations:
+            raise ValueError(f"request_id: {rid!r} still holds a reservation on this worker")
         queue = self.rt.open_stream(rid)
-        finished = False
+        owned = finished = False  # owned: the engine may hold a request of ours under rid
         try:
-            req: Request = await self.rt.call(
+            req = await self.rt.call(
                 lambda e: e.make_request(rid, list(request.prompt_token_ids), params))
+            owned = True
             if request.local_prefill:
                 await self.rt.call(lambda e: e.add_request(req))
-                deadline = None
             else:
                 if not await self.rt.call(lambda e: e.reserve(req)):
                     raise ResourceExhausted(f"decode worker {self.rt.worker_id}: not enough free KV "
                                             f"blocks for {req.num_prompt_tokens} prompt tokens")
-                lease = self.rt.options.kv_lease_s
+                lease_s = self.rt.options.kv_lease_s
+                outcome = self.reservations.open(rid, lease_s)
                 yield worker_pb2.DecodeResponse(reservation=worker_pb2.KVReservation(
                     worker_id=self.rt.worker_id, transport=self.rt.options.kv_transport,
                     transport_metadata=self.transport.metadata(),
-                    block_ids=list(req.block_table), lease_s=lease))
-                deadline = time.monotonic() + lease
-            async for outs in _batches(queue, deadline):
+                    block_ids=list(req.block_table), lease_s=lease_s))
+                await self._start(rid, await outcome, request.kv_failure_policy, queue)
+            async for outs in _batches(queue):
                 last = outs[-1]
                 finished = last.finish_reason is not None
                 yield worker_pb2.DecodeResponse(
@@ -77,24 +89,54 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                     logprobs=[logprobs_to_proto(lp) for o in outs for lp in o.logprobs or ()])
                 if finished:
                     return
-        finally:  # client gone, lease expired or error: free whatever the request holds
-            await self.rt.close_stream(rid, abort=not finished)
+        finally:  # client gone, abort or error: free what the request holds, unless a KV write
+            self.rt.streams.pop(rid, None)  # may still land in it (quarantined until closed)
+            if owned and not finished and not self.reservations.detach(rid):
+                self.rt.release(rid)
 
+    async def _start(self, rid: str, outcome: Outcome, policy: int,
+                     queue: asyncio.Queue[RequestOutput]) -> None:
+        """The reservation closed: admit the request with its first token, compute the prompt
+        here (policy recompute), or raise Aborted."""
+        if outcome.kind == "landed":
+            note = outcome.note
+            logprobs = TokenLogprobs.from_dict(note["logprobs"]) if note.get("logprobs") else None
+            out = await self.rt.call(lambda e: e.finish_remote_prefill(
+                rid, int(note["first_token_id"]), logprobs))
+            if out is None:
+                raise Aborted(f"request {rid} is no longer waiting for its KV")
+            queue.put_nowait(out)
+            return
+        if outcome.kind in ("unused", "aborted"):
+            raise Aborted(f"request {rid}: {outcome.why}")
+        if policy != FAIL:
+            log.info("request %s: %s; computing the prompt here (kv failure policy: recompute)",
+                     rid, outcome.why)
+            if await self.rt.call(lambda e: e.prefill_locally(rid)):
+                return
+        raise Aborted(f"decode worker {self.rt.worker_id}: {outcome.why} (kv failure policy: fail)")
 
-async def _batches(queue: asyncio.Queue[RequestOutput], deadline: float | None):
-    """Yield every output queued so far as one list; the first wait ends at ``deadline``
-    (the reservation's lease) with TimeoutError."""
-    while True:
-        if deadline is not None:
-            remaining = deadline - time.monotonic()
-            try:
-                first = await asyncio.wait_for(queue.get(), max(remaining, 0.0))
-            except TimeoutError:
-                raise TimeoutError("the prompt's KV did not arrive within the reservation's lease")
-            deadline = None
+    async def Abort(self, request: worker_pb2.WorkerAbortRequest, context):
+        """End the request's stream; its blocks are freed once no KV write can land in them
+        (at once with ``reservation_unused``)."""
+        rid = request.request_id
+        if request.reservation_unused and self.reservations.close(rid, Outcome("unused")):
+            found = True  # a waiting stream ends with ABORTED; a detached one is freed now
+        elif self.reservations.abort(rid):
+            found = True  # a waiting stream ends with ABORTED; the blocks stay quarantined
+        elif (queue := self.rt.streams.get(rid)) is not None:
+            self.rt.release(rid)  # decoding: nothing writes into its blocks any more
+            queue.put_nowait(RequestOutput(rid, [], "abort"))
+            found = True
         else:
-            first = await queue.get()
-        outs = [first]
+            found = await self.rt.call(lambda e: e.abort(rid))
+        return worker_pb2.WorkerAbortResponse(found=found)
+
+
+async def _batches(queue: asyncio.Queue[RequestOutput]):
+    """Yield every output queued so far as one list."""
+    while True:
+        outs = [await queue.get()]
         while not queue.empty() and outs[-1].finish_reason is None:
             outs.append(queue.get_nowait())
         yield outs

@@ -22,7 +22,7 @@ from .metrics import STEP_PHASES, EngineMetrics
 from .model import LlamaForCausalLM
 from .model_files import default_model_path
 from .model_runner import ModelRunner
-from .request import Request
+from .request import Request, RequestStatus
 from .sampler import TokenLogprobs
 from .sampling_params import SamplingParams
 from .scheduler import RequestOutput, Scheduler, SchedulerConfig, SchedulerOutput
@@ -125,6 +125,18 @@ class LLMEngine:
         else:
             self.runner.skip_first_draw(request)
         return output
+
+    def prefill_locally(self, request_id: str) -> bool:
+        """Decode role: a reservation's KV will not arrive (failed or timed-out transfer), and no
+        write into its blocks is in flight any more; compute the prompt here instead, in the
+        blocks already reserved (``num_computed_tokens`` stays 0, so the scheduler schedules the
+        whole prompt and samples the first token). False unless the request is waiting for KV."""
+        request = self.scheduler.requests.get(request_id)
+        if request is None or request.status != RequestStatus.WAITING_FOR_KV:
+            return False
+        request.status = RequestStatus.WAITING
+        self.scheduler.add_request(request)
+        return True
 
     def abort(self, request_id: str) -> bool:
         self.runner.remove_request(request_id)

@@ -1,6 +1,12 @@
 """Prefill worker: batches prompts (chunked prefill under a token budget), computes each
 prompt's KV and first token, writes the KV into the decode worker's reserved blocks with a
-notification carrying the first token, then frees its own blocks."""
+notification carrying the first token, then frees its own blocks.
+
+Every handoff ends with exactly one notification to the decode worker: "landed" (the write
+succeeded) or "not_written" (an empty write, sent only after any write into the reservation
+has ended: cancelled, failed, or the lease too short). A write never runs past the
+reservation's lease, and this worker's own blocks are freed only once no write reads them.
+"""
 from __future__ import annotations
 
 import asyncio
@@ -9,14 +15,24 @@ import logging
 import time
 
 from services.api import worker_pb2, worker_pb2_grpc
-from services.kv_transfer import create_transport
+from services.kv_transfer import KVTransferError, create_transport
+from services.prefill.faults import Faults
+from services.rpc import Aborted
 from services.worker import WorkerRuntime, params_from_proto
 
 log = logging.getLogger(__name__)
 
+NOTE_TIMEOUT_S = 5.0  # telling a decode worker that its reservation will not be written
+
+
+def lease_margin_s(lease_s: float) -> float:
+    """Seconds before the lease's end by which every write must be over: covers the transit of
+    the Prefill request and of a write's last bytes (the lease is measured from the gateway)."""
+    return min(1.0, 0.2 * lease_s)
+
 
 class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
-    def __init__(self, runtime: WorkerRuntime, transfer_timeout_s: float = 30.0) -> None:
+    def __init__(self, runtime: WorkerRuntime) -> None:
         self.rt = runtime
         opts = runtime.options
         engine = runtime.engine
@@ -25,24 +41,50 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             opts.kv_transport, engine.kv_cache, engine.layout,
             host=opts.host, port=0, advertise_host=opts.advertise_host,
         )
-        self.transfer_timeout_s = transfer_timeout_s
-        self.Abort = runtime.Abort
+        self.transfer_timeout_s = opts.kv_transfer_timeout_s
+        self._handoffs: dict[str, asyncio.Task] = {}
         self.GetLoad = runtime.GetLoad
 
     def close(self) -> None:
         self.transport.close()
 
     async def Prefill(self, request: worker_pb2.PrefillRequest, context):
-        rid = request.request_id
-        dest = request.destination
+        rid, dest = request.request_id, request.destination
         if dest.transport != self.rt.options.kv_transport:
             raise ValueError(f"destination.transport: {dest.transport!r}, this worker sends "
                              f"with {self.rt.options.kv_transport!r}")
+        if rid in self._handoffs:
+            raise ValueError(f"request_id: {rid!r} is already in flight on this worker")
+        deadline = time.monotonic() + dest.lease_s - lease_margin_s(dest.lease_s)
+        task = asyncio.create_task(self._handoff(request, deadline))
+        self._handoffs[rid] = task
+        task.add_done_callback(lambda t: (self._handoffs.pop(rid, None),
+                                          t.cancelled() or t.exception()))  # retrieved: no warning
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if asyncio.current_task().cancelling():  # the gateway went away: wind down safely
+                task.cancel()
+                raise
+            raise Aborted(f"request {rid} was aborted") from None  # by Abort, before it ran
+
+    async def Abort(self, request: worker_pb2.WorkerAbortRequest, context):
+        task = self._handoffs.get(request.request_id)
+        if task is not None:
+            task.cancel()
+        return worker_pb2.WorkerAbortResponse(found=task is not None)
+
+    async def _handoff(self, request: worker_pb2.PrefillRequest,
+                       deadline: float) -> worker_pb2.PrefillResponse:
+        """Compute the prompt, write its KV by ``deadline``, answer; on any failure tell the
+        destination that nothing will be written, once no write is in flight."""
+        rid, dest = request.request_id, request.destination
+        faults = Faults.parse(rid, self.rt.options.fault_injection)
         # the prefill worker samples only the first token; the decode worker decides stopping
         params = params_from_proto(request.sampling_params).model_copy(update={"max_tokens": 1})
         t_arrival = time.monotonic()
-        queue = self.rt.open_stream(rid)
-        held = False
+        queue = self.rt.open_stream(rid)  # RESOURCE_EXHAUSTED here: the reservation is untouched
+        held, write = False, None
         try:
             req = await self.rt.call(lambda e: e.make_request(
                 rid, list(request.prompt_token_ids), params, hold_kv=True))
@@ -50,23 +92,88 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             if len(dest.block_ids) != n_blocks:
                 raise ValueError(f"destination.block_ids: {len(dest.block_ids)} blocks for "
                                  f"{req.num_prompt_tokens} prompt tokens, expected {n_blocks}")
+            await asyncio.sleep(faults.queue_delay_s)
+            held = True  # before the await: cancelled after the engine added it, it is still freed
             await self.rt.call(lambda e: e.add_request(req))
-            held = True
-            out = await queue.get()
+            try:
+                out = await asyncio.wait_for(queue.get(), deadline - time.monotonic())
+            except TimeoutError:
+                raise Aborted("the reservation's lease ended before the prompt was computed") from None
             t_first = time.monotonic()
-            first_token = out.new_token_ids[0]
-            peer = await asyncio.to_thread(self.transport.add_remote, dest.transport_metadata)
-            note = json.dumps({"request_id": rid, "first_token_id": first_token,
-                               "logprobs": out.logprobs[0].to_dict() if out.logprobs else None}).encode()
-            await asyncio.to_thread(
-                self.transport.write_blocks, peer, req.block_table[:n_blocks],
-                list(dest.block_ids), note, self.transfer_timeout_s)
+            note = json.dumps({"request_id": rid, "status": "landed",
+                               "first_token_id": out.new_token_ids[0],
+                               "logprobs": out.logprobs[0].to_dict() if out.logprobs else None})
+            write = asyncio.ensure_future(asyncio.to_thread(
+                self._write, dest, req.block_table[:n_blocks], note.encode(), deadline, faults))
+            await asyncio.shield(write)
             t_done = time.monotonic()
+        except BaseException as exc:
+            if write is not None:
+                await _wait_out(write)
+            if write is None or _failed(write):
+                await self._send_not_written(dest, rid, _reason(exc, write))
+            if isinstance(exc, (ValueError, Aborted)):
+                raise  # argument errors keep their status; ABORTED already
+            raise Aborted(f"prefill worker: {_reason(exc, write)}") from exc
         finally:
             self.rt.streams.pop(rid, None)
             if held:  # finished (blocks held for the transfer) or still running: free either way
-                await self.rt.call(lambda e: e.abort(rid))
+                self.rt.release(rid)
         return worker_pb2.PrefillResponse(
-            worker_id=self.rt.worker_id, first_token_id=first_token,
+            worker_id=self.rt.worker_id, first_token_id=out.new_token_ids[0],
             queue_time_s=req.first_scheduled_time - t_arrival,
             compute_time_s=t_first - req.first_scheduled_time, transfer_time_s=t_done - t_first)
+
+    def _write(self, dest: worker_pb2.KVReservation, local_ids: list[int], note: bytes,
+               deadline: float, faults: Faults) -> None:
+        """Transfer thread: write the KV into the reservation, ending by ``deadline``.
+        Raises KVTransferError (nothing or part written; the caller reports it)."""
+        time.sleep(faults.kv_write_delay_s)
+        if faults.fail_kv_write:
+            raise KVTransferError("injected fault: fail_kv_write")
+        peer = self.transport.add_remote(dest.transport_metadata)
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise KVTransferError("the reservation's lease ends before the KV could be written")
+        self.transport.write_blocks(peer, local_ids, list(dest.block_ids), note,
+                                    min(self.transfer_timeout_s, remaining))
+
+    async def _send_not_written(self, dest: worker_pb2.KVReservation, rid: str, reason: str) -> None:
+        """Close the reservation early with an empty write; if the destination cannot be told,
+        its lease frees the blocks."""
+        note = json.dumps({"request_id": rid, "status": "not_written", "reason": reason}).encode()
+
+        def send() -> None:
+            peer = self.transport.add_remote(dest.transport_metadata)
+            self.transport.write_blocks(peer, [], [], note, NOTE_TIMEOUT_S)
+
+        try:
+            await asyncio.wait_for(asyncio.to_thread(send), 2 * NOTE_TIMEOUT_S)
+        except (KVTransferError, ValueError, OSError, TimeoutError) as exc:
+            log.info("request %s: could not tell decode worker %s that its KV will not come "
+                     "(%s); the reservation's lease frees it", rid, dest.worker_id, exc)
+
+
+async def _wait_out(write: asyncio.Future) -> None:
+    """Wait until the write thread has ended (it does by its deadline).
+
+    NOTE: swallows further cancellations on purpose: until the write ends it may still read
+    this worker's blocks and write the destination's, so neither may be freed before.
+    """
+    while not write.done():
+        try:
+            await asyncio.wait({write})
+        except asyncio.CancelledError:
+            continue
+
+
+def _failed(write: asyncio.Future) -> bool:
+    return write.cancelled() or write.exception() is not None
+
+
+def _reason(exc: BaseException, write: asyncio.Future | None) -> str:
+    if write is not None and not write.cancelled() and write.exception() is not None:
+        return f"KV transfer failed: {write.exception()}"
+    if isinstance(exc, asyncio.CancelledError):
+        return "prefill cancelled"
+    return str(exc) or type(exc).__name__

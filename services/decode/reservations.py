@@ -1,0 +1,111 @@
+"""Decode-side KV reservations: when a reserved block may be freed.
+
+Invariant: a block reserved for a prompt's KV is freed (or reused for a local prefill) only when
+no write into it can still be in flight, and never later than the lease's end. So a reservation
+is *closed* by exactly one of, whichever comes first:
+
+- the prefill worker's notification: ``landed`` (the KV is written) or ``not_written`` (sent
+  after its write, if any, has ended: cancelled, failed, lease too short);
+- the lease's end: prefill workers end every write before it (they died, or gave up);
+- an Abort with ``reservation_unused``: the gateway never asked a prefill worker to write.
+
+While the request's Decode stream is attached, the close is handed to it as an ``Outcome``. A
+stream that goes away first (client cancel, gateway abort) *detaches* the reservation: the
+blocks stay quarantined until the close, which then frees them.
+
+All methods run on the event loop thread (the transport's notifications are posted there).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal
+
+log = logging.getLogger(__name__)
+
+CloseKind = Literal["landed", "not_written", "expired", "unused", "aborted"]
+
+
+@dataclass(frozen=True)
+class Outcome:
+    kind: CloseKind
+    note: dict = field(default_factory=dict)  # the prefill worker's notification, if any
+
+    @property
+    def why(self) -> str:
+        """One line for errors and logs: why the KV did not arrive."""
+        if self.kind == "expired":
+            return "the prompt's KV did not arrive within the reservation's lease"
+        if self.kind == "unused":
+            return "the reservation was released unused"
+        if self.kind == "aborted":
+            return "the request was aborted"
+        return f"the prompt's KV was not written ({self.note.get('reason', 'no reason given')})"
+
+
+@dataclass
+class _Reservation:
+    outcome: asyncio.Future[Outcome]
+    timer: asyncio.TimerHandle
+    attached: bool = True
+
+
+class Reservations:
+    """Open reservations by request id. ``free(request_id)`` releases a closed reservation's
+    blocks whose stream has gone (it must not block: it posts to the engine thread)."""
+
+    def __init__(self, free: Callable[[str], None]) -> None:
+        self._free = free
+        self._open: dict[str, _Reservation] = {}
+
+    def __len__(self) -> int:
+        return len(self._open)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._open
+
+    def open(self, request_id: str, lease_s: float) -> asyncio.Future[Outcome]:
+        """Start the lease (seconds); the future resolves when the reservation closes."""
+        loop = asyncio.get_running_loop()
+        timer = loop.call_later(lease_s, self.close, request_id, Outcome("expired"))
+        self._open[request_id] = _Reservation(loop.create_future(), timer)
+        return self._open[request_id].outcome
+
+    def close(self, request_id: str, outcome: Outcome) -> bool:
+        """Close a reservation: hand ``outcome`` to its stream, or free a detached one's blocks.
+        False when it is not open (already closed, or never ours: a late notification)."""
+        r = self._open.pop(request_id, None)
+        if r is None:
+            if outcome.kind != "expired":
+                log.info("request %s: %s for a reservation that is not open", request_id, outcome.kind)
+            return False
+        r.timer.cancel()
+        if r.attached and not r.outcome.done():
+            r.outcome.set_result(outcome)
+        else:
+            log.info("request %s: quarantined reservation closed (%s): blocks freed",
+                     request_id, outcome.kind)
+            self._free(request_id)
+        return True
+
+    def abort(self, request_id: str) -> bool:
+        """End the attached stream with an ``aborted`` outcome but keep the reservation open:
+        a prefill worker may still write, so the blocks stay quarantined until it closes."""
+        r = self._open.get(request_id)
+        if r is None:
+            return False
+        r.attached = False
+        if not r.outcome.done():
+            r.outcome.set_result(Outcome("aborted"))
+        return True
+
+    def detach(self, request_id: str) -> bool:
+        """The stream went away. True when the reservation is still open: its blocks stay
+        quarantined until it closes; False when the caller may free the request now."""
+        r = self._open.get(request_id)
+        if r is None:
+            return False
+        r.attached = False
+        return True

@@ -1,0 +1,280 @@
+"""One request's path across the workers, and what happens when one of them fails.
+
+An *attempt*: reserve KV blocks on a decode worker D (its Decode stream's first message), send
+the prompt to a prefill worker P with D's reservation as destination, relay D's tokens.
+
+- D dies mid-stream (UNAVAILABLE, or the stream ends unfinished): *migrate*. A new attempt on
+  another decode worker gets prompt + tokens generated so far as its prompt (max_tokens and
+  min_tokens reduced by as many); tokens are deduplicated by count, so the client's stream goes
+  on with no gap and no repeat. Greedy output equals an uninterrupted run.
+- P dies before the first token: *retry* with a new reservation on another prefill worker. The
+  old reservation stays held by D until its lease ends (P may have been writing into it).
+- P answers that the KV was not written (ABORTED) or times out: D applies the request's
+  ``kv_failure_policy`` (recompute locally, or fail the stream); the gateway just keeps reading.
+- Every prefill queue full: RESOURCE_EXHAUSTED; D is told the reservation was never used and
+  frees it at once (``reservation_unused``), as on every cancel before the prefill was sent.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from contextlib import aclosing
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+import grpc
+
+from services.api import worker_pb2, worker_pb2_grpc
+from services.gateway.routing import WorkerPool
+from services.rpc import ResourceExhausted, Unavailable
+from services.state.registry import WorkerInfo
+
+log = logging.getLogger(__name__)
+
+MAX_ATTEMPTS = 4  # per request: the first, plus retries and migrations
+ABORT_TIMEOUT_S = 5.0  # deadline of the Abort that frees an unused reservation
+PREFILL_SLACK_S = 5.0  # a Prefill RPC's deadline: the lease left plus this
+LOST = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)  # the worker is gone
+
+
+class WorkerLost(Exception):
+    def __init__(self, worker: WorkerInfo, why: str) -> None:
+        super().__init__(f"{worker.role} worker {worker.worker_id}: {why}")
+        self.worker = worker
+
+
+class _HandoffFailed(Exception):
+    """The prefill worker did not write the KV; the decode worker's policy takes over."""
+
+
+@dataclass
+class Job:
+    """One client request as the dispatcher sees it."""
+
+    request_id: str
+    prompt: list[int]
+    params: worker_pb2.SamplingParams
+    track: Callable[[object], object]  # registers a call or task that Abort must cancel
+    on_dispatch: Callable[[str, str, bool], None]  # (decode worker, prefill worker, resumed)
+    on_prefilled: Callable[[], None]
+
+
+@dataclass
+class _Attempt:
+    worker_request_id: str
+    decode: WorkerInfo | None = None
+    call: object = None  # the Decode stream
+    reservation: worker_pb2.KVReservation | None = None
+    reserved_at: float = 0.0  # monotonic time the Decode request was sent (lease start bound)
+    prefill: asyncio.Task | None = None
+    maybe_written: bool = False  # some prefill worker may write into the reservation
+
+
+class Dispatcher:
+    """``stream(job)`` yields the request's DecodeResponses (only new tokens, counted over the
+    whole request) across retries and migrations. Raises ResourceExhausted, Unavailable,
+    ValueError; CancelledError when aborted."""
+
+    def __init__(self, pool: WorkerPool, rpc_timeout_s: float, kv_failure_policy: str) -> None:
+        self.pool = pool
+        self.rpc_timeout_s = rpc_timeout_s
+        self.policy = {"recompute": worker_pb2.KV_FAILURE_POLICY_RECOMPUTE,
+                       "fail": worker_pb2.KV_FAILURE_POLICY_FAIL}[kv_failure_policy]
+        self._background: set[asyncio.Task] = set()
+
+    async def stream(self, job: Job) -> AsyncIterator[worker_pb2.DecodeResponse]:
+        generated: list[int] = []
+        for n in range(MAX_ATTEMPTS):
+            base = len(generated)
+            params = _resumed(job.params, base)
+            try:
+                async with aclosing(self._attempt(job, n, job.prompt + generated, params)) as msgs:
+                    async for msg in msgs:
+                        msg = _only_new(msg, base, len(generated))
+                        generated.extend(msg.token_ids)
+                        yield msg
+                        if msg.finish_reason:
+                            return
+            except WorkerLost as exc:
+                self.pool.lost(exc.worker, str(exc))
+                log.warning("request %s: %s; %s with %d tokens generated", job.request_id, exc,
+                            "migrating" if generated else "retrying", len(generated))
+        raise Unavailable(f"workers failed {MAX_ATTEMPTS} times in a row; retry later")
+
+    async def _attempt(self, job: Job, n: int, prompt: list[int], params: worker_pb2.SamplingParams):
+        att = _Attempt(job.request_id if n == 0 else f"{job.request_id}~{n}")
+        try:
+            await self._reserve(job, att, prompt, params)
+            att.prefill = job.track(asyncio.ensure_future(
+                self._prefill(job, att, prompt, params, resumed=n > 0)))
+            async with aclosing(self._relay(job, att)) as msgs:
+                async for msg in msgs:
+                    yield msg
+        finally:
+            self._release(att)
+
+    async def _reserve(self, job: Job, att: _Attempt, prompt: list[int],
+                       params: worker_pb2.SamplingParams) -> None:
+        """Open a Decode stream on the least loaded decode worker with room for the prompt."""
+        workers = await self.pool.live("decode")
+        workers.sort(key=lambda w: (-w.free_kv_blocks, w.num_running))
+        lost = 0
+        for w in workers:
+            att.decode, att.reserved_at = w, time.monotonic()  # cancelled from here: freed unused
+            att.call = call = job.track(worker_pb2_grpc.DecodeWorkerStub(
+                self.pool.channel(w.endpoint)).Decode(worker_pb2.DecodeRequest(
+                    request_id=att.worker_request_id, prompt_token_ids=prompt,
+                    sampling_params=params, kv_failure_policy=self.policy),
+                    timeout=self.rpc_timeout_s))
+            try:
+                first = await call.read()
+            except grpc.aio.AioRpcError as exc:
+                att.decode = att.call = None  # nothing reserved
+                if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    continue
+                if exc.code() in LOST:
+                    self.pool.lost(w, f"{exc.code().name}: {exc.details()}")
+                    lost += 1
+                    continue
+                raise _status_error(w, exc) from exc
+            if first is grpc.aio.EOF or not first.HasField("reservation"):
+                raise Unavailable(f"decode worker {w.worker_id} answered without a reservation")
+            att.reservation = first.reservation
+            return
+        if lost == len(workers):
+            raise Unavailable("no decode worker could be reached")
+        raise ResourceExhausted("no decode worker has room for this request; retry later")
+
+    async def _prefill(self, job: Job, att: _Attempt, prompt: list[int],
+                       params: worker_pb2.SamplingParams, resumed: bool) -> None:
+        """Send the prompt to the least loaded prefill worker whose queue has room."""
+        workers = await self.pool.live("prefill")
+        workers.sort(key=lambda w: w.num_waiting + w.num_running)
+        for w in workers:
+            lease_left = att.reservation.lease_s - (time.monotonic() - att.reserved_at)
+            dest = worker_pb2.KVReservation()
+            dest.CopyFrom(att.reservation)
+            dest.lease_s = lease_left
+            att.maybe_written = True
+            job.on_dispatch(att.decode.worker_id, w.worker_id, resumed)
+            stub = worker_pb2_grpc.PrefillWorkerStub(self.pool.channel(w.endpoint))
+            try:
+                await stub.Prefill(worker_pb2.PrefillRequest(
+                    request_id=att.worker_request_id, prompt_token_ids=prompt,
+                    sampling_params=params, destination=dest),
+                    timeout=max(min(self.rpc_timeout_s, lease_left + PREFILL_SLACK_S), 0.1))
+            except grpc.aio.AioRpcError as exc:
+                code, details = exc.code(), exc.details()
+                if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    att.maybe_written = False  # refused before touching the reservation
+                    continue
+                if code in LOST:
+                    raise WorkerLost(w, f"{code.name}: {details}") from exc
+                if code in (grpc.StatusCode.ABORTED, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    raise _HandoffFailed(details) from exc
+                raise _status_error(w, exc) from exc
+            job.on_prefilled()
+            return
+        raise ResourceExhausted("every prefill worker's queue is full; retry later")
+
+    async def _relay(self, job: Job, att: _Attempt):
+        """Yield the decode stream's messages; watch the prefill until it ends."""
+        prefill, read, got_tokens = att.prefill, None, False
+        while True:
+            if read is None:
+                read = job.track(asyncio.ensure_future(att.call.read()))
+            done, _ = await asyncio.wait({read} if prefill is None else {read, prefill},
+                                         return_when=asyncio.FIRST_COMPLETED)
+            if prefill in done:
+                _check_prefill(prefill, got_tokens, job.request_id)
+                prefill = None
+            if read in done:
+                msg = _decode_message(att.decode, read)
+                read = None
+                got_tokens = True
+                yield msg
+                if msg.finish_reason:
+                    return
+
+    def _release(self, att: _Attempt) -> None:
+        """Cancel what the attempt still runs; free a reservation no prefill worker writes to."""
+        if att.prefill is not None and not att.prefill.done():
+            att.prefill.cancel()  # the prefill worker tells D when nothing more will be written
+        if att.call is not None:
+            att.call.cancel()  # no-op once finished; otherwise D frees, or quarantines its blocks
+        if att.decode is not None and not att.maybe_written:
+            stub = worker_pb2_grpc.DecodeWorkerStub(self.pool.channel(att.decode.endpoint))
+            task = asyncio.ensure_future(stub.Abort(worker_pb2.WorkerAbortRequest(
+                request_id=att.worker_request_id, reservation_unused=True), timeout=ABORT_TIMEOUT_S))
+            self._background.add(task)
+            task.add_done_callback(_forget(self._background))
+
+
+def _check_prefill(prefill: asyncio.Task, got_tokens: bool, request_id: str) -> None:
+    """Raise what the finished prefill means for the attempt; return if it can go on."""
+    if prefill.cancelled():
+        raise asyncio.CancelledError()
+    exc = prefill.exception()
+    if exc is None:
+        return
+    if isinstance(exc, _HandoffFailed):
+        log.info("request %s: KV handoff failed (%s); the decode worker's policy decides",
+                 request_id, exc)
+        return
+    if isinstance(exc, WorkerLost) and got_tokens:
+        return  # the KV had landed: the prefill worker is no longer needed
+    raise exc
+
+
+def _decode_message(worker: WorkerInfo, read: asyncio.Future) -> worker_pb2.DecodeResponse:
+    try:
+        msg = read.result()
+    except grpc.aio.AioRpcError as exc:
+        if exc.code() in LOST:
+            raise WorkerLost(worker, f"{exc.code().name}: {exc.details()}") from exc
+        raise _status_error(worker, exc) from exc
+    if msg is grpc.aio.EOF:
+        raise WorkerLost(worker, "stream ended before the request finished")
+    return msg
+
+
+def _status_error(worker: WorkerInfo, exc: grpc.aio.AioRpcError) -> Exception:
+    """A worker's error status as the gateway's own exception (same status to the client)."""
+    code, details = exc.code(), exc.details()
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        return ValueError(details)
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return ResourceExhausted(details)
+    return Unavailable(f"{worker.role} worker {worker.worker_id} failed: {code.name}: {details}")
+
+
+def _resumed(params: worker_pb2.SamplingParams, num_generated: int) -> worker_pb2.SamplingParams:
+    """The sampling settings for the rest of a request that has ``num_generated`` tokens."""
+    if not num_generated:
+        return params
+    resumed = worker_pb2.SamplingParams()
+    resumed.CopyFrom(params)
+    resumed.max_tokens = params.max_tokens - num_generated
+    resumed.min_tokens = max(params.min_tokens - num_generated, 0)
+    return resumed
+
+
+def _only_new(msg: worker_pb2.DecodeResponse, base: int, num_sent: int) -> worker_pb2.DecodeResponse:
+    """Drop tokens the client already has. ``msg.num_output_tokens`` counts the attempt's
+    tokens; the attempt started after ``base`` tokens; ``num_sent`` were sent so far."""
+    first = base + msg.num_output_tokens - len(msg.token_ids)  # position of msg.token_ids[0]
+    if first > num_sent:
+        raise RuntimeError(f"token stream gap: next token is #{num_sent}, the worker sent #{first}")
+    skip = num_sent - first
+    return worker_pb2.DecodeResponse(
+        token_ids=msg.token_ids[skip:], finish_reason=msg.finish_reason,
+        num_output_tokens=base + msg.num_output_tokens, logprobs=msg.logprobs[skip:])
+
+
+def _forget(tasks: set) -> Callable[[asyncio.Task], None]:
+    def done(task: asyncio.Task) -> None:
+        tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.info("freeing an unused reservation failed: %s", task.exception())
+    return done

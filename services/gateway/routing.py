@@ -1,0 +1,74 @@
+"""Which workers the gateway may use: the registry's live workers, minus those that just failed
+a request, with the last good listing kept for Redis outages; one gRPC channel per endpoint."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+
+import grpc
+import redis
+
+from services.rpc import Unavailable
+from services.state.registry import TTL_HEARTBEATS, WorkerInfo, WorkerRegistry
+
+log = logging.getLogger(__name__)
+
+
+class WorkerPool:
+    """Live workers per role, and channels to them.
+
+    A worker reported ``lost`` is skipped for ``TTL_HEARTBEATS`` heartbeats, by which time the
+    registry has dropped it if it is dead; new workers appear with their first heartbeat. When
+    Redis is unreachable the last listing is used, so requests in flight can still retry or
+    migrate (new requests fail earlier, on their Redis record).
+    """
+
+    def __init__(self, registry: WorkerRegistry, heartbeat_s: float, rpc_timeout_s: float) -> None:
+        self.registry = registry
+        self.suspect_s = TTL_HEARTBEATS * heartbeat_s
+        self.rpc_timeout_s = rpc_timeout_s
+        self._suspects: dict[str, float] = {}  # worker id -> monotonic time it is usable again
+        self._last: dict[str, list[WorkerInfo]] = {}  # role -> last listing read from Redis
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._closing: set[asyncio.Task] = set()
+
+    async def live(self, role: str) -> list[WorkerInfo]:
+        """Usable workers of ``role`` in random order (spreads ties). Raises Unavailable."""
+        try:
+            workers = self._last[role] = await self.registry.list(role)
+        except (redis.RedisError, OSError) as exc:
+            if role not in self._last:
+                raise Unavailable(f"worker registry (Redis) unreachable: {exc}") from exc
+            log.warning("worker registry (Redis) unreachable, using its last listing: %s", exc)
+            workers = list(self._last[role])
+        now = time.monotonic()
+        workers = [w for w in workers if self._suspects.get(w.worker_id, 0.0) <= now]
+        if not workers:
+            raise Unavailable(f"no live {role} worker is registered")
+        random.shuffle(workers)
+        return workers
+
+    def lost(self, worker: WorkerInfo, why: str) -> None:
+        """``worker`` failed mid-request: route around it; its channel closes once the calls
+        still on it have ended (a worker that only blipped must not lose its other streams)."""
+        now = time.monotonic()
+        log.warning("%s worker %s at %s lost: %s", worker.role, worker.worker_id, worker.endpoint, why)
+        self._suspects = {w: t for w, t in self._suspects.items() if t > now}
+        self._suspects[worker.worker_id] = now + self.suspect_s
+        channel = self._channels.pop(worker.endpoint, None)
+        if channel is not None:
+            task = asyncio.ensure_future(channel.close(grace=self.rpc_timeout_s))
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
+
+    def channel(self, endpoint: str) -> grpc.aio.Channel:
+        if endpoint not in self._channels:
+            self._channels[endpoint] = grpc.aio.insecure_channel(endpoint)
+        return self._channels[endpoint]
+
+    async def close(self) -> None:
+        for channel in self._channels.values():
+            await channel.close()
+        self._channels.clear()
