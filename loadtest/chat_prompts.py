@@ -2,6 +2,18 @@
 lists, explanations): each becomes one user turn rendered with the model's chat template."""
 from __future__ import annotations
 
+# The correctness oracle's prompts (tests/reference.py) and the GPU bf16-vs-fp32 comparison's.
+ORACLE_PROMPTS: tuple[str, ...] = (
+    "What is the capital of France?",
+    "Write a short poem about the sea.",
+    "Explain in two sentences what a hash table is.",
+    "List three fruits that are red.",
+    "How many legs does a spider have? Answer and explain.",
+    "Translate 'good morning' into Spanish and German.",
+    "Write a Python function that reverses a string.",
+    "Give me two tips for sleeping better.",
+)
+
 CHAT_PROMPTS: tuple[str, ...] = (
     # questions
     "What is the capital of Australia, and why is it not Sydney?",

@@ -23,21 +23,11 @@ from pathlib import Path
 import torch
 
 from kernels.bench import peak_hbm_gbps
+from loadtest.chat_prompts import ORACLE_PROMPTS as CHAT_PROMPTS
 from services.engine.engine import EngineConfig, LLMEngine
 from services.engine.llm import LLM
 from services.engine.sampling_params import SamplingParams
 
-# the test oracle's prompts (tests/reference.py)
-CHAT_PROMPTS = [
-    "What is the capital of France?",
-    "Write a short poem about the sea.",
-    "Explain in two sentences what a hash table is.",
-    "List three fruits that are red.",
-    "How many legs does a spider have? Answer and explain.",
-    "Translate 'good morning' into Spanish and German.",
-    "Write a Python function that reverses a string.",
-    "Give me two tips for sleeping better.",
-]
 MUST_MATCH = 32  # tokens per prompt that the issue asks to agree
 
 

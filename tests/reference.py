@@ -8,19 +8,11 @@ import functools
 
 import torch
 
+from loadtest.chat_prompts import ORACLE_PROMPTS
 from services.engine.model_files import default_model_path
 from services.engine.tokenizer import Tokenizer
 
-CHAT_PROMPTS = [
-    "What is the capital of France?",
-    "Write a short poem about the sea.",
-    "Explain in two sentences what a hash table is.",
-    "List three fruits that are red.",
-    "How many legs does a spider have? Answer and explain.",
-    "Translate 'good morning' into Spanish and German.",
-    "Write a Python function that reverses a string.",
-    "Give me two tips for sleeping better.",
-]
+CHAT_PROMPTS = ORACLE_PROMPTS
 NUM_TOKENS = 40  # >= 32 compared per prompt; ignore_eos so every prompt gives all of them
 
 
