@@ -102,13 +102,17 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                     request_id=rid, token_ids=msg.token_ids, text=text, finish_reason=reason,
                     usage=_usage(len(prompt), n_out) if reason else None,
                     logprobs=[self._logprob(lp) for lp in msg.logprobs])
-                if reason:
-                    state, fields = RequestState.FINISHED, {"finish_reason": reason}
+                if reason:  # "abort": a worker's Abort ended it
+                    state = RequestState.ABORTED if reason == "abort" else RequestState.FINISHED
+                    fields = {"finish_reason": reason}
                     break  # a stop string: the finally below cancels the decode stream
         except asyncio.CancelledError:
             state, fields = RequestState.ABORTED, {"finish_reason": "abort"}
             if not inflight.aborted or asyncio.current_task().cancelling():
                 raise  # the client went away: nothing more to send
+        except GeneratorExit:  # the client went away while a message was on its way
+            state, fields = RequestState.ABORTED, {"finish_reason": "abort"}
+            raise
         except grpc.aio.AioRpcError as exc:  # a worker error the dispatcher did not translate
             fields = {"error": f"{exc.code().name}: {exc.details()}"}
             raise Unavailable(f"worker failed: {exc.details()}") from exc
