@@ -81,16 +81,16 @@ def _find(rows: list[dict], system: str, workload: str) -> dict | None:
     return next((r for r in rows if r["system"] == system and r["workload"] == workload), None)
 
 
-def ratios(rows: list[dict]) -> dict[str, float | None]:
-    """Output tok/s of continuous batching over each baseline, per workload (None: not run)."""
+def ratios(rows: list[dict], key: str = "output_tokens_per_s") -> dict[str, float | None]:
+    """``key`` (output tok/s, or per CPU-second) of continuous batching over each baseline, per
+    workload (None: not run)."""
     out = {}
     for workload in sorted({r["workload"] for r in rows}):
         cont = _find(rows, "continuous", workload)
         for base in ("static", "hf"):
             other = _find(rows, base, workload)
-            ok = cont is not None and other is not None and other["output_tokens_per_s"] > 0
-            out[f"continuous_vs_{base}_{workload}"] = (
-                cont["output_tokens_per_s"] / other["output_tokens_per_s"] if ok else None)
+            ok = cont is not None and other is not None and bool(other.get(key))
+            out[f"continuous_vs_{base}_{workload}"] = cont[key] / other[key] if ok else None
     return out
 
 
@@ -119,6 +119,7 @@ def assemble(config: dict, workloads: list[Workload], rows: list[dict], decode: 
                         "loadavg_before": list(load_before), "loadavg_after": list(os.getloadavg())},
             "workloads": {w.name: w.stats() for w in workloads}, "runs": rows,
             "decode_probe": decode, "prefill_probe": prefill, "ratios": rat,
+            "ratios_per_cpu_s": ratios(rows, "output_tokens_per_cpu_s"),
             "targets": targets(rows, rat, decode, prefill), "wall_s": wall_s}
 
 
@@ -134,7 +135,8 @@ def print_progress(row: dict) -> None:
 
 def print_table(rows: list[dict]) -> None:
     head = (f"{'workload':<8} {'system':<10} {'reqs':>4} {'out tok/s':>9} {'tot tok/s':>9} "
-            f"{'req/s':>6} {'batch':>5} {'KV use':>6} {'KV waste':>8} {'pfx hit':>7} {'preempt':>7}  "
+            f"{'req/s':>6} {'tok/CPU-s':>9} {'batch':>5} {'KV use':>6} {'KV waste':>8} "
+            f"{'pfx hit':>7} {'preempt':>7}  "
             + " ".join(f"{p[:7]:>7}" for p in STEP_PHASES) + "  (% of step time)")
     print(head)
     for r in rows:
@@ -142,6 +144,7 @@ def print_table(rows: list[dict]) -> None:
         pct = lambda v, s=".1%": _fmt(v, s, 6)  # noqa: E731
         print(f"{r['workload']:<8} {r['system']:<10} {r['num_requests']:>4} "
               f"{r['output_tokens_per_s']:>9.1f} {r['total_tokens_per_s']:>9.1f} {r['requests_per_s']:>6.3f} "
+              f"{_fmt(r.get('output_tokens_per_cpu_s'), '.1f', 9)} "
               f"{_fmt(r['mean_batch_size'], '.1f', 5)} {pct(r['kv_usage'])} {_fmt(r['kv_waste'], '.2%', 8)} "
               f"{_fmt(r['prefix_cache_hit_rate'], '.1%', 7)} {_fmt(r['num_preemptions'], 'd', 7)}  "
               + " ".join(_fmt(split.get(p), ".1f", 7) for p in STEP_PHASES))
@@ -151,8 +154,10 @@ def print_all(results: dict) -> None:
     """The table, the decode and prefill probes, ratios and PASS/FAIL targets."""
     print()
     for name, w in results["workloads"].items():
+        out = (f"output median {w['output_median']:.0f} (max {w['output_max']})"
+               if w.get("exact_output") else f"to EOS, output cap {w['output_max']}")
         print(f"{name}: {w['num_requests']} requests, prompt median {w['prompt_median']:.0f} (max "
-              f"{w['prompt_max']}), output median {w['output_median']:.0f} (max {w['output_max']}) tokens")
+              f"{w['prompt_max']}), {out} tokens")
     print_table(results["runs"])
     d, p = results["decode_probe"], results["prefill_probe"]
     if d:
@@ -164,18 +169,20 @@ def print_all(results: dict) -> None:
             if p["hf_forward_s"] else ""
         print(f"prefill probe: {p['prompt_tokens']} tokens in {p['engine_s']:.2f}s "
               f"({p['engine_tokens_per_s']:.0f} tok/s){hf}")
-    print("ratios (output tok/s): " + ", ".join(
-        f"{k} {v:.2f}x" for k, v in results["ratios"].items() if v is not None))
+    for name, key in (("output tok/s", "ratios"), ("output tokens per CPU-s", "ratios_per_cpu_s")):
+        print(f"ratios ({name}): " + ", ".join(
+            f"{k} {v:.2f}x" for k, v in results[key].items() if v is not None))
     print("\ntargets:")
     for t in results["targets"]:
         mark = {True: "PASS", False: "FAIL", None: "n/a "}[t["passed"]]
-        print(f"  [{mark}] {t['description']}: {_fmt(t['value'], '.3f', 0).strip()} "
+        print(f"  [{mark}] {t['description']}: {_fmt(t['value'], '.4g', 0).strip()} "
               f"(target {t['comparison']} {t['threshold']})")
     m = results["machine"]
     print(f"\nwall time {results['wall_s']:.0f}s on {m['cpu_count']} CPUs, {m['torch_threads']} "
           f"torch threads; load average before {m['loadavg_before'][0]:.1f}, after "
           f"{m['loadavg_after'][0]:.1f}")
-    if max(m["loadavg_before"][0], m["loadavg_after"][0]) > m["cpu_count"]:
+    # NOTE: the load average counts this run's own threads too (about torch_threads)
+    if max(m["loadavg_before"][0], m["loadavg_after"][0] - m["torch_threads"]) > 0.5:
         print("WARNING: the CPU was shared with other work: timings are low and noisy. With more "
               "torch threads than free cores OpenMP barriers stall on descheduled threads; "
               "prefer --threads 1 or OMP_WAIT_POLICY=PASSIVE on a busy machine.")

@@ -79,7 +79,7 @@ def test_targets_mark_pass_and_fail():
 
 ROW_FIELDS = {"system", "workload", "num_requests", "elapsed_s", "prompt_tokens", "output_tokens",
               "output_tokens_per_s", "total_tokens_per_s", "requests_per_s", "cpu_s",
-              *offline_report.ENGINE_ONLY}
+              "output_tokens_per_cpu_s", *offline_report.ENGINE_ONLY}
 
 
 @pytest.fixture
@@ -113,4 +113,5 @@ def test_quick_run_end_to_end_reports_every_field(tmp_path, capsys, keep_torch_t
     assert results["prefill_probe"]["engine_tokens_per_s"] > 0
     assert results["prefill_probe"]["hf_tokens_per_s"] > 0
     assert [t["name"] for t in results["targets"]] == [t[0] for t in offline_report.TARGETS]
+    assert results["ratios_per_cpu_s"]["continuous_vs_static_random"] > 0
     assert "targets:" in capsys.readouterr().out
