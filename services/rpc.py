@@ -2,6 +2,7 @@
 interceptor that turns exceptions into status codes (no stack traces reach clients)."""
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Iterable
 
@@ -75,9 +76,10 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
             inner_stream = handler.unary_stream
 
             async def stream(request, context):
-                try:
-                    async for item in inner_stream(request, context):
-                        yield item
+                try:  # NOTE: aclosing: a client gone mid-stream closes the handler at once
+                    async with contextlib.aclosing(inner_stream(request, context)) as items:
+                        async for item in items:
+                            yield item
                 except Exception as exc:  # noqa: BLE001
                     await _abort(context, exc, details.method)
 
