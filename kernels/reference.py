@@ -95,24 +95,41 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
 
 def paged_decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-    seq_lens: torch.Tensor, scale: float,
+    seq_lens: torch.Tensor, scale: float, bucket_size: int = 8,
 ) -> torch.Tensor:
     """One query token per sequence, batched. q: ``[num_seqs, num_heads, head_dim]``;
-    block_tables: ``[num_seqs, max_blocks]``; seq_lens: ``[num_seqs]``."""
+    block_tables: ``[num_seqs, max_blocks]``; seq_lens: ``[num_seqs]``.
+
+    Sequences are sorted by length and attended ``bucket_size`` at a time, each bucket padded
+    only to its own longest context. One padded gather over the whole batch copies
+    ``num_seqs x max(seq_lens)`` K/V rows, and at a batch of 64 with lengths 100-700 it was
+    about 6x slower (47 ms vs 7.4 ms a layer on this 2-core CPU) than these cache-sized buckets.
+    """
+    if q.shape[0] <= bucket_size:
+        return _padded_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)
+    out = torch.empty_like(q)
+    for idx in torch.argsort(seq_lens).split(bucket_size):
+        out[idx] = _padded_decode_attention(q[idx], k_cache, v_cache, block_tables[idx],
+                                            seq_lens[idx], scale)
+    return out
+
+
+def _padded_decode_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    seq_lens: torch.Tensor, scale: float,
+) -> torch.Tensor:
+    """``paged_decode_attention`` with K/V gathered and padded to the longest sequence."""
     num_seqs, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[2]
-    max_len = int(seq_lens.max())
-    num_blocks = -(-max_len // k_cache.shape[1])
+    block_size = k_cache.shape[1]
+    num_blocks = -(-int(seq_lens.max()) // block_size)
     tables = block_tables[:, :num_blocks]
-    # [num_seqs, num_kv_heads, max_len, head_dim]
-    k = k_cache[tables].flatten(1, 2)[:, :max_len].transpose(1, 2)
-    v = v_cache[tables].flatten(1, 2)[:, :max_len].transpose(1, 2)
-    qg = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    scores = torch.matmul(qg, k.transpose(2, 3)) * scale  # [seqs, kv_heads, group, max_len]
-    pad = torch.arange(max_len, device=q.device).unsqueeze(0) >= seq_lens.unsqueeze(1)
-    scores.masked_fill_(pad[:, None, None, :], float("-inf"))
-    out = torch.matmul(torch.softmax(scores, dim=-1), v)  # [seqs, kv_heads, group, head_dim]
-    return out.reshape(num_seqs, num_heads, head_dim)
+    # [num_seqs, num_kv_heads, num_blocks * block_size, head_dim]
+    k = k_cache[tables].flatten(1, 2).transpose(1, 2)
+    v = v_cache[tables].flatten(1, 2).transpose(1, 2)
+    valid = torch.arange(num_blocks * block_size, device=q.device) < seq_lens.unsqueeze(1)
+    out = F.scaled_dot_product_attention(
+        q.unsqueeze(2), k, v, attn_mask=valid[:, None, None, :], scale=scale, enable_gqa=True)
+    return out.view(num_seqs, num_heads, head_dim)
 
 
 def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
