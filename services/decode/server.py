@@ -16,7 +16,6 @@ from services.api import worker_pb2, worker_pb2_grpc
 from services.decode.reservations import Outcome, Reservations
 from services.engine.sampler import TokenLogprobs
 from services.engine.scheduler import RequestOutput
-from services.kv_transfer import create_transport
 from services.rpc import Aborted, ResourceExhausted
 from services.worker import WorkerRuntime, logprobs_to_proto, params_from_proto
 
@@ -28,12 +27,7 @@ FAIL = worker_pb2.KV_FAILURE_POLICY_FAIL
 class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
     def __init__(self, runtime: WorkerRuntime) -> None:
         self.rt = runtime
-        opts = runtime.options
-        engine = runtime.engine
-        self.transport = create_transport(
-            opts.kv_transport, engine.kv_cache, engine.layout,
-            host=opts.host, port=opts.kv_port, advertise_host=opts.advertise_host,
-        )
+        self.transport = runtime.create_transport(runtime.options.kv_port)
         self.reservations = Reservations(runtime.release)
         self.transport.set_notification_handler(self._on_notification)
         self.GetLoad = runtime.GetLoad

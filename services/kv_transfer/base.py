@@ -78,6 +78,9 @@ def block_runs(block_ids: Sequence[int]) -> list[tuple[int, int]]:
     return runs
 
 
+MAX_NOTIFICATION_BYTES = 1 << 20  # largest write_blocks notification, every backend
+
+
 def invalid_block_ids(block_ids: Sequence[int], num_blocks: int) -> str | None:
     """Why ``block_ids`` cannot be written into a cache of ``num_blocks`` blocks, or None."""
     if any(type(b) is not int for b in block_ids):
@@ -133,9 +136,13 @@ class KVTransport(ABC):
         self.num_blocks = shape[2]
 
     def _validated_ids(
-        self, local_block_ids: Sequence[int], remote_block_ids: Sequence[int]
+        self, local_block_ids: Sequence[int], remote_block_ids: Sequence[int],
+        notification: bytes,
     ) -> tuple[list[int], list[int]]:
         """``write_blocks``' argument checks, shared by backends; raises ValueError."""
+        if len(notification) > MAX_NOTIFICATION_BYTES:
+            raise ValueError(f"notification of {len(notification)} bytes > "
+                             f"{MAX_NOTIFICATION_BYTES}")
         local_ids = [operator.index(b) for b in local_block_ids]
         remote_ids = [operator.index(b) for b in remote_block_ids]
         if len(local_ids) != len(remote_ids):

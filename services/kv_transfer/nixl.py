@@ -45,7 +45,6 @@ NIXL_MISSING = "NIXL is not installed (pip install nixl-cu12); use --kv-transpor
 _MODULES = ("nixl_cu12", "nixl._api")  # the wheel we depend on, then the `nixl` meta package
 _HELLO, _WRITE, _ACK, _BYE = b"H", b"W", b"A", b"B"
 _TAG_BYTES = 8
-_MAX_NOTIFICATION = 1 << 20  # bytes
 _BUSY_POLL_S, _IDLE_POLL_S = 20e-6, 200e-6  # notification polling: busy / idle
 _BUSY_WINDOW_S = 0.05  # busy: calls waiting, or a notification within this window
 _XFER_POLL_S = 1e-3  # how often a waiting write checks its WRITE for an error
@@ -231,9 +230,8 @@ class NixlKVTransport(KVTransport):
                      remote_block_ids: Sequence[int], notification: bytes,
                      timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
-        local_ids, remote_ids = self._validated_ids(local_block_ids, remote_block_ids)
-        if len(notification) > _MAX_NOTIFICATION:
-            raise ValueError(f"notification of {len(notification)} bytes > {_MAX_NOTIFICATION}")
+        local_ids, remote_ids = self._validated_ids(local_block_ids, remote_block_ids,
+                                                    notification)
         self._check_open()
         with self._lock:
             target = self._peers.get(peer)

@@ -26,15 +26,14 @@ import torch
 
 from services.engine.config import KVCacheLayout
 from services.kv_transfer.base import (
-    KVLayoutMismatchError, KVTransferError, KVTransport, NotificationHandler, block_runs,
-    check_layouts_match, invalid_block_ids, layout_from_dict, layout_to_dict,
+    MAX_NOTIFICATION_BYTES, KVLayoutMismatchError, KVTransferError, KVTransport,
+    NotificationHandler, block_runs, check_layouts_match, invalid_block_ids, layout_from_dict, layout_to_dict,
 )
 
 logger = logging.getLogger(__name__)
 
 _LEN = struct.Struct("!I")
 _MAX_FRAME = 64 << 20  # bytes; a header of a million block ids still fits
-_MAX_NOTIFICATION = 1 << 20  # bytes
 _IOV_MAX = 1024  # buffers per sendmsg/recvmsg_into call (Linux UIO_MAXIOV)
 
 
@@ -238,9 +237,8 @@ class TcpKVTransport(KVTransport):
                      remote_block_ids: Sequence[int], notification: bytes,
                      timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
-        local_ids, remote_ids = self._validated_ids(local_block_ids, remote_block_ids)
-        if len(notification) > _MAX_NOTIFICATION:
-            raise ValueError(f"notification of {len(notification)} bytes > {_MAX_NOTIFICATION}")
+        local_ids, remote_ids = self._validated_ids(local_block_ids, remote_block_ids,
+                                                    notification)
         sock = self._acquire(peer, deadline)
         header = {"op": "write", "remote_block_ids": remote_ids, "timeout_s": timeout_s,
                   "notif_len": len(notification),
@@ -333,7 +331,8 @@ class TcpKVTransport(KVTransport):
         deadline = time.monotonic() + min(max(float(header["timeout_s"]), 0.1), 3600.0)
         ids, notif_len = header["remote_block_ids"], int(header["notif_len"])
         payload_bytes = int(header["payload_bytes"])
-        if header["op"] != "write" or not 0 <= notif_len <= _MAX_NOTIFICATION or payload_bytes < 0:
+        if (header["op"] != "write" or not 0 <= notif_len <= MAX_NOTIFICATION_BYTES
+                or payload_bytes < 0):
             raise ValueError(f"bad write header {header!r}")
         notification = bytearray(notif_len)
         _recv_into(sock, [memoryview(notification)], deadline)

@@ -15,7 +15,7 @@ import logging
 import time
 
 from services.api import worker_pb2, worker_pb2_grpc
-from services.kv_transfer import KVTransferError, create_transport
+from services.kv_transfer import KVTransferError
 from services.prefill.faults import Faults
 from services.rpc import Aborted
 from services.worker import WorkerRuntime, params_from_proto
@@ -34,14 +34,9 @@ def lease_margin_s(lease_s: float) -> float:
 class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
     def __init__(self, runtime: WorkerRuntime) -> None:
         self.rt = runtime
-        opts = runtime.options
-        engine = runtime.engine
         # a sender only: its listener is never written to, but costs nothing
-        self.transport = create_transport(
-            opts.kv_transport, engine.kv_cache, engine.layout,
-            host=opts.host, port=0, advertise_host=opts.advertise_host,
-        )
-        self.transfer_timeout_s = opts.kv_transfer_timeout_s
+        self.transport = runtime.create_transport(port=0)
+        self.transfer_timeout_s = runtime.options.kv_transfer_timeout_s
         self._handoffs: dict[str, asyncio.Task] = {}
         self.GetLoad = runtime.GetLoad
 

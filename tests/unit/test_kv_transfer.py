@@ -19,6 +19,7 @@ from services.engine.config import KVCacheLayout
 from services.kv_transfer import (
     KVLayoutMismatchError, KVTransferError, KVTransport, create_transport,
 )
+from services.kv_transfer.base import MAX_NOTIFICATION_BYTES
 from services.kv_transfer.nixl import load_nixl
 
 try:
@@ -192,6 +193,14 @@ def test_bad_local_arguments_raise_value_error(make, local_ids, remote_ids):
     with pytest.raises(ValueError):
         sender.write_blocks(peer, local_ids, remote_ids, b"x", TIMEOUT_S)
     assert notes == []
+
+
+def test_oversized_notification_raises_value_error(make):
+    sender, _, _, _, notes, peer = make_pair(make, 20, 13)
+    with pytest.raises(ValueError, match="notification of"):
+        sender.write_blocks(peer, [0], [0], b"x" * (MAX_NOTIFICATION_BYTES + 1), TIMEOUT_S)
+    sender.write_blocks(peer, [0], [0], b"x" * MAX_NOTIFICATION_BYTES, TIMEOUT_S)
+    assert [len(n) for n in notes] == [MAX_NOTIFICATION_BYTES]
 
 
 def test_unknown_peer_raises(make):

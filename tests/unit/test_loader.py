@@ -12,15 +12,6 @@ import torch
 
 from services.engine.config import ModelConfig
 from services.engine.loader import load_gguf, load_hf_dir, load_model
-from services.engine.model_files import default_model_path
-
-
-@pytest.fixture(scope="module")
-def gguf_path() -> Path:
-    try:
-        return default_model_path()
-    except FileNotFoundError as exc:
-        pytest.skip(str(exc))
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,6 @@ from typing import Any
 
 import pytest
 
-from services.engine.model_files import default_model_path
 from services.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 TEXTS = [
@@ -39,14 +38,6 @@ CONVERSATIONS = [
         {"role": "user", "content": "c"},
     ],
 ]
-
-
-@pytest.fixture(scope="module")
-def gguf_path() -> Path:
-    try:
-        return default_model_path()
-    except FileNotFoundError as exc:
-        pytest.skip(str(exc))
 
 
 @pytest.fixture(scope="module")
