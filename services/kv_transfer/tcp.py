@@ -1,4 +1,4 @@
-"""Pure-Python TCP backend of ``KVTransport``: CPU caches, no extra dependencies.
+"""Pure-Python TCP backend of ``KVTransport``: no extra dependencies.
 
 Wire protocol (every frame: 4-byte big-endian length + UTF-8 JSON):
 - handshake: sender ``{"op": "hello", "layout"}`` -> receiver ``{"ok", "name", "layout",
@@ -9,6 +9,10 @@ Wire protocol (every frame: 4-byte big-endian length + UTF-8 JSON):
   "error"}``. The receiver ``recvmsg_into``s the payload straight into its cache's memory; the
   sender ``sendmsg``s views of its cache; each side coalesces runs of consecutive block ids.
   NOTE: measured faster than gathering the blocks into one buffer first (no extra copy).
+- A cache on a GPU cannot be a socket buffer: it is staged through host memory. The sender
+  gathers the blocks on the device (``gather_blocks``, the Triton kernel on CUDA) and sends
+  one host copy; the receiver fills a host buffer and scatters it into its cache. The wire is
+  the same, so a GPU worker and a CPU worker interoperate.
 """
 from __future__ import annotations
 
@@ -27,14 +31,21 @@ import torch
 from services.engine.config import KVCacheLayout
 from services.kv_transfer.base import (
     MAX_NOTIFICATION_BYTES, KVLayoutMismatchError, KVTransferError, KVTransport,
-    NotificationHandler, block_runs, check_layouts_match, invalid_block_ids, layout_from_dict, layout_to_dict,
+    NotificationHandler, block_runs, check_layouts_match, invalid_block_ids, layout_from_dict,
+    layout_to_dict,
 )
+from services.engine.attention import gather_blocks, scatter_blocks
 
 logger = logging.getLogger(__name__)
 
 _LEN = struct.Struct("!I")
 _MAX_FRAME = 64 << 20  # bytes; a header of a million block ids still fits
 _IOV_MAX = 1024  # buffers per sendmsg/recvmsg_into call (Linux UIO_MAXIOV)
+
+
+def _bytes(tensor: torch.Tensor) -> memoryview:
+    """A flat byte view of a contiguous CPU tensor (any dtype, bfloat16 included)."""
+    return memoryview(tensor.view(-1).view(torch.uint8).numpy())
 
 
 def _remaining(deadline: float) -> float:
@@ -95,7 +106,7 @@ def _recv_frame(sock: socket.socket, deadline: float | None, body_timeout_s: flo
 
 
 class TcpKVTransport(KVTransport):
-    """``KVTransport`` over plain TCP sockets for CPU caches (see the module doc for the wire).
+    """``KVTransport`` over plain TCP sockets (see the module doc for the wire and staging).
 
     The receiver listens on ``host:port`` (port 0: an ephemeral port, reported by
     ``metadata()``) and serves each connection on its own thread. ``advertise_host`` is the
@@ -103,7 +114,7 @@ class TcpKVTransport(KVTransport):
     wildcard). The sender keeps a pool of connections per peer, so concurrent writes to one
     peer run in parallel. ``connect_timeout_s`` bounds ``add_remote``'s connect and handshake;
     ``io_timeout_s`` bounds how long the receiver waits for the rest of a started frame.
-    Raises ValueError when ``kv_cache`` is not a CPU tensor or disagrees with ``layout``.
+    Raises ValueError when ``kv_cache`` disagrees with ``layout``.
     """
 
     def __init__(
@@ -112,10 +123,9 @@ class TcpKVTransport(KVTransport):
         connect_timeout_s: float = 10.0, io_timeout_s: float = 30.0,
     ) -> None:
         super().__init__(kv_cache, layout)
-        if kv_cache.device.type != "cpu":
-            raise ValueError(f"TcpKVTransport needs a CPU kv_cache, got {kv_cache.device}")
-        # NOTE: a flat byte view of the registered cache; slices of it are zero-copy regions.
-        self._memory = memoryview(kv_cache.view(-1).view(torch.uint8).numpy())
+        self._staged = kv_cache.device.type != "cpu"  # through host buffers (module doc)
+        # NOTE: a flat byte view of a CPU cache; slices of it are zero-copy regions.
+        self._memory = None if self._staged else _bytes(kv_cache)
         self._bytes_per_block = layout.num_layers * 2 * layout.block_bytes  # all layers, K+V
         self.name = f"tcp-{uuid.uuid4().hex[:12]}"
         self._connect_timeout_s, self._io_timeout_s = connect_timeout_s, io_timeout_s
@@ -164,8 +174,28 @@ class TcpKVTransport(KVTransport):
         for thread in self._serve_threads:
             thread.join(timeout=max(deadline - time.monotonic(), 0.0))
 
+    def _send_regions(self, block_ids: Sequence[int]) -> list[memoryview]:
+        """The payload of a write of ``block_ids``: cache views, or one staged host copy."""
+        if not self._staged:
+            return self._regions(block_ids)
+        return [_bytes(gather_blocks(self.kv_cache, self._index(block_ids)).cpu())]
+
+    def _recv_payload(self, sock: socket.socket, block_ids: Sequence[int],
+                      deadline: float) -> None:
+        """Fill ``block_ids`` from the socket: straight into the cache, or through a host buffer."""
+        if not self._staged:
+            _recv_into(sock, self._regions(block_ids), deadline)
+            return
+        shape = (self.layout.num_layers, 2, len(block_ids), *self.kv_cache.shape[3:])
+        buffer = torch.empty(shape, dtype=self.kv_cache.dtype)
+        _recv_into(sock, [_bytes(buffer)], deadline)
+        scatter_blocks(buffer.to(self.kv_cache.device), self.kv_cache, self._index(block_ids))
+
+    def _index(self, block_ids: Sequence[int]) -> torch.Tensor:
+        return torch.tensor(block_ids, dtype=torch.int64, device=self.kv_cache.device)
+
     def _regions(self, block_ids: Sequence[int]) -> list[memoryview]:
-        """Views of the cache in payload order: layer, K then V, runs of ``block_ids``."""
+        """Views of a CPU cache in payload order: layer, K then V, runs of ``block_ids``."""
         size, runs = self.layout.block_bytes, block_runs(block_ids)
         views = []
         for layer in range(self.layout.num_layers):
@@ -245,7 +275,7 @@ class TcpKVTransport(KVTransport):
                   "payload_bytes": len(local_ids) * self._bytes_per_block}
         try:
             _send_frame(sock, header, deadline, [memoryview(notification),
-                                                 *self._regions(local_ids)])
+                                                 *self._send_regions(local_ids)])
             reply = _recv_frame(sock, deadline)
         except (OSError, ValueError) as exc:  # includes timeouts and a malformed reply
             self._forget(sock)
@@ -340,7 +370,7 @@ class TcpKVTransport(KVTransport):
             _discard(sock, payload_bytes, deadline)
             _send_frame(sock, {"ok": False, "error": problem}, deadline)
             return
-        _recv_into(sock, self._regions(ids), deadline)
+        self._recv_payload(sock, ids, deadline)
         try:
             with self._handler_lock:
                 if self._handler is None:

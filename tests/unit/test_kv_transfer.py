@@ -40,14 +40,20 @@ def make_cache(layout: KVCacheLayout, num_blocks: int, seed: int) -> torch.Tenso
     return torch.randn(shape, generator=gen).to(layout.torch_dtype)
 
 
-@pytest.fixture(params=BACKENDS)
+@pytest.fixture(params=[*BACKENDS, "tcp-staged"])
 def make(request):
-    """``make(num_blocks, layout=LAYOUT, seed=0) -> (transport, kv_cache)``; closes all after."""
+    """``make(num_blocks, layout=LAYOUT, seed=0) -> (transport, kv_cache)``; closes all after.
+
+    "tcp-staged": TCP through host staging buffers, the path of a GPU cache, forced on a CPU
+    cache (gather -> host copy -> socket -> host buffer -> scatter)."""
     made: list[KVTransport] = []
+    backend = request.param.removesuffix("-staged")
 
     def _make(num_blocks: int, layout: KVCacheLayout = LAYOUT, seed: int = 0):
         cache = make_cache(layout, num_blocks, seed)
-        transport = create_transport(request.param, cache, layout, host="127.0.0.1", port=0)
+        transport = create_transport(backend, cache, layout, host="127.0.0.1", port=0)
+        if request.param.endswith("-staged"):
+            transport._staged, transport._memory = True, None
         made.append(transport)
         return transport, cache
 
