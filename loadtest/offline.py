@@ -95,8 +95,7 @@ class Engines:
             if a.model:
                 fields["model"] = a.model
             engine = LLMEngine(EngineConfig(**fields), weights=self.weights)
-            warm_up = _random_request(random.Random(-1), 24, 2, engine.model_config.vocab_size)
-            _drive(engine, [warm_up])
+            engine.warm_up()
             self._engines[policy] = engine
         return self._engines[policy]
 

@@ -44,6 +44,7 @@ async def serve_worker(opts: WorkerOptions, num_threads: int) -> None:
     torch.set_num_threads(num_threads)
     await check_redis(opts.redis_url)
     engine = await asyncio.to_thread(LLMEngine, opts.engine)
+    log.info("%s engine warmed up in %.2fs", opts.role, await asyncio.to_thread(engine.warm_up))
     runtime = WorkerRuntime(opts, engine)
     if opts.role == "decode":
         servicer, add, name = DecodeServicer(runtime), worker_pb2_grpc.add_DecodeWorkerServicer_to_server, "DecodeWorker"

@@ -142,7 +142,9 @@ class Scheduler:
         if self.static is not None:
             self.static.admit()
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
-        if self.static is None and not out.preempted:
+        if self.static is not None:
+            self.static.schedule_padding(out, budget)
+        elif not out.preempted:
             self._schedule_waiting(out, budget)
         return out
 
@@ -199,6 +201,9 @@ class Scheduler:
         ``out.scheduled[i]`` and is None for a prompt chunk that is not the prompt's last."""
         outputs = []
         for request, token_id in zip(out.scheduled, sampled_token_ids):
+            if request.is_padding:
+                self.static.advance_padding(request, token_id)
+                continue
             if request.is_finished():  # aborted while the step ran
                 continue
             request.num_computed_tokens += out.num_scheduled_tokens[request.request_id]
@@ -233,7 +238,7 @@ class Scheduler:
             return  # the prefill worker frees it with release() once the KV was sent
         if self.static is not None and was_running:
             self.requests.pop(request.request_id, None)
-            self.static.hold_slot(request)  # freed when the whole batch has drained
+            self.static.hold_slot(request)  # a padding row until the whole batch has drained
             return
         self.release(request.request_id)
 

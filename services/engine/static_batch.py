@@ -1,38 +1,69 @@
 """Static batching: the baseline continuous batching is measured against (Orca OSDI'22, section
-2.2; the padded batches of FasterTransformer-style servers).
+2.2; the fixed-shape batches of FasterTransformer-style servers and of ``transformers``
+``generate``).
 
 A batch of up to ``max_num_seqs`` waiting requests is admitted only when the previous batch has
-fully drained. Each slot gets KV blocks for the batch's longest ``prompt + max_tokens`` (capped
-at ``max_model_len``), as a padded static batch would, and keeps them until the whole batch has
-finished. Prompts are still computed in chunks within the token budget, and prefix-cache hits
-are used, so the baseline is no worse than padding and drain-before-admit make it.
+fully drained. Each slot gets KV blocks for the batch's longest prompt plus its longest
+``max_tokens`` (capped at ``max_model_len``): the shape of a left-padded batch. The batch keeps
+its shape until it drains: when a member finishes, its output ends as usual, and a padding row
+takes over its slot and keeps decoding (greedy, tokens discarded), as a finished row of a
+fixed-shape batch does. Prompts are still computed in chunks within the token budget and
+without padding, and prefix-cache hits are used.
 """
 from __future__ import annotations
 
 from itertools import islice
 from typing import TYPE_CHECKING
 
-from .request import Request
+from .request import Request, RequestStatus
+from .sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from .scheduler import Scheduler
+    from .scheduler import Scheduler, SchedulerOutput
+
+_PADDING_PARAMS = SamplingParams(temperature=0, ignore_eos=True)
 
 
 class StaticBatcher:
-    """Admission and slot bookkeeping of ``policy="static"`` for one ``Scheduler``."""
+    """Admission, slots and padding rows of ``policy="static"`` for one ``Scheduler``."""
 
     def __init__(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler
-        self.held: list[Request] = []  # finished members whose slots the batch still holds
+        self.padding: list[Request] = []  # rows standing in for finished members
 
     def hold_slot(self, request: Request) -> None:
-        self.held.append(request)
+        """``request`` (a member) finished: a padding row takes over its blocks."""
+        pad = Request(f"{request.request_id}/padding", request.all_token_ids, _PADDING_PARAMS,
+                      status=RequestStatus.RUNNING, is_padding=True)
+        pad.num_computed_tokens = request.num_computed_tokens
+        pad.block_table, request.block_table = request.block_table, []
+        self.scheduler.block_manager.free(request)  # no blocks left: drops its cache chain
+        self.padding.append(pad)
+
+    def schedule_padding(self, out: SchedulerOutput, budget: int) -> None:
+        """Add one decode token per padding row to ``out``, within the token budget. A row
+        whose slot is full stays idle (it never takes another block) until the batch drains."""
+        s = self.scheduler
+        bs = s.block_manager.block_size
+        for pad in self.padding:
+            if budget <= 0:
+                return
+            if (pad.num_computed_tokens < len(pad.block_table) * bs
+                    and pad.num_tokens < s.config.max_model_len):
+                out.scheduled.append(pad)
+                out.num_scheduled_tokens[pad.request_id] = 1
+                budget -= 1
+
+    @staticmethod
+    def advance_padding(pad: Request, token_id: int) -> None:
+        pad.num_computed_tokens += 1
+        pad.output_token_ids.append(token_id)
 
     def release_slots(self) -> None:
-        """Free the slots of finished members (call once no member runs)."""
-        for request in self.held:
-            self.scheduler.block_manager.free(request)
-        self.held.clear()
+        """Free the padding rows' slots (call once no member runs: the batch drained)."""
+        for pad in self.padding:
+            self.scheduler.block_manager.free(pad)
+        self.padding.clear()
 
     def admit(self) -> None:
         """If no member runs, free the old batch's slots and admit the next batch.
@@ -62,14 +93,15 @@ class StaticBatcher:
         s = self.scheduler
         bm = s.block_manager
         batch: list[Request] = []
-        slot_len = 0
+        longest_prompt = longest_output = slot_len = 0
         for request in islice(s.waiting, s.config.max_num_seqs):
-            longest = request.num_prompt_tokens + request.sampling_params.max_tokens
-            length = min(max(slot_len, longest), s.config.max_model_len)
+            prompt = max(longest_prompt, request.num_prompt_tokens)
+            output = max(longest_output, request.sampling_params.max_tokens)
+            length = min(prompt + output, s.config.max_model_len)
             if (len(batch) + 1) * bm.blocks_needed(length) > bm.num_free_blocks:
                 break
             batch.append(request)
-            slot_len = length
+            longest_prompt, longest_output, slot_len = prompt, output, length
         return batch, slot_len
 
     def _admit_first_chunk(self, request: Request) -> None:

@@ -43,6 +43,10 @@ def prompts() -> list[list[int]]:
 
 def test_batched_greedy_matches_transformers(prompts):
     engine = make_engine()
+    assert engine.warm_up() > 0  # leaves no trace: no request, metrics, KV or prefix entry
+    assert not engine.has_work() and not engine.scheduler.requests
+    assert engine.metrics.num_steps == 0 and engine.scheduler.prefix_cache_queries == 0
+    assert engine.block_manager.num_free_blocks == 256 and not engine.block_manager._cache
     assert generate_all(engine, prompts) == [list(r) for r in hf_greedy_outputs()]
     assert engine.block_manager.num_free_blocks == 256
 

@@ -36,6 +36,48 @@ def test_no_admission_until_the_batch_drains_and_slots_are_held_until_then():
     assert out.scheduled == [late] and len(late.block_table) == 2  # its own batch: 8 tokens
 
 
+def run_static_batch(reqs: list[Request], budget: int) -> list[list[str]]:
+    """Run one static batch to the end; returns the row ids of every step. Checks that each
+    member got exactly its tokens, that padding rows keep their member's slot (no new block)
+    and never output, and that the pool ends full."""
+    s = create_scheduler(num_blocks=16, block_size=4, max_num_seqs=3,
+                         max_num_batched_tokens=budget, policy="static")
+    for r in reqs:
+        s.add_request(r)
+    model, tokens, shapes, slot_blocks = FakeKVModel(s), {}, [], {}
+    while s.has_work():
+        out = s.schedule()
+        slot_blocks = slot_blocks or {r.request_id: len(r.block_table) for r in reqs}
+        shapes.append([r.request_id for r in out.scheduled])
+        for pad in (r for r in out.scheduled if r.is_padding):
+            member = pad.request_id.removesuffix("/padding")
+            assert member not in s.requests and len(pad.block_table) == slot_blocks[member]
+        for o in s.update_from_output(out, model(out)):
+            tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+    expected = {r.request_id: r.sampling_params.max_tokens for r in reqs}
+    assert {k: len(v) for k, v in tokens.items()} == expected
+    longest = max(r.num_prompt_tokens for r in reqs) + max(expected.values())
+    assert set(slot_blocks.values()) == {-(-longest // 4)}  # a left-padded batch's shape
+    assert not s.static.padding
+    assert_pool_full(s)
+    return shapes
+
+
+def test_the_batch_keeps_its_shape_with_padding_rows_until_it_drains():
+    shapes = run_static_batch([request("a", 10, 2), request("b", 2, 10), request("c", 3, 5)], 64)
+    assert all(len(rows) == 3 for rows in shapes)  # finished rows keep computing
+    assert shapes[2] == ["b", "c", "a/padding"] and shapes[-1] == ["b", "a/padding", "c/padding"]
+    assert len(shapes) == 10  # b's 10 tokens: prefill + 9 decode steps
+
+
+def test_a_padding_row_idles_once_its_slot_is_full():
+    # budget 8 staggers the prefills; slots hold 8 + 4 tokens. b finishes at step 5, its row
+    # pads position 11 at step 6 and then has no slot left while c still runs
+    shapes = run_static_batch([request("a", 8, 1), request("b", 8, 4), request("c", 8, 4)], 8)
+    assert shapes[:3] == [["a"], ["b"], ["b", "c"]]  # no budget left for a's padding row
+    assert shapes[5:] == [["c", "a/padding", "b/padding"], ["c", "a/padding"]]
+
+
 def test_slots_are_capped_at_max_model_len():
     s = create_scheduler(block_size=4, max_model_len=12, policy="static")
     r = request("r", 6, 100)
