@@ -40,12 +40,14 @@ class Workload:
         return sum(len(r.prompt_token_ids) for r in self.requests)
 
     def stats(self) -> dict[str, float]:
-        """Medians and maxima of prompt and requested output lengths, in tokens."""
+        """Medians and maxima of prompt and requested output lengths, in tokens (the requested
+        output is exact when ``exact_output``, else a cap: the request stops at EOS)."""
         prompts = [len(r.prompt_token_ids) for r in self.requests]
         outputs = [r.max_tokens for r in self.requests]
         return {"num_requests": len(self.requests),
                 "prompt_median": statistics.median(prompts), "prompt_max": max(prompts),
-                "output_median": statistics.median(outputs), "output_max": max(outputs)}
+                "output_median": statistics.median(outputs), "output_max": max(outputs),
+                "exact_output": all(r.ignore_eos for r in self.requests)}
 
 
 def _lognormal_int(rng: random.Random, median: float, sigma: float, lo: int, hi: int) -> int:
