@@ -25,9 +25,11 @@ from loadtest.workloads import (FIRST_NORMAL_TOKEN, PROMPT_RANGE, BenchRequest, 
                                 chat_workload, random_workload)
 
 ENGINE_SYSTEMS = ("continuous", "static")
-# Sized so one default invocation takes ~15 minutes on this project's 2-core CPU (measured: the
-# random workload dominates, its HF run most of all; see the README).
-DEFAULT_PROMPTS = {"random": 32, "chat": 16}
+# As many requests as --max-num-seqs: continuous batching differs from static batching most once
+# requests queue behind a full batch (with 32, continuous ran all of them from the first step
+# and only the tails differed). One default invocation takes ~30 minutes on this project's
+# 2-core CPU, the transformers runs most of it.
+DEFAULT_PROMPTS = {"random": 64, "chat": 64}
 QUICK = {"num_prompts": {"random": 4, "chat": 2}, "max_output": 16, "max_prompt": 256,
          "decode_tokens": 4}
 MAX_SEQ_LEN = PROMPT_RANGE[1] + 512  # tokens: the longest random request (prompt + output)

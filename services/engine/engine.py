@@ -82,8 +82,8 @@ class LLMEngine:
     def warm_up(self) -> float:
         """Run one throwaway request (an 8-token prefill, then a decode step) so the first real
         request does not pay the model's first-call costs, then reset the metrics and counters.
-        With ``block_size`` >= 3 it fills no KV block, so nothing enters the prefix cache. Call before serving (it
-        steps the engine). Returns the seconds it took."""
+        With ``block_size`` >= 3 it fills no KV block, so nothing enters the prefix cache.
+        Call before serving (it steps the engine). Returns the seconds it took."""
         t0 = time.perf_counter()
         s = self.scheduler
         counters = (s.num_preemptions, s.prefix_cache_queries, s.prefix_cache_hits)

@@ -28,13 +28,13 @@ from collections.abc import Sequence
 
 import torch
 
+from services.engine.attention import gather_blocks, scatter_blocks
 from services.engine.config import KVCacheLayout
 from services.kv_transfer.base import (
     MAX_NOTIFICATION_BYTES, KVLayoutMismatchError, KVTransferError, KVTransport,
     NotificationHandler, block_runs, check_layouts_match, invalid_block_ids, layout_from_dict,
     layout_to_dict,
 )
-from services.engine.attention import gather_blocks, scatter_blocks
 
 logger = logging.getLogger(__name__)
 
