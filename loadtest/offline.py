@@ -27,7 +27,7 @@ from loadtest.workloads import (FIRST_NORMAL_TOKEN, PROMPT_RANGE, BenchRequest, 
 ENGINE_SYSTEMS = ("continuous", "static")
 # As many requests as --max-num-seqs: continuous batching differs from static batching most once
 # requests queue behind a full batch (with 32, continuous ran all of them from the first step
-# and only the tails differed). One default invocation takes ~30 minutes on this project's
+# and only the tails differed). One default invocation takes ~21 minutes on this project's
 # 2-core CPU, the transformers runs most of it.
 DEFAULT_PROMPTS = {"random": 64, "chat": 64}
 QUICK = {"num_prompts": {"random": 4, "chat": 2}, "max_output": 16, "max_prompt": 256,
