@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 
@@ -135,24 +136,6 @@ class KVTransport(ABC):
         self.layout = layout
         self.num_blocks = shape[2]
 
-    def _validated_ids(
-        self, local_block_ids: Sequence[int], remote_block_ids: Sequence[int],
-        notification: bytes,
-    ) -> tuple[list[int], list[int]]:
-        """``write_blocks``' argument checks, shared by backends; raises ValueError."""
-        if len(notification) > MAX_NOTIFICATION_BYTES:
-            raise ValueError(f"notification of {len(notification)} bytes > "
-                             f"{MAX_NOTIFICATION_BYTES}")
-        local_ids = [operator.index(b) for b in local_block_ids]
-        remote_ids = [operator.index(b) for b in remote_block_ids]
-        if len(local_ids) != len(remote_ids):
-            raise ValueError(f"{len(local_ids)} local block ids but {len(remote_ids)} remote")
-        if problem := invalid_block_ids(local_ids, self.num_blocks):
-            raise ValueError(f"local {problem}")
-        if len(set(remote_ids)) != len(remote_ids):
-            raise ValueError("remote block ids contain duplicates")
-        return local_ids, remote_ids
-
     # ---- both sides -------------------------------------------------------------------------
 
     @abstractmethod
@@ -177,7 +160,6 @@ class KVTransport(ABC):
         refuse), KVTransferError when the metadata is invalid or the peer is unreachable.
         """
 
-    @abstractmethod
     def write_blocks(
         self,
         peer: str,
@@ -202,6 +184,26 @@ class KVTransport(ABC):
         prove the notification was not delivered (e.g. the ack was lost), so receivers must
         tolerate a notification for a handoff the sender reports as failed.
         """
+        deadline = time.monotonic() + timeout_s
+        if len(notification) > MAX_NOTIFICATION_BYTES:
+            raise ValueError(f"notification of {len(notification)} bytes > "
+                             f"{MAX_NOTIFICATION_BYTES}")
+        local_ids = [operator.index(b) for b in local_block_ids]
+        remote_ids = [operator.index(b) for b in remote_block_ids]
+        if len(local_ids) != len(remote_ids):
+            raise ValueError(f"{len(local_ids)} local block ids but {len(remote_ids)} remote")
+        if problem := invalid_block_ids(local_ids, self.num_blocks):
+            raise ValueError(f"local {problem}")
+        if len(set(remote_ids)) != len(remote_ids):
+            raise ValueError("remote block ids contain duplicates")
+        self._write(peer, local_ids, remote_ids, notification, timeout_s, deadline)
+
+    @abstractmethod
+    def _write(self, peer: str, local_ids: list[int], remote_ids: list[int],
+               notification: bytes, timeout_s: float, deadline: float) -> None:
+        """The backend's ``write_blocks`` after the shared argument checks (ids are ints,
+        equal in number, local ones valid, remote ones distinct); ``deadline`` is
+        ``time.monotonic()`` at the call plus ``timeout_s``."""
 
     # ---- receiver side (decode) -------------------------------------------------------------
 

@@ -226,12 +226,8 @@ class NixlKVTransport(KVTransport):
             self._peers.setdefault(name, _Peer(meta["num_blocks"], dlist))
         return name
 
-    def write_blocks(self, peer: str, local_block_ids: Sequence[int],
-                     remote_block_ids: Sequence[int], notification: bytes,
-                     timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        local_ids, remote_ids = self._validated_ids(local_block_ids, remote_block_ids,
-                                                    notification)
+    def _write(self, peer: str, local_ids: list[int], remote_ids: list[int],
+               notification: bytes, timeout_s: float, deadline: float) -> None:
         self._check_open()
         with self._lock:
             target = self._peers.get(peer)

@@ -263,12 +263,8 @@ class TcpKVTransport(KVTransport):
                 raise
             raise KVTransferError(f"handshake with peer {name} failed: {exc!r}") from exc
 
-    def write_blocks(self, peer: str, local_block_ids: Sequence[int],
-                     remote_block_ids: Sequence[int], notification: bytes,
-                     timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        local_ids, remote_ids = self._validated_ids(local_block_ids, remote_block_ids,
-                                                    notification)
+    def _write(self, peer: str, local_ids: list[int], remote_ids: list[int],
+               notification: bytes, timeout_s: float, deadline: float) -> None:
         sock = self._acquire(peer, deadline)
         header = {"op": "write", "remote_block_ids": remote_ids, "timeout_s": timeout_s,
                   "notif_len": len(notification),

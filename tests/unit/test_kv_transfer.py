@@ -316,22 +316,26 @@ def test_create_transport_rejects_unknown_and_unavailable_backends(monkeypatch):
         create_transport("nixl", cache, LAYOUT, host="127.0.0.1", port=0)
 
 
-# ---- TCP backend specifics -----------------------------------------------------------------
-
-def test_tcp_receiver_refuses_mismatched_layout_at_handshake():
+@pytest.mark.parametrize("backend, field", [("tcp", "head_dim"),
+                                            pytest.param("nixl", "num_kv_heads", marks=needs_nixl)])
+def test_receiver_refuses_mismatched_layout_at_handshake(backend, field):
     """Metadata that lies about the layout gets past the sender; the receiver still refuses."""
-    sender = create_transport("tcp", make_cache(LAYOUT, 4, 0), LAYOUT, host="127.0.0.1", port=0)
-    other = dataclasses.replace(LAYOUT, head_dim=16)
-    receiver = create_transport("tcp", make_cache(other, 4, 0), other, host="127.0.0.1", port=0)
+    sender = create_transport(backend, make_cache(LAYOUT, 4, 0), LAYOUT, host="127.0.0.1", port=0)
+    other = dataclasses.replace(LAYOUT, **{field: 1})
+    receiver = create_transport(backend, make_cache(other, 4, 0), other, host="127.0.0.1", port=0)
     try:
         forged = json.loads(receiver.metadata())
         forged["layout"] = dataclasses.asdict(LAYOUT)
-        with pytest.raises(KVLayoutMismatchError, match="head_dim") as info:
+        with pytest.raises(KVLayoutMismatchError, match=field) as info:
             sender.add_remote(json.dumps(forged).encode())
-        assert info.value.fields == ("head_dim",)
+        assert info.value.fields == (field,)
+        with pytest.raises(KVTransferError, match="unknown peer"):  # nothing was set up
+            sender.write_blocks(forged["name"], [0], [0], b"x", TIMEOUT_S)
     finally:
         sender.close(), receiver.close()
 
+
+# ---- TCP backend specifics -----------------------------------------------------------------
 
 def test_tcp_metadata_reports_real_port_and_rejects_garbage():
     transport = create_transport("tcp", make_cache(LAYOUT, 2, 0), LAYOUT, host="127.0.0.1",
@@ -346,24 +350,6 @@ def test_tcp_metadata_reports_real_port_and_rejects_garbage():
 
 
 # ---- NIXL backend specifics ----------------------------------------------------------------
-
-@needs_nixl
-def test_nixl_receiver_refuses_mismatched_layout_at_handshake():
-    """Metadata that lies about the layout gets past the sender; the receiver still refuses."""
-    sender = create_transport("nixl", make_cache(LAYOUT, 4, 0), LAYOUT, host="127.0.0.1", port=0)
-    other = dataclasses.replace(LAYOUT, num_kv_heads=1)
-    receiver = create_transport("nixl", make_cache(other, 4, 0), other, host="127.0.0.1", port=0)
-    try:
-        forged = json.loads(receiver.metadata())
-        forged["layout"] = dataclasses.asdict(LAYOUT)
-        with pytest.raises(KVLayoutMismatchError, match="num_kv_heads") as info:
-            sender.add_remote(json.dumps(forged).encode())
-        assert info.value.fields == ("num_kv_heads",)
-        with pytest.raises(KVTransferError, match="unknown peer"):  # nothing was set up
-            sender.write_blocks(forged["name"], [0], [0], b"x", TIMEOUT_S)
-    finally:
-        sender.close(), receiver.close()
-
 
 @needs_nixl
 def test_nixl_rejects_garbage_and_other_backends_metadata():
