@@ -1,6 +1,7 @@
-"""GPU kernels of the engine, each beside the torch reference it is tested against.
+"""Kernels of the engine (Triton for GPUs, C for CPU decode), each beside the torch reference it is tested against.
 
 - ``kernels.reference``: plain torch (the CPU path, and the oracle); needs nothing but torch.
+- ``kernels.cpu_attention``: paged decode attention for CPUs in C (OpenMP), built on first use.
 - ``kernels.decode_attention``: paged decode attention, split-K (flash-decoding), GQA-grouped.
 - ``kernels.prefill_attention``: prefill / chunked prefill over the paged cache, packed varlen.
 - ``kernels.paged_attention``: one ragged batch (decodes first, then prefills): both of the above.

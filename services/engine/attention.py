@@ -1,8 +1,9 @@
 """Paged attention for the model: the engine's metadata contract, dispatched by device.
 
-CUDA tensors run the Triton kernels (``kernels.paged_attention``, ``kernels.cache_ops``);
-anything else runs the torch references (``kernels.reference``). There is no flag: the device
-of the query (or of the new K) decides.
+CUDA tensors run the Triton kernels (``kernels.paged_attention``, ``kernels.cache_ops``). On
+CPU, decode attention runs the C kernel of ``kernels.cpu_attention`` (built on first use; the
+torch reference when it cannot be built) and everything else the torch references
+(``kernels.reference``). There is no flag: the device of the query (or of the new K) decides.
 
 Layouts: the KV cache of one layer is ``k_cache``/``v_cache`` of shape
 ``[num_blocks, block_size, num_kv_heads, head_dim]``; a batch is ragged and flattened
@@ -16,7 +17,7 @@ from types import ModuleType
 
 import torch
 
-from kernels import reference, triton_available
+from kernels import cpu_attention, reference, triton_available
 
 
 @dataclass
@@ -86,15 +87,21 @@ def paged_attention(
     """Causal attention of ``q`` (``[num_tokens, num_heads, head_dim]``) over each sequence's
     cached K/V (this step's K/V already written). Grouped-query heads: query head ``h`` reads
     KV head ``h // (num_heads // num_kv_heads)``. Returns ``[num_tokens, num_heads, head_dim]``.
-    Triton on CUDA (metadata tensors must be on q's device), torch elsewhere.
+    Triton on CUDA (metadata tensors must be on q's device); on CPU the C decode kernel for
+    the decode rows and the torch reference for prefill chunks.
     """
     if q.is_cuda:
         return _triton_attention().paged_attention(
             q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
             meta.query_start_loc_tensor(q.device), meta.max_query_len, meta.num_decode_seqs,
             scale)
-    return reference.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
-                                     meta.query_start_loc, meta.num_decode_seqs, scale)
+    out, nd = torch.empty_like(q), meta.num_decode_seqs
+    cpu_attention.paged_decode_attention(q[:nd], k_cache, v_cache, meta.block_tables[:nd],
+                                         meta.seq_lens[:nd], scale, out=out[:nd])
+    reference.paged_prefill_attention(q, k_cache, v_cache, meta.block_tables[nd:],
+                                      meta.seq_lens[nd:], meta.query_start_loc[nd:], scale,
+                                      out=out)
+    return out
 
 
 @functools.cache

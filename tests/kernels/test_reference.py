@@ -91,15 +91,15 @@ def test_engine_dispatch_uses_reference_on_cpu(monkeypatch):
     def spy(name):
         real = getattr(reference, name)
 
-        def wrapper(*args):
+        def wrapper(*args, **kw):
             calls.append(name)
-            return real(*args)
+            return real(*args, **kw)
         return wrapper
 
     batch = make_paged_batch([(4, 1), (0, 5)], 4, 2, 8, 4, device="cpu")
     monkeypatch.setattr(engine_attention, "_triton_attention", fail)
     monkeypatch.setattr(engine_attention, "_cache_ops", fail)
-    for name in ("paged_attention", "write_kv_cache"):
+    for name in ("paged_prefill_attention", "write_kv_cache"):
         monkeypatch.setattr(reference, name, spy(name))
     k = torch.randn(6, 2, 8)
     slots = torch.arange(6)
@@ -108,7 +108,7 @@ def test_engine_dispatch_uses_reference_on_cpu(monkeypatch):
                                               batch.query_start_loc, num_decode_seqs=1)
     out = engine_attention.paged_attention(batch.q, batch.k_cache, batch.v_cache, meta,
                                            batch.scale)
-    assert calls == ["write_kv_cache", "paged_attention"]
+    assert calls == ["write_kv_cache", "paged_prefill_attention"]  # decode: test_cpu_attention
     assert out.shape == batch.q.shape
 
 

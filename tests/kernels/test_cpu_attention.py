@@ -1,0 +1,132 @@
+"""The C decode-attention kernel for CPUs (``kernels.cpu_attention``) against naive dense
+float64 attention, its argument checks, its build, and the engine's CPU dispatch to it."""
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from kernels import cpu_attention, reference
+from services.engine import attention as engine_attention
+
+from .conftest import make_paged_batch
+from .test_reference import naive_batch
+
+pytestmark = pytest.mark.skipif(
+    not (shutil.which("cc") or shutil.which("gcc")), reason="no C compiler on this machine")
+
+LENGTHS = [37, 2, 90, 16, 1, 64, 33, 5, 71, 17, 48, 9, 15, 32, 129]  # 1, block edges, ragged
+
+
+def decode_batch(block_size=16, num_heads=9, num_kv_heads=3, head_dim=64, lengths=LENGTHS):
+    return make_paged_batch([(n - 1, 1) for n in lengths], num_heads, num_kv_heads, head_dim,
+                            block_size, device="cpu")
+
+
+def run(batch, **kw):
+    return cpu_attention.paged_decode_attention(batch.q, batch.k_cache, batch.v_cache,
+                                                batch.block_tables, batch.seq_lens, batch.scale,
+                                                **kw)
+
+
+def test_kernel_is_built_and_loaded():
+    """With a compiler present, the C path must really be taken (no silent fallback)."""
+    assert cpu_attention.available()
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(2, 2, 8), (6, 2, 8), (9, 3, 64),
+                                                             (8, 1, 32)])
+def test_matches_naive_attention(block_size, num_heads, num_kv_heads, head_dim):
+    batch = decode_batch(block_size, num_heads, num_kv_heads, head_dim)
+    torch.testing.assert_close(run(batch).double(), naive_batch(batch), atol=1e-5, rtol=1e-5)
+
+
+def test_same_bits_for_any_thread_count():
+    """Each (sequence, KV head) is computed by one thread, in a fixed order."""
+    batch = decode_batch()
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = run(batch)
+        torch.set_num_threads(2)
+        two = run(batch)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+
+
+def test_writes_into_a_slice_of_out():
+    batch = decode_batch()
+    out = torch.full((len(LENGTHS) + 2, 9, 64), 7.0)
+    result = run(batch, out=out[1:-1])
+    assert result.data_ptr() == out[1:-1].data_ptr()
+    torch.testing.assert_close(out[1:-1].double(), naive_batch(batch), atol=1e-5, rtol=1e-5)
+    assert (out[0] == 7).all() and (out[-1] == 7).all()
+
+
+def test_other_dtypes_take_the_reference():
+    batch = make_paged_batch([(n - 1, 1) for n in LENGTHS], 6, 2, 8, 4, dtype=torch.bfloat16,
+                             device="cpu")
+    expected = reference.paged_decode_attention(batch.q, batch.k_cache, batch.v_cache,
+                                                batch.block_tables, batch.seq_lens, batch.scale)
+    assert torch.equal(run(batch), expected)
+
+
+def test_empty_batch():
+    batch = decode_batch()
+    out = cpu_attention.paged_decode_attention(batch.q[:0], batch.k_cache, batch.v_cache,
+                                               batch.block_tables[:0], batch.seq_lens[:0],
+                                               batch.scale)
+    assert out.shape == (0, 9, 64)
+
+
+@pytest.mark.parametrize("corrupt,message", [
+    (lambda b: b.block_tables.__setitem__((3, 0), b.k_cache.shape[0]), "block table"),
+    (lambda b: b.block_tables.__setitem__((3, 0), -1), "block table"),
+    (lambda b: b.seq_lens.__setitem__(2, 0), "sequence length"),
+    (lambda b: b.seq_lens.__setitem__(2, b.block_tables.shape[1] * 16 + 1), "sequence length"),
+])
+def test_bad_metadata_raises_before_reading(corrupt, message):
+    batch = decode_batch()
+    corrupt(batch)
+    with pytest.raises(ValueError, match=message):
+        run(batch)
+
+
+def test_build_is_cached_and_reports_compiler_errors(tmp_path, monkeypatch):
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
+    first = cpu_attention.build()
+    assert first.parent == tmp_path / "kernels" and first.exists()
+    mtime = first.stat().st_mtime_ns
+    assert cpu_attention.build() == first and first.stat().st_mtime_ns == mtime
+    with pytest.raises(RuntimeError, match="building paged_decode_attention.c failed"):
+        cpu_attention.build(compiler="false")
+    assert sorted(p.name for p in (tmp_path / "kernels").iterdir()) == [first.name]  # no debris
+
+
+def test_engine_cpu_dispatch_splits_decode_and_prefill(monkeypatch):
+    """Decode rows go to the C kernel, prefill chunks to the torch reference, and the result
+    equals dense attention over every row."""
+    calls = []
+    real_decode, real_prefill = cpu_attention.paged_decode_attention, reference.paged_prefill_attention
+
+    def decode(q, *args, **kw):
+        calls.append(("decode", q.shape[0]))
+        return real_decode(q, *args, **kw)
+
+    def prefill(q, k_cache, v_cache, tables, *args, **kw):
+        calls.append(("prefill", tables.shape[0]))
+        return real_prefill(q, k_cache, v_cache, tables, *args, **kw)
+
+    monkeypatch.setattr(cpu_attention, "paged_decode_attention", decode)
+    monkeypatch.setattr(reference, "paged_prefill_attention", prefill)
+    batch = make_paged_batch([(6, 1), (16, 1), (0, 17), (5, 11)], 6, 2, 8, 4, device="cpu")
+    meta = engine_attention.AttentionMetadata(torch.zeros(30, dtype=torch.int64),
+                                              batch.block_tables, batch.seq_lens,
+                                              batch.query_start_loc, num_decode_seqs=2)
+    out = engine_attention.paged_attention(batch.q, batch.k_cache, batch.v_cache, meta,
+                                           batch.scale)
+    assert calls == [("decode", 2), ("prefill", 2)]
+    torch.testing.assert_close(out.double(), naive_batch(batch), atol=1e-5, rtol=1e-5)
