@@ -115,3 +115,27 @@ def test_quick_run_end_to_end_reports_every_field(tmp_path, capsys, keep_torch_t
     assert [t["name"] for t in results["targets"]] == [t[0] for t in offline_report.TARGETS]
     assert results["ratios_per_cpu_s"]["continuous_vs_static_random"] > 0
     assert "targets:" in capsys.readouterr().out
+
+
+def test_chat_floor_replays_the_same_schedule(tmp_path, keep_torch_threads):
+    """The attention-free run must reproduce the real run's schedule (the script asserts it),
+    and every computed token is counted in some step."""
+    from loadtest import chat_floor
+
+    out = tmp_path / "floor.json"
+    # a small token budget admits the prompts one after another: the later ones hit the
+    # prefix cache on the chat template's first block
+    assert chat_floor.main(["--num-prompts", "3", "--max-output", "6", "--threads", "1",
+                            "--max-num-batched-tokens", "48", "--hf-seconds", "100",
+                            "--out", str(out)]) == 0
+    r = json.loads(out.read_text())
+    prompts = [len(w.prompt_token_ids) for w in chat_workload(3, tokenizer(), seed=0).requests]
+    # the last sampled token of each request is never fed back, so its KV is never computed;
+    # prefix-cache hits (whole blocks of the shared template) are not computed either
+    assert sum(r["step_tokens"]) == (sum(prompts) + sum(r["output_lens"]) - 3
+                                     - r["prefix_cache_hit_tokens"])
+    assert r["output_tokens"] == sum(r["output_lens"]) and max(r["output_lens"]) <= 6
+    assert r["num_steps"] == len(r["step_tokens"])
+    assert 0 < r["gemm_s"] and 0 < r["attention_floor_s"] and r["copy_gbps"] > 0
+    assert r["budget_for_4x_s"] == 25.0
+    assert r["prefix_cache_hit_tokens"] > 0 and r["prefix_cache_hit_tokens"] % 16 == 0

@@ -16,7 +16,7 @@ continuous engine, greedy, and records every step's tokens. Then, on the same sc
 memory-bound attention would take. Compare with ``--hf-seconds`` (transformers' chat time from
 ``tandem bench offline``) / 4.
 
-    python scripts/bench_chat_floor.py --hf-seconds 141.0 --out bench-results/chat_floor.json
+    python -m loadtest.chat_floor --hf-seconds 142.3 --out bench-results/chat_floor.json
 """
 from __future__ import annotations
 
@@ -40,17 +40,18 @@ from services.engine.tokenizer import Tokenizer
 def drive(engine: LLMEngine, prompts: list[list[int]], params: list[SamplingParams],
           tag: str) -> tuple[float, list[int], list[int]]:
     """All requests at once, step to the end. Returns seconds, output tokens per request and
-    tokens computed per step (prompt chunks + decodes)."""
+    tokens computed per step (prompt chunks + decodes; prefix-cache hits are not computed)."""
     requests = [engine.make_request(f"{tag}-{i}", prompt, p)
                 for i, (prompt, p) in enumerate(zip(prompts, params))]
     for r in requests:
         engine.add_request(r)
-    outputs, step_tokens, computed = [0] * len(prompts), [], 0
+    outputs, step_tokens = [0] * len(prompts), []
+    computed = -engine.scheduler.prefix_cache_hits  # prefix-cache hits are not computed
     t0 = time.perf_counter()
     while engine.has_work():
         for o in engine.step():
             outputs[int(o.request_id.rsplit("-", 1)[1])] += len(o.new_token_ids)
-        now = sum(r.num_computed_tokens for r in requests)
+        now = sum(r.num_computed_tokens for r in requests) - engine.scheduler.prefix_cache_hits
         step_tokens.append(now - computed)
         computed = now
     return time.perf_counter() - t0, outputs, step_tokens
@@ -91,22 +92,27 @@ def copy_gbps(mib: int = 256, reps: int = 5) -> float:
     return 2 * src.numel() * 4 * reps / (time.perf_counter() - t0) / 1e9
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m loadtest.chat_floor",
+                                 description=__doc__.split("\n\n")[0])
     ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--max-output", type=int, default=512, help="cap on output tokens")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--hf-seconds", type=float, default=None,
                     help="transformers' time on the same workload (from tandem bench offline)")
     ap.add_argument("--out", default=None)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
 
     path = str(default_model_path())
     weights = load_model(path)
-    workload = chat_workload(args.num_prompts, Tokenizer.load(path), seed=0, max_output=512)
+    workload = chat_workload(args.num_prompts, Tokenizer.load(path), seed=0,
+                             max_output=args.max_output)
     prompts = [list(r.prompt_token_ids) for r in workload.requests]
     config = EngineConfig(num_kv_blocks=DEFAULT_KV_SEQS * MAX_SEQ_LEN // 16, block_size=16,
-                          max_num_seqs=64, max_num_batched_tokens=2048)
+                          max_num_seqs=64,
+                          max_num_batched_tokens=args.max_num_batched_tokens)
 
     engine = LLMEngine(config, weights=weights)
     engine.warm_up()
@@ -140,6 +146,7 @@ def main() -> None:
     print(f"attention K/V reads: {context_reads * kv_bytes_per_token / 1e9:.1f} GB at {gbps:.1f} GB/s"
           f" = {attention_floor_s:.1f} s")
     result = dict(engine_s=real_s, attention_free_s=free_s, gemm_s=gemm_s,
+                  prefix_cache_hit_tokens=engine.scheduler.prefix_cache_hits,
                   attention_floor_s=attention_floor_s, copy_gbps=gbps, output_tokens=sum(lens),
                   num_steps=len(steps), output_lens=lens, step_tokens=steps, threads=args.threads)
     if args.hf_seconds:
@@ -151,7 +158,8 @@ def main() -> None:
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())
