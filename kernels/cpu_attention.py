@@ -6,12 +6,12 @@ blocks into a padded copy before SDPA can run: at a decode batch of 64 on this p
 CPU the gathers alone were 19% of a step. The kernel reads each K/V row once, for all the query
 heads that share it. vLLM's CPU backend does the same with its own C++ kernels.
 
-The kernel is built on first use with the system C compiler (``$CC``, else ``cc``/``gcc``), with
-``-O3 -march=native -fopenmp -ffast-math`` (compile step only), into ``$TANDEM_CACHE_DIR/kernels`` (default
-``~/.cache/tandem``), keyed by a hash of the source, the flags and the CPU; later processes load
-the cached library. Without a compiler, or if the build fails, ``paged_decode_attention`` falls
-back to the torch reference and logs why once. It runs float32 CPU tensors; anything else takes
-the reference too. OpenMP threads: ``torch.get_num_threads()``; the library links
+The kernel is built on first use with the system C compiler (``$CC``, else ``cc``/``gcc``),
+``-O3 -march=native -fopenmp -ffast-math`` (the last for the compile step only), into
+``$TANDEM_CACHE_DIR/kernels`` (default ``~/.cache/tandem/kernels``), keyed by a hash of the
+source, the flags and the CPU; later processes load the cached library. Without a compiler, or
+if the build fails, ``paged_decode_attention`` falls back to the torch reference and logs why
+once. It runs float32 CPU tensors; anything else takes the reference too. OpenMP threads: ``torch.get_num_threads()``; the library links
 ``libgomp.so.1``, so in a process that imported torch it shares torch's OpenMP runtime (one
 thread pool, no oversubscription).
 """

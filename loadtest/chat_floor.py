@@ -116,8 +116,8 @@ def main(argv: list[str] | None = None) -> int:
 
     engine = LLMEngine(config, weights=weights)
     engine.warm_up()
-    real_s, lens, steps = drive(engine, prompts, [SamplingParams(temperature=0, max_tokens=r.max_tokens)
-                                                  for r in workload.requests], "real")
+    greedy = [SamplingParams(temperature=0, max_tokens=r.max_tokens) for r in workload.requests]
+    real_s, lens, steps = drive(engine, prompts, greedy, "real")
     print(f"engine: {real_s:.1f} s, {sum(lens)} output tokens, {len(steps)} steps")
 
     real_attention = model_module.paged_attention
@@ -125,9 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         free = LLMEngine(config, weights=weights)
         free.warm_up()
-        free_s, free_lens, free_steps = drive(
-            free, prompts, [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lens],
-            "free")
+        exact = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lens]
+        free_s, free_lens, free_steps = drive(free, prompts, exact, "free")
     finally:
         model_module.paged_attention = real_attention
     assert free_lens == lens and len(free_steps) == len(steps), "attention-free schedule differs"
@@ -143,8 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     context_reads = sum(o * len(p) + o * (o + 1) // 2 for o, p in zip(lens, prompts))
     gbps = copy_gbps()
     attention_floor_s = context_reads * kv_bytes_per_token / (gbps * 1e9)
-    print(f"attention K/V reads: {context_reads * kv_bytes_per_token / 1e9:.1f} GB at {gbps:.1f} GB/s"
-          f" = {attention_floor_s:.1f} s")
+    print(f"attention K/V reads: {context_reads * kv_bytes_per_token / 1e9:.1f} GB at "
+          f"{gbps:.1f} GB/s = {attention_floor_s:.1f} s")
     result = dict(engine_s=real_s, attention_free_s=free_s, gemm_s=gemm_s,
                   prefix_cache_hit_tokens=engine.scheduler.prefix_cache_hits,
                   attention_floor_s=attention_floor_s, copy_gbps=gbps, output_tokens=sum(lens),

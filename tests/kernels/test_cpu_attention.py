@@ -110,7 +110,8 @@ def test_engine_cpu_dispatch_splits_decode_and_prefill(monkeypatch):
     """Decode rows go to the C kernel, prefill chunks to the torch reference, and the result
     equals dense attention over every row."""
     calls = []
-    real_decode, real_prefill = cpu_attention.paged_decode_attention, reference.paged_prefill_attention
+    real_decode = cpu_attention.paged_decode_attention
+    real_prefill = reference.paged_prefill_attention
 
     def decode(q, *args, **kw):
         calls.append(("decode", q.shape[0]))
