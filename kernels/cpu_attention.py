@@ -11,9 +11,9 @@ The kernel is built on first use with the system C compiler (``$CC``, else ``cc`
 ``$TANDEM_CACHE_DIR/kernels`` (default ``~/.cache/tandem/kernels``), keyed by a hash of the
 source, the flags and the CPU; later processes load the cached library. Without a compiler, or
 if the build fails, ``paged_decode_attention`` falls back to the torch reference and logs why
-once. It runs float32 CPU tensors; anything else takes the reference too. OpenMP threads: ``torch.get_num_threads()``; the library links
-``libgomp.so.1``, so in a process that imported torch it shares torch's OpenMP runtime (one
-thread pool, no oversubscription).
+once. It runs float32 CPU tensors; anything else takes the reference too. OpenMP threads:
+``torch.get_num_threads()``; the library links ``libgomp.so.1``, so in a process that imported
+torch it shares torch's OpenMP runtime (one thread pool, no oversubscription).
 """
 from __future__ import annotations
 
