@@ -86,11 +86,13 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     else:  # query j sits at position seq_len - n + j and sees keys up to it
         pos_q = torch.arange(seq_len - n, seq_len, device=q.device).unsqueeze(1)
         mask, causal = torch.arange(seq_len, device=q.device).unsqueeze(0) <= pos_q, False
+    # NOTE: 4-d ([1, heads, n, head_dim]): with 3-d inputs torch's CPU SDPA takes its unfused
+    # math path (4.3x slower for a 512-token prompt, 2 threads); 4-d takes the flash kernel
     o = F.scaled_dot_product_attention(
-        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
         attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True,
     )
-    return o.transpose(0, 1)
+    return o[0].transpose(0, 1)
 
 
 def paged_decode_attention(
