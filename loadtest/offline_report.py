@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import os
 import platform
+import time
+from pathlib import Path
 
 import torch
 
@@ -109,14 +111,44 @@ def targets(rows: list[dict], rat: dict, decode: dict | None, prefill: dict | No
     return out
 
 
+def cpu_seconds() -> tuple[float, float] | None:
+    """(CPU-seconds every core of the machine has been busy, or taken by the hypervisor, since
+    boot; CPU-seconds of this process) from ``/proc/stat``; ``None`` where there is none."""
+    try:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return None
+    # user nice system idle iowait irq softirq steal: all but idle and iowait are busy
+    busy = sum(fields[:3]) + sum(fields[5:8])
+    return busy / os.sysconf("SC_CLK_TCK"), time.process_time()
+
+
+def other_cpu_cores(before: tuple[float, float] | None, wall_s: float) -> float | None:
+    """Cores' worth of CPU that work outside this process used (or the hypervisor stole) on
+    average since ``before`` (``cpu_seconds()``), over ``wall_s`` seconds."""
+    after = cpu_seconds()
+    if before is None or after is None or wall_s <= 0:
+        return None
+    return max(0.0, (after[0] - before[0]) - (after[1] - before[1])) / wall_s
+
+
+def cpu_shared(machine: dict) -> bool:
+    """Whether other work took more than a quarter of a core on average during the runs. (The
+    load average is no guide: it still counts work that ended before the run began.)"""
+    other = machine.get("other_cpu_cores")
+    return other is not None and other > 0.25
+
+
 def assemble(config: dict, workloads: list[Workload], rows: list[dict], decode: dict | None,
-             prefill: dict | None, *, wall_s: float, load_before: tuple[float, ...]) -> dict:
+             prefill: dict | None, *, wall_s: float, load_before: tuple[float, ...],
+             cpu_before: tuple[float, float] | None = None) -> dict:
     """The JSON document: config, machine, workload stats, runs, probes, ratios and targets."""
     rat = ratios(rows)
     return {"config": config,
             "machine": {"cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
                         "torch": torch.__version__, "platform": platform.platform(),
-                        "loadavg_before": list(load_before), "loadavg_after": list(os.getloadavg())},
+                        "loadavg_before": list(load_before), "loadavg_after": list(os.getloadavg()),
+                        "other_cpu_cores": other_cpu_cores(cpu_before, wall_s)},
             "workloads": {w.name: w.stats() for w in workloads}, "runs": rows,
             "decode_probe": decode, "prefill_probe": prefill, "ratios": rat,
             "ratios_per_cpu_s": ratios(rows, "output_tokens_per_cpu_s"),
@@ -179,10 +211,9 @@ def print_all(results: dict) -> None:
               f"(target {t['comparison']} {t['threshold']})")
     m = results["machine"]
     print(f"\nwall time {results['wall_s']:.0f}s on {m['cpu_count']} CPUs, {m['torch_threads']} "
-          f"torch threads; load average before {m['loadavg_before'][0]:.1f}, after "
-          f"{m['loadavg_after'][0]:.1f}")
-    # NOTE: the load average counts this run's own threads too (about torch_threads)
-    if max(m["loadavg_before"][0], m["loadavg_after"][0] - m["torch_threads"]) > 0.5:
+          f"torch threads; other work used {_fmt(m['other_cpu_cores'], '.2f', 0).strip()} cores "
+          f"on average (/proc/stat)")
+    if cpu_shared(m):
         print("WARNING: the CPU was shared with other work: timings are low and noisy. With more "
               "torch threads than free cores OpenMP barriers stall on descheduled threads; "
               "prefer --threads 1 or OMP_WAIT_POLICY=PASSIVE on a busy machine.")

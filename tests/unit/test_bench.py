@@ -110,6 +110,7 @@ def test_quick_run_end_to_end_reports_every_field(tmp_path, capsys, keep_torch_t
     # random outputs are exact (ignore_eos), clipped to 3 tokens: 2 requests give 6 in every system
     assert {r["output_tokens"] for r in runs if r["workload"] == "random"} == {6}
     assert results["decode_probe"]["mean_batch_size"] == 4
+    assert results["machine"]["other_cpu_cores"] >= 0
     assert results["prefill_probe"]["engine_tokens_per_s"] > 0
     assert results["prefill_probe"]["hf_tokens_per_s"] > 0
     assert [t["name"] for t in results["targets"]] == [t[0] for t in offline_report.TARGETS]
@@ -139,3 +140,23 @@ def test_chat_floor_replays_the_same_schedule(tmp_path, keep_torch_threads):
     assert 0 < r["gemm_s"] and 0 < r["attention_floor_s"] and r["copy_gbps"] > 0
     assert r["budget_for_4x_s"] == 25.0
     assert r["prefix_cache_hit_tokens"] > 0 and r["prefix_cache_hit_tokens"] % 16 == 0
+
+
+def test_other_cpu_work_is_measured_from_proc_stat():
+    """A busy child process (outside this one) shows up as about one core of other work."""
+    import subprocess
+    import sys
+    import time
+
+    before = offline_report.cpu_seconds()
+    if before is None:
+        pytest.skip("no /proc/stat on this platform")
+    child = subprocess.Popen([sys.executable, "-c", "import time\nt = time.time()\n"
+                              "while time.time() - t < 1.0: pass"])
+    t0 = time.perf_counter()
+    child.wait()
+    other = offline_report.other_cpu_cores(before, time.perf_counter() - t0)
+    assert 0.5 < other <= 1.2
+    assert offline_report.cpu_shared({"other_cpu_cores": other})
+    assert not offline_report.cpu_shared({"other_cpu_cores": 0.1})
+    assert not offline_report.cpu_shared({"other_cpu_cores": None})
