@@ -28,9 +28,9 @@ import torch
 from torch import nn
 
 import services.engine.model as model_module
-from loadtest.offline import DEFAULT_KV_SEQS, MAX_SEQ_LEN
+from loadtest import offline
 from loadtest.workloads import chat_workload
-from services.engine.engine import EngineConfig, LLMEngine
+from services.engine.engine import LLMEngine
 from services.engine.loader import load_model
 from services.engine.model_files import default_model_path
 from services.engine.sampling_params import SamplingParams
@@ -110,12 +110,10 @@ def main(argv: list[str] | None = None) -> int:
     workload = chat_workload(args.num_prompts, Tokenizer.load(path), seed=0,
                              max_output=args.max_output)
     prompts = [list(r.prompt_token_ids) for r in workload.requests]
-    config = EngineConfig(num_kv_blocks=DEFAULT_KV_SEQS * MAX_SEQ_LEN // 16, block_size=16,
-                          max_num_seqs=64,
-                          max_num_batched_tokens=args.max_num_batched_tokens)
+    # the offline bench's engine: its defaults (KV memory, block size, max_num_seqs), warmed up
+    bench = offline.parse_args(["--max-num-batched-tokens", str(args.max_num_batched_tokens)])
 
-    engine = LLMEngine(config, weights=weights)
-    engine.warm_up()
+    engine = offline.Engines(bench, weights)("continuous")
     greedy = [SamplingParams(temperature=0, max_tokens=r.max_tokens) for r in workload.requests]
     real_s, lens, steps = drive(engine, prompts, greedy, "real")
     print(f"engine: {real_s:.1f} s, {sum(lens)} output tokens, {len(steps)} steps")
@@ -123,8 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     real_attention = model_module.paged_attention
     model_module.paged_attention = lambda q, *_: q  # identity: attention costs nothing
     try:
-        free = LLMEngine(config, weights=weights)
-        free.warm_up()
+        free = offline.Engines(bench, weights)("continuous")
         exact = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lens]
         free_s, free_lens, free_steps = drive(free, prompts, exact, "free")
     finally:

@@ -234,13 +234,19 @@ def run(args) -> dict:
                            wall_s=time.perf_counter() - t0, load_before=load0, cpu_before=machine0)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The bench's arguments with ``--quick`` applied and the KV memory default filled in."""
     args = build_parser().parse_args(argv)
     if args.quick:
         args.max_output = min(args.max_output, QUICK["max_output"])
         args.max_prompt = min(args.max_prompt, QUICK["max_prompt"])
         args.decode_tokens = min(args.decode_tokens, QUICK["decode_tokens"])
     args.num_kv_blocks = args.num_kv_blocks or DEFAULT_KV_SEQS * -(-MAX_SEQ_LEN // args.block_size)
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     torch.set_num_threads(args.threads)
     results = run(args)
     report.print_all(results)
