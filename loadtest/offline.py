@@ -203,7 +203,7 @@ def run(args) -> dict:
     systems = [s for s in args.systems.split(",") if s]
     if set(systems) - {*ENGINE_SYSTEMS, "hf"}:
         raise ValueError(f"--systems: unknown {sorted(set(systems) - {*ENGINE_SYSTEMS, 'hf'})}")
-    t0, load0, machine0 = time.perf_counter(), os.getloadavg(), report.cpu_seconds()
+    t0, machine0 = time.perf_counter(), report.cpu_seconds()
     model_path = args.model or str(default_model_path())
     weights = load_model(model_path)
     tokenizer = Tokenizer.load(model_path)
@@ -231,7 +231,7 @@ def run(args) -> dict:
     decode = measure_decode(args, engines)
     prefill = measure_prefill(args, engines, hf_model, reps=1 if args.quick else 3)
     return report.assemble(vars(args), workloads, rows, decode, prefill,
-                           wall_s=time.perf_counter() - t0, load_before=load0, cpu_before=machine0)
+                           wall_s=time.perf_counter() - t0, cpu_before=machine0)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -140,14 +140,13 @@ def cpu_shared(machine: dict) -> bool:
 
 
 def assemble(config: dict, workloads: list[Workload], rows: list[dict], decode: dict | None,
-             prefill: dict | None, *, wall_s: float, load_before: tuple[float, ...],
+             prefill: dict | None, *, wall_s: float,
              cpu_before: tuple[float, float] | None = None) -> dict:
     """The JSON document: config, machine, workload stats, runs, probes, ratios and targets."""
     rat = ratios(rows)
     return {"config": config,
             "machine": {"cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
                         "torch": torch.__version__, "platform": platform.platform(),
-                        "loadavg_before": list(load_before), "loadavg_after": list(os.getloadavg()),
                         "other_cpu_cores": other_cpu_cores(cpu_before, wall_s)},
             "workloads": {w.name: w.stats() for w in workloads}, "runs": rows,
             "decode_probe": decode, "prefill_probe": prefill, "ratios": rat,
