@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set up a fresh clone: .venv with CPU torch, tandem, the default model file, redis-server, and a
-# C compiler (the CPU decode-attention kernel is built on first use).
+# C compiler, with which it builds the CPU decode-attention kernel.
 #   scripts/setup.sh          what `tandem up` needs
 #   scripts/setup.sh --test   plus the test dependencies (transformers oracle, pytest, ...)
 # Idempotent: a second run only checks.
