@@ -158,3 +158,11 @@ def by_kind(records: list[RequestRecord], duration_s: float, slos: dict[str, flo
     kinds = sorted({r.kind for r in records})
     return {k: summarize([r for r in records if r.kind == k], duration_s, slos, percentiles)
             for k in kinds}
+
+
+def detail_arrays(records: list[RequestRecord]) -> dict[str, list]:
+    """Per-request arrays (seconds) of the successful records, under vLLM's detailed names
+    (``ttfts``, ``itls``) plus ``tpots`` and ``e2els``; ``itls`` is one list per request."""
+    done = [r for r in records if r.success]
+    return {"ttfts": [r.ttft for r in done], "tpots": [r.tpot for r in done],
+            "itls": [r.itl for r in done], "e2els": [r.e2el for r in done]}

@@ -22,17 +22,9 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (after choosing the headless backend)
 import numpy as np  # noqa: E402
 
-from loadtest.metrics import RequestRecord  # noqa: E402
+from loadtest.metrics import RequestRecord, detail_arrays  # noqa: E402
 
 CDF_METRICS = (("ttfts", "TTFT"), ("tpots", "TPOT"), ("itls", "ITL"), ("e2els", "E2E latency"))
-
-
-def detail_arrays(records: list[RequestRecord]) -> dict[str, list]:
-    """Per-request arrays (seconds) of the successful records, under vLLM's detailed names
-    (``ttfts``, ``itls``) plus ``tpots`` and ``e2els``; ``itls`` is one list per request."""
-    done = [r for r in records if r.success]
-    return {"ttfts": [r.ttft for r in done], "tpots": [r.tpot for r in done],
-            "itls": [r.itl for r in done], "e2els": [r.e2el for r in done]}
 
 
 def _flat(name: str, values: list) -> np.ndarray:

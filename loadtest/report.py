@@ -8,8 +8,7 @@ from dataclasses import asdict
 from datetime import datetime, timezone
 from pathlib import Path
 
-from loadtest import plot
-from loadtest.metrics import by_kind, summarize
+from loadtest.metrics import by_kind, detail_arrays, summarize
 from loadtest.runner import RunOutcome
 
 
@@ -32,7 +31,7 @@ def build_result(outcome: RunOutcome, run_info: dict, slos: dict[str, float],
         result["by_kind"] = by_kind(records, outcome.duration_s, slos, percentiles)
     result["server_view"] = outcome.server_view
     if save_detailed:
-        result.update(plot.detail_arrays(records))
+        result.update(detail_arrays(records))
         result["input_lens"] = [r.prompt_len for r in records if r.success]
         result["output_lens"] = [r.output_tokens for r in records if r.success]
         result["errors"] = [r.error for r in records]
@@ -42,12 +41,18 @@ def build_result(outcome: RunOutcome, run_info: dict, slos: dict[str, float],
 
 def write_result(result: dict, outcome: RunOutcome, result_dir: Path, name: str) -> list[Path]:
     """Write ``name``.json and its PNGs (``name``-latency_cdf.png, -timeline.png,
-    -throughput.png) into ``result_dir``; returns the paths written."""
+    -throughput.png; only when matplotlib is installed) into ``result_dir``; returns the paths
+    written."""
     result_dir.mkdir(parents=True, exist_ok=True)
     json_path = result_dir / f"{name}.json"
     json_path.write_text(json.dumps(result, indent=2, allow_nan=False, default=_jsonable))
+    try:
+        from loadtest import plot
+    except ImportError:  # matplotlib is the optional `bench` extra
+        print("no PNG plots: matplotlib is missing (pip install 'tandem[bench]')")
+        return [json_path]
     pngs = [result_dir / f"{name}-{kind}.png" for kind in ("latency_cdf", "timeline", "throughput")]
-    plot.latency_cdfs([(name, plot.detail_arrays(outcome.records))], pngs[0])
+    plot.latency_cdfs([(name, detail_arrays(outcome.records))], pngs[0])
     plot.timeline(outcome.records, pngs[1])
     plot.throughput_timeline(outcome.records, outcome.duration_s, pngs[2])
     return [json_path, *pngs]

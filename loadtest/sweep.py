@@ -16,7 +16,6 @@ import json
 import math
 from pathlib import Path
 
-from loadtest import plot
 from loadtest.datasets import build_dataset
 from loadtest.metrics import parse_goodput
 from loadtest.runner import rate_label
@@ -87,11 +86,21 @@ def main(argv: list[str] | None = None) -> int:
     report = summarize_sweep(results, x_field, args.attainment_target)
     out = Path(args.result_dir)
     (out / "sweep.json").write_text(json.dumps(report, indent=2))
-    plot.rate_curves({args.label or args.target: results}, out / "sweep.png", x_field)
+    print(f"wrote {out / 'sweep.json'}")
+    _plot_curve(results, args.label or args.target, out / "sweep.png", x_field)
     print(f"highest {x_field.replace('_', ' ')} with SLO attainment >= {args.attainment_target:g}: "
           f"{report['sustainable']}")
-    print(f"wrote {out / 'sweep.json'}, {out / 'sweep.png'}")
     return 0
+
+
+def _plot_curve(results: list[dict], label: str, path: Path, x_field: str) -> None:
+    try:
+        from loadtest import plot
+    except ImportError:  # matplotlib is the optional `bench` extra
+        print("no sweep.png: matplotlib is missing (pip install 'tandem[bench]')")
+        return
+    plot.rate_curves({label: results}, path, x_field)
+    print(f"wrote {path}")
 
 
 def summarize_sweep(results: list[dict], x_field: str, target: float) -> dict:
