@@ -21,6 +21,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (after choosing the headless backend)
 import numpy as np  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from loadtest.metrics import RequestRecord, detail_arrays  # noqa: E402
 
@@ -63,6 +64,7 @@ def timeline(records: list[RequestRecord], path: Path) -> None:
         ax.plot([r.first_token_s, r.finish_s], [y, y], color="tab:blue", lw=2)
     ax.set(xlabel="seconds since start", ylabel="request",
            title="arrival | waiting for first token (orange) | streaming (blue) | failed (red)")
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     ax.invert_yaxis()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
