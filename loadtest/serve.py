@@ -145,8 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         parse_goodput(args.goodput), parse_percentiles(args.percentiles)
         run_config(args, args.request_rate, args.max_concurrency)
-        requests = build_dataset(args.dataset, args.num_prompts, load_tokenizer(args.tokenizer),
-                                 dataset_options(args))
+        opts = dataset_options(args)  # checked before the (slow) tokenizer load
+        requests = build_dataset(args.dataset, args.num_prompts, load_tokenizer(args.tokenizer), opts)
     except (ValueError, FileNotFoundError) as exc:
         parser.error(str(exc))
     name = args.result_name or f"serve-rate-{rate_label(args.request_rate)}"

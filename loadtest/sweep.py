@@ -75,8 +75,8 @@ def main(argv: list[str] | None = None) -> int:
             loads = [(args.request_rate, c) for c in _numbers(args.max_concurrencies, "max_concurrencies", int)]
         for rate, conc in loads:
             run_config(args, rate, conc)
-        requests = build_dataset(args.dataset, args.num_prompts, load_tokenizer(args.tokenizer),
-                                 dataset_options(args))
+        opts = dataset_options(args)  # checked before the (slow) tokenizer load
+        requests = build_dataset(args.dataset, args.num_prompts, load_tokenizer(args.tokenizer), opts)
     except (ValueError, FileNotFoundError) as exc:
         parser.error(str(exc))
     results = []

@@ -11,7 +11,7 @@ import pytest
 from loadtest.arrivals import ArrivalSchedule
 from loadtest.clients import OpenAIClient, parse_target
 from loadtest.datasets import SampleRequest
-from loadtest.metrics import RequestRecord
+from loadtest.metrics import RequestRecord, max_concurrency_seen
 from loadtest.runner import RunConfig, run_benchmark
 
 WORDS = ["Hello", " there", ",", " friend", "!"]
@@ -129,6 +129,20 @@ async def test_a_whole_run_over_http_excludes_the_warm_up_and_records_every_requ
     assert len(outcome.records) == 5 and all(r.success for r in outcome.records)
     assert [r.request_id.rsplit("-", 1)[1] for r in outcome.records] == ["0", "1", "2", "3", "4"]
     assert outcome.model == "fake-model" and outcome.not_sent == 0 and outcome.duration_s > 0
+    assert max_concurrency_seen(outcome.records) <= 2  # the cap held: all 5 were due at once
+
+
+async def test_nothing_is_sent_after_the_time_limit():
+    server = FakeOpenAI()
+    base = await server.start()
+    schedule = ArrivalSchedule(20.0, seed=1)
+    cfg = RunConfig(base, schedule, num_warmups=0, time_limit_s=0.1, progress=False)
+    outcome = await run_benchmark(cfg, [REQ] * 50)
+    server.server.close()
+    due_later = int((schedule.times(50) > 0.1).sum())  # about 48 of 50 at 20 req/s
+    assert due_later > 40
+    assert outcome.not_sent >= due_later and len(outcome.records) + outcome.not_sent == 50
+    assert len(server.bodies) == len(outcome.records)
 
 
 @pytest.mark.parametrize("target", ["127.0.0.1:50051", "ftp://x/v1", "grpc://", "http:///v1"])
