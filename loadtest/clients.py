@@ -49,6 +49,15 @@ def _stamp(record: RequestRecord, now: float, last: float | None) -> float:
     return now
 
 
+def _stream_error(num_tokens: int, finish_reason: str) -> str:
+    """Why a gRPC stream that ended without an RPC error still failed ("" when it did not)."""
+    if not finish_reason:
+        return "stream ended without a finish_reason"
+    if finish_reason == "abort":
+        return "aborted by the server"
+    return "" if num_tokens else "stream ended without a token"
+
+
 class GrpcClient:
     """The Tandem gateway's streaming ``Generate``; chat requests go as ``messages`` (the
     gateway renders the template), others as a raw ``prompt``."""
@@ -68,7 +77,7 @@ class GrpcClient:
         return gateway_pb2.GenerateRequest(prompt=req.prompt, **fields)
 
     async def send(self, req: SampleRequest, record: RequestRecord, clock: Clock) -> None:
-        record.sent_s = clock()
+        record.sent_s, record.prompt_len = clock(), req.prompt_len
         last, count = None, 0
         try:
             stream = self._stub.Generate(self._request(req, record.request_id), timeout=self.timeout_s)
@@ -80,8 +89,8 @@ class GrpcClient:
                     record.finish_reason = msg.finish_reason
                     record.prompt_len = msg.usage.prompt_tokens or req.prompt_len
             record.output_tokens = count
-            record.success = count > 0
-            record.error = "" if count else "stream ended without a token"
+            record.error = _stream_error(count, record.finish_reason)
+            record.success = not record.error
         except grpc.aio.AioRpcError as exc:
             record.error = f"{exc.code().name}: {exc.details()}"
         record.finish_s = clock()
@@ -110,11 +119,15 @@ class OpenAIClient:
 
     async def resolve_model(self) -> str:
         """The model to name in requests (``model`` or the server's first). Raises
-        ``httpx.HTTPError`` when the server does not answer ``GET /models``."""
+        ``ConnectionError`` naming the target when ``GET /models`` fails or lists none."""
         if not self.model:
-            resp = await self._http.get(f"{self.base_url}/models")
-            resp.raise_for_status()
-            self.model = resp.json()["data"][0]["id"]
+            try:
+                resp = await self._http.get(f"{self.base_url}/models")
+                resp.raise_for_status()
+                self.model = resp.json()["data"][0]["id"]
+            except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as exc:
+                raise ConnectionError(f"target {self.base_url}: GET /models gave no model "
+                                      f"({type(exc).__name__}: {exc}); pass --model") from None
         return self.model
 
     def _payload(self, req: SampleRequest) -> tuple[str, dict]:
@@ -152,7 +165,11 @@ class OpenAIClient:
             if data == "[DONE]":
                 done = True
                 break
-            event = json.loads(data)
+            try:
+                event = json.loads(data)
+            except ValueError:
+                record.error = f"not JSON in an SSE event: {data[:100]!r}"
+                break
             if event.get("error"):
                 err = event["error"]
                 record.error = err.get("message", str(err)) if isinstance(err, dict) else str(err)

@@ -79,6 +79,8 @@ async def _send(client, req: SampleRequest, record: RequestRecord, clock, timeou
             await client.send(req, record, clock)
     except TimeoutError:
         record.success, record.error, record.finish_s = False, f"timeout after {timeout_s:g} s", clock()
+    except Exception as exc:  # noqa: BLE001  one odd response must not end a long run
+        record.success, record.error, record.finish_s = False, f"{type(exc).__name__}: {exc}", clock()
 
 
 async def _warm_up(client, cfg: RunConfig, requests: list[SampleRequest]) -> None:
@@ -91,7 +93,7 @@ async def _warm_up(client, cfg: RunConfig, requests: list[SampleRequest]) -> Non
 
 async def run_benchmark(cfg: RunConfig, requests: list[SampleRequest]) -> RunOutcome:
     """Run ``requests`` against ``cfg.target`` (see the module doc); failures are recorded,
-    not raised. Raises ``ValueError`` on an empty list and ``httpx.HTTPError`` when an HTTP
+    not raised. Raises ``ValueError`` on an empty list and ``ConnectionError`` when an HTTP
     target does not list its models (and no model was given)."""
     if not requests:
         raise ValueError("num_prompts must be > 0")

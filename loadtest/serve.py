@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import math
+import sys
 from pathlib import Path
 
 from loadtest.arrivals import RAMPS, ArrivalSchedule
@@ -150,7 +151,11 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as exc:
         parser.error(str(exc))
     name = args.result_name or f"serve-rate-{rate_label(args.request_rate)}"
-    run_one(args, requests, args.request_rate, args.max_concurrency, name)
+    try:
+        run_one(args, requests, args.request_rate, args.max_concurrency, name)
+    except ConnectionError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -18,6 +18,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import grpc
+import redis
 import redis.asyncio as aioredis
 
 from services.api import worker_pb2, worker_pb2_grpc
@@ -81,9 +82,12 @@ class ServerView:
             registry = WorkerRegistry(client)
             while True:
                 started = self.clock()
-                for role in ROLES:
-                    for info in await registry.list(role):
-                        await self._sample(channels, role, info.worker_id, info.endpoint)
+                try:
+                    for role in ROLES:
+                        for info in await registry.list(role):
+                            await self._sample(channels, role, info.worker_id, info.endpoint)
+                except (redis.RedisError, OSError) as exc:
+                    self._warn_once("redis", "cannot list workers in Redis: %s", exc)
                 await asyncio.sleep(max(0.0, self.interval_s - (self.clock() - started)))
         finally:
             for channel in channels.values():
@@ -97,13 +101,16 @@ class ServerView:
         try:
             load = await stub.GetLoad(worker_pb2.GetLoadRequest(), timeout=self.interval_s * 4)
         except grpc.aio.AioRpcError as exc:
-            if worker_id not in self._warned:
-                logger.warning("GetLoad of %s failed: %s", worker_id, exc.code().name)
-                self._warned.add(worker_id)
+            self._warn_once(worker_id, "GetLoad of %s failed: %s", worker_id, exc.code().name)
             return
         usage = 1.0 - load.free_kv_blocks / load.total_kv_blocks if load.total_kv_blocks else 0.0
         self.samples.append(LoadSample(self.clock(), worker_id, role, load.num_running,
                                        load.num_waiting, usage))
+
+    def _warn_once(self, key: str, message: str, *args: object) -> None:
+        if key not in self._warned:
+            logger.warning(message, *args)
+            self._warned.add(key)
 
     def summary(self) -> dict:
         """``{"interval_s", "num_samples", "workers": {worker_id: {role, mean_running_batch,

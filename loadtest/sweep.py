@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 from pathlib import Path
 
 from loadtest.datasets import build_dataset
@@ -82,7 +83,11 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for rate, conc in loads:
         name = f"sweep-rate-{rate_label(rate)}" + (f"-conc-{conc}" if conc else "")
-        results.append(run_one(args, requests, rate, conc, name))
+        try:
+            results.append(run_one(args, requests, rate, conc, name))
+        except ConnectionError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
     report = summarize_sweep(results, x_field, args.attainment_target)
     out = Path(args.result_dir)
     (out / "sweep.json").write_text(json.dumps(report, indent=2))

@@ -9,7 +9,7 @@ import math
 import pytest
 
 from loadtest.arrivals import ArrivalSchedule
-from loadtest.clients import OpenAIClient, parse_target
+from loadtest.clients import OpenAIClient, _stream_error, parse_target
 from loadtest.datasets import SampleRequest
 from loadtest.metrics import RequestRecord, max_concurrency_seen
 from loadtest.runner import RunConfig, run_benchmark
@@ -20,8 +20,10 @@ WORDS = ["Hello", " there", ",", " friend", "!"]
 class FakeOpenAI:
     """Answers GET /v1/models and streaming POST /v1/{chat/,}completions; records each body."""
 
-    def __init__(self, usage: bool = True, error_after: int | None = None, status: int = 200):
+    def __init__(self, usage: bool = True, error_after: int | None = None, status: int = 200,
+                 garbage: bool = False, models_status: int = 200):
         self.usage, self.error_after, self.status = usage, error_after, status
+        self.garbage, self.models_status = garbage, models_status
         self.bodies: list[dict] = []
         self.headers: list[dict[str, str]] = []
 
@@ -36,7 +38,8 @@ class FakeOpenAI:
                    (line.partition(":") for line in head.split("\r\n")[1:] if line)}
         body = await reader.readexactly(int(headers.get("content-length", 0)))
         if method == "GET":
-            self._reply(writer, 200, "application/json", json.dumps({"data": [{"id": "fake-model"}]}))
+            self._reply(writer, self.models_status, "application/json",
+                        json.dumps({"data": [{"id": "fake-model"}]}))
         elif self.status != 200:
             self._reply(writer, self.status, "application/json",
                         json.dumps({"error": {"message": "max_tokens: too big", "type": "BadRequest"}}))
@@ -56,6 +59,8 @@ class FakeOpenAI:
         chat = path.endswith("/chat/completions")
         yield ": keep-alive comment\n\n"
         for i, word in enumerate(WORDS):
+            if self.garbage and i == 1:
+                yield "data: {not json\n\n"
             if self.error_after is not None and i == self.error_after:
                 yield 'data: {"error": {"message": "engine died", "code": 500}}\n\n'
                 break
@@ -143,6 +148,29 @@ async def test_nothing_is_sent_after_the_time_limit():
     assert due_later > 40
     assert outcome.not_sent >= due_later and len(outcome.records) + outcome.not_sent == 50
     assert len(server.bodies) == len(outcome.records)
+
+
+async def test_an_event_that_is_not_json_fails_the_request_naming_it():
+    record = await _send(FakeOpenAI(garbage=True))
+    assert not record.success and record.error.startswith("not JSON in an SSE event")
+
+
+async def test_a_server_without_models_is_a_connection_error_naming_the_target():
+    server = FakeOpenAI(models_status=404)
+    base = await server.start()
+    cfg = RunConfig(base, ArrivalSchedule(math.inf), progress=False)
+    with pytest.raises(ConnectionError, match=f"^target {base}"):
+        await run_benchmark(cfg, [REQ])
+    server.server.close()
+    assert server.bodies == []  # nothing was sent
+
+
+@pytest.mark.parametrize("tokens, reason, error", [
+    (3, "length", ""), (3, "stop", ""), (0, "stop", "stream ended without a token"),
+    (3, "", "stream ended without a finish_reason"), (3, "abort", "aborted by the server"),
+])
+def test_grpc_stream_outcomes(tokens, reason, error):
+    assert _stream_error(tokens, reason) == error
 
 
 @pytest.mark.parametrize("target", ["127.0.0.1:50051", "ftp://x/v1", "grpc://", "http:///v1"])
