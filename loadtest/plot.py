@@ -101,6 +101,7 @@ def rate_curves(curves: dict[str, list[dict]], path: Path, x_field: str = "reque
             ax.set(xlabel=x_field.replace("_", " "), ylabel=ylabel)
             ax.grid(alpha=0.3)
     axes.flat[3].axhline(0.9, color="grey", ls="--", lw=1)
+    axes.flat[3].set_ylim(-0.02, 1.05)
     axes.flat[0].legend(fontsize="small")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
