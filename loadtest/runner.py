@@ -118,9 +118,14 @@ async def _timed_run(client, cfg: RunConfig, requests: list[SampleRequest], mode
         view.start()
     bar = tqdm(total=len(requests), disable=not cfg.progress, unit="req", desc="bench serve")
 
+    skipped: set[int] = set()  # held by the concurrency cap past the time limit: never sent
+
     async def one(req: SampleRequest, record: RequestRecord) -> None:
         async with sem:
-            await _send(client, req, record, clock, cfg.request_timeout_s)
+            if clock() > cfg.time_limit_s:
+                skipped.add(record.index)
+            else:
+                await _send(client, req, record, clock, cfg.request_timeout_s)
         bar.update(1)
 
     records, tasks = [], []
@@ -135,6 +140,7 @@ async def _timed_run(client, cfg: RunConfig, requests: list[SampleRequest], mode
     duration = max(clock(), 1e-9)
     bar.close()
     server = await view.stop() if view is not None else None
+    records = [r for r in records if r.index not in skipped]
     return RunOutcome(records, duration, len(requests) - len(records), server, model)
 
 

@@ -21,9 +21,9 @@ class FakeOpenAI:
     """Answers GET /v1/models and streaming POST /v1/{chat/,}completions; records each body."""
 
     def __init__(self, usage: bool = True, error_after: int | None = None, status: int = 200,
-                 garbage: bool = False, models_status: int = 200):
+                 garbage: bool = False, models_status: int = 200, slow_s: float = 0.0):
         self.usage, self.error_after, self.status = usage, error_after, status
-        self.garbage, self.models_status = garbage, models_status
+        self.garbage, self.models_status, self.slow_s = garbage, models_status, slow_s
         self.bodies: list[dict] = []
         self.headers: list[dict[str, str]] = []
 
@@ -46,6 +46,7 @@ class FakeOpenAI:
         else:
             self.bodies.append(json.loads(body))
             self.headers.append(headers)
+            await asyncio.sleep(self.slow_s)  # a slow server: holds a concurrency slot
             self._reply(writer, 200, "text/event-stream", "".join(self._events(path)))
         await writer.drain()
         writer.close()
@@ -148,6 +149,17 @@ async def test_nothing_is_sent_after_the_time_limit():
     assert due_later > 40
     assert outcome.not_sent >= due_later and len(outcome.records) + outcome.not_sent == 50
     assert len(server.bodies) == len(outcome.records)
+
+
+async def test_requests_the_concurrency_cap_holds_past_the_time_limit_are_not_sent():
+    server = FakeOpenAI(slow_s=1.5)  # longer than the limit: the first holds the cap past it
+    base = await server.start()
+    cfg = RunConfig(base, ArrivalSchedule(math.inf), max_concurrency=1, num_warmups=0,
+                    time_limit_s=1.0, progress=False)
+    outcome = await run_benchmark(cfg, [REQ] * 5)
+    server.server.close()
+    # all 5 are due at 0 (before the limit); the first holds the cap past it, the rest never go
+    assert len(outcome.records) == 1 and outcome.not_sent == 4 and len(server.bodies) == 1
 
 
 async def test_an_event_that_is_not_json_fails_the_request_naming_it():
