@@ -100,6 +100,11 @@ def rate_curves(curves: dict[str, list[dict]], path: Path, x_field: str = "reque
             ax.plot(xs, [r.get(key, float("nan")) for _, r in points], marker="o", label=label)
             ax.set(xlabel=x_field.replace("_", " "), ylabel=ylabel)
             ax.grid(alpha=0.3)
+    if x_field == "request_rate":  # what was offered: a server keeping up sits on this line
+        xs = [float(r[x_field]) for rs in curves.values() for r in rs
+              if r.get(x_field) is not None and math.isfinite(float(r[x_field]))]
+        if xs:
+            axes.flat[0].plot([0, max(xs)], [0, max(xs)], color="grey", ls="--", lw=1, label="offered")
     axes.flat[3].axhline(0.9, color="grey", ls="--", lw=1)
     axes.flat[3].set_ylim(-0.02, 1.05)
     axes.flat[0].legend(fontsize="small")

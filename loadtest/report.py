@@ -87,6 +87,11 @@ def print_summary(result: dict, percentiles: list[float]) -> None:
         print("{s:{c}^60}".format(s=f" {title} ", c="-"))
         for stat in ("mean", "median", "std", *(f"p{p:g}" for p in percentiles)):
             print(f"{stat.capitalize() + ' ' + name.upper() + ' (ms)':<44}{result[f'{stat}_{name}_ms']:>16.2f}")
+    top = f"p{percentiles[-1]:g}"  # the highest percentile asked for
+    for kind, figures in result.get("by_kind", {}).items():
+        print(f"{kind:>8}: {figures['completed']} done, TTFT {top} {figures[f'{top}_ttft_ms']:.0f} ms, "
+              f"TPOT mean {figures['mean_tpot_ms']:.1f} ms, ITL {top} {figures[f'{top}_itl_ms']:.1f} ms, "
+              f"goodput {figures['request_goodput']:.2f} req/s")
     for error, count in result.get("errors_by_message", {}).items():
         print(f"failed x{count}: {error}")
     print("=" * 60)

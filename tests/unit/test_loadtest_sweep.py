@@ -57,3 +57,19 @@ def test_run_and_overlay_figures_are_png_files(tmp_path):
                  "overlay/latency_cdf.png"):
         data = (tmp_path / name).read_bytes()
         assert data.startswith(PNG_MAGIC) and len(data) > 2000, name
+
+
+def test_summary_table_prints_every_figure_and_each_kind(capsys):
+    from loadtest.metrics import by_kind
+    from loadtest.report import print_summary
+
+    records = _records()
+    records[0].kind = "long"
+    result = {**summarize(records, 2.1, {}, [50, 95]), "not_sent": 0,
+              "by_kind": by_kind(records, 2.1, {}, [50, 95])}
+    print_summary(result, [50, 95])
+    out = capsys.readouterr().out
+    for line in ("Successful requests", "Request goodput (req/s)", "P95 TTFT (ms)", "Median ITL (ms)",
+                 "P50 E2EL (ms)", "failed x1: x"):
+        assert line in out, line
+    assert "    long: 1 done, TTFT p95 100 ms" in out and "    chat: 4 done" in out
