@@ -23,7 +23,7 @@ import matplotlib.pyplot as plt  # noqa: E402  (after choosing the headless back
 import numpy as np  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
-from loadtest.metrics import RequestRecord, detail_arrays  # noqa: E402
+from loadtest.metrics import RequestRecord  # noqa: E402
 
 CDF_METRICS = (("ttfts", "TTFT"), ("tpots", "TPOT"), ("itls", "ITL"), ("e2els", "E2E latency"))
 

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from loadtest import plot
-from loadtest.metrics import RequestRecord, summarize
+from loadtest.metrics import RequestRecord, detail_arrays, summarize
 from loadtest.sweep import summarize_sweep, sustainable
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -43,13 +43,13 @@ def _records():
 
 def test_run_and_overlay_figures_are_png_files(tmp_path):
     records = _records()
-    plot.latency_cdfs([("a", plot.detail_arrays(records))], tmp_path / "cdf.png")
+    plot.latency_cdfs([("a", detail_arrays(records))], tmp_path / "cdf.png")
     plot.timeline(records, tmp_path / "timeline.png")
     plot.throughput_timeline(records, 2.1, tmp_path / "tput.png")
     files = []
     for rate in (1, 2):
         result = {**summarize(records, 2.1, {"ttft": 200.0}, [99]), "request_rate": rate,
-                  "label": "tandem", **plot.detail_arrays(records)}
+                  "label": "tandem", **detail_arrays(records)}
         files.append(tmp_path / f"r{rate}.json")
         files[-1].write_text(json.dumps(result))
     assert plot.main([str(f) for f in files] + ["--out", str(tmp_path / "overlay")]) == 0
