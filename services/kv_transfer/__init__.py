@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from services.engine.config import KVCacheLayout
+from kernels.kv_layout import KVCacheLayout
 from services.kv_transfer.base import (
     KVLayoutMismatchError, KVTransferError, KVTransport, NotificationHandler,
 )

@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from services.engine.config import KVCacheLayout
+from kernels.kv_layout import KVCacheLayout
 
 NotificationHandler = Callable[[bytes], None]
 

@@ -33,7 +33,7 @@ from types import ModuleType
 import numpy as np
 import torch
 
-from services.engine.config import KVCacheLayout
+from kernels.kv_layout import KVCacheLayout
 from services.kv_transfer.base import (
     KVLayoutMismatchError, KVTransferError, KVTransport, NotificationHandler,
     check_layouts_match, invalid_block_ids, layout_from_dict, layout_to_dict,

@@ -28,8 +28,8 @@ from collections.abc import Sequence
 
 import torch
 
-from services.engine.attention import gather_blocks, scatter_blocks
-from services.engine.config import KVCacheLayout
+from kernels.block_copy import gather_blocks, scatter_blocks
+from kernels.kv_layout import KVCacheLayout
 from services.kv_transfer.base import (
     MAX_NOTIFICATION_BYTES, KVLayoutMismatchError, KVTransferError, KVTransport,
     NotificationHandler, block_runs, check_layouts_match, invalid_block_ids, layout_from_dict,
