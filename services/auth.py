@@ -103,25 +103,36 @@ def _refusal(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
     raise NotImplementedError("internal services use unary and server-streaming RPCs only")
 
 
-class _SecretMetadata(grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.UnaryStreamClientInterceptor):
-    """Adds the internal secret to every call's metadata."""
+def _with_secret(details, pair: tuple[str, str]):
+    return details._replace(metadata=grpc.aio.Metadata(*(details.metadata or ()), pair))
+
+
+class _UnarySecret(grpc.aio.UnaryUnaryClientInterceptor):
+    """Adds the internal secret to every unary call's metadata."""
 
     def __init__(self, secret: str) -> None:
         self._pair = (METADATA_KEY, secret)
 
-    def _with_secret(self, details):
-        metadata = grpc.aio.Metadata(*(details.metadata or ()), self._pair)
-        return details._replace(metadata=metadata)
-
     async def intercept_unary_unary(self, continuation, details, request):
-        return await continuation(self._with_secret(details), request)
+        return await continuation(_with_secret(details, self._pair), request)
+
+
+class _StreamSecret(grpc.aio.UnaryStreamClientInterceptor):
+    """Adds the internal secret to every server-streaming call's metadata.
+
+    NOTE: a separate class from ``_UnarySecret``: grpc.aio files each interceptor under the
+    first interceptor kind it is an instance of, so one class serving both misses streams."""
+
+    def __init__(self, secret: str) -> None:
+        self._pair = (METADATA_KEY, secret)
 
     async def intercept_unary_stream(self, continuation, details, request):
-        return await continuation(self._with_secret(details), request)
+        return await continuation(_with_secret(details, self._pair), request)
 
 
 def internal_channel(endpoint: str, secret: str | None) -> grpc.aio.Channel:
     """A channel to a worker at ``endpoint`` whose calls carry ``secret`` (none: plain)."""
     if secret is None:
         return grpc.aio.insecure_channel(endpoint)
-    return grpc.aio.insecure_channel(endpoint, interceptors=[_SecretMetadata(secret)])
+    return grpc.aio.insecure_channel(
+        endpoint, interceptors=[_UnarySecret(secret), _StreamSecret(secret)])
