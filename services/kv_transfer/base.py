@@ -258,7 +258,8 @@ class KVTransport(ABC):
 
     def _deliver(self, grant: WriteGrant | None, notification: bytes) -> dict:
         """Run the write's handler (its grant's, or the transport's) under the handler lock;
-        the answer for the sender."""
+        the answer for the sender. A grant whose handler raised is reported lost."""
+        error = None
         try:
             with self._handler_lock:
                 handler = grant.on_write if grant is not None else self._handler
@@ -267,16 +268,24 @@ class KVTransport(ABC):
                 handler(notification)
         except Exception as exc:  # reported to the sender; the connection stays usable
             logger.warning("KV notification handler failed: %r", exc)
-            return {"ok": False, "error": f"notification handler: {exc!r}"}
-        return {"ok": True}
+            error = f"notification handler: {exc!r}"
+        if error is None:
+            if grant is not None:
+                self.grants.done(grant)
+            return {"ok": True}
+        self._write_lost(grant, error)
+        return {"ok": False, "error": error}
 
     def _write_lost(self, grant: WriteGrant | None, reason: str) -> None:
-        """An admitted write broke off; nothing more of it lands: tell its grant's owner."""
-        if grant is None or grant.on_lost is None:
+        """An admitted write broke off or its notification was refused; nothing more of it
+        lands: tell its grant's owner (the reservation closes as not written)."""
+        if grant is None:
             return
+        self.grants.done(grant)
         try:
             with self._handler_lock:
-                grant.on_lost(reason)
+                if grant.on_lost is not None:
+                    grant.on_lost(reason)
         except Exception:  # noqa: BLE001 - a transport thread must survive its callbacks
             logger.exception("KV write-lost callback failed")
 

@@ -41,7 +41,7 @@ class WriteGrant:
     expires_at: float  # time.monotonic() at which the lease ends
     on_write: Callable[[bytes], None]
     on_lost: Callable[[str], None] | None = None
-    state: str = "open"  # "open" -> "writing" -> "closed"; or "open" -> "closed" (revoked)
+    state: str = "open"  # "open" -> "writing" -> "done" -> "closed"; or "open" -> "closed"
 
 
 class WriteGrants:
@@ -86,6 +86,12 @@ class WriteGrants:
                 return None, "block ids are not the reservation's"
             grant.state = "writing"
             return grant, ""
+
+    def done(self, grant: WriteGrant) -> None:
+        """The admitted write has ended (landed and handled, or broke off)."""
+        with self._lock:
+            if grant.state == "writing":
+                grant.state = "done"
 
     def renew(self, token: bytes) -> float | None:
         """Extend an open grant's lease to ``lease_s`` from now; its seconds left, or None when

@@ -159,3 +159,21 @@ def test_without_grants_the_receiver_behaves_as_before(backend, made):
     receiver.set_notification_handler(notes.append)
     sender.write_blocks(sender.add_remote(receiver.metadata()), [0], [5], b"open", TIMEOUT_S)
     assert notes == [b"open"]
+
+
+def test_a_refused_notification_reports_the_write_lost(backend, made):
+    """The receiver's own handler refuses the note (e.g. it names another request): the
+    reservation must hear that its write is over, or its lease would wait on it forever."""
+    sender, receiver = make(backend, made, 1), make(backend, made, 2)
+    lost: list[str] = []
+
+    def refuse(note: bytes) -> None:
+        raise ValueError("names another request")
+
+    token = new_token()
+    receiver.grant_write(token, GRANTED, 0.5, refuse, lost.append)
+    peer = sender.add_remote(receiver.metadata())
+    with pytest.raises(KVTransferError, match="names another request"):
+        sender.write_blocks(peer, [0, 1, 2], GRANTED, b"x", TIMEOUT_S, token=token)
+    assert len(lost) == 1 and "names another request" in lost[0]
+    wait_until(lambda: receiver.lease_left(token) == 0)  # the lease still ends
