@@ -53,6 +53,7 @@ class _Reservation:
     timer: asyncio.TimerHandle
     lease_left: Callable[[], float]  # seconds left of the lease, renewals included
     on_close: Callable[[], None]  # revokes the write grant: no write is admitted any more
+    on_detach: Callable[[], None]  # stops renewals: a stream that went away needs no KV
     attached: bool = True
 
 
@@ -72,17 +73,20 @@ class Reservations:
 
     def open(self, request_id: str, lease_s: float,
              lease_left: Callable[[], float] | None = None,
-             on_close: Callable[[], None] | None = None) -> asyncio.Future[Outcome]:
+             on_close: Callable[[], None] | None = None,
+             on_detach: Callable[[], None] | None = None) -> asyncio.Future[Outcome]:
         """Start the lease (seconds); the future resolves when the reservation closes.
 
         ``lease_left()``: seconds left of a lease that may have been renewed (the transport's
         write grant); asked when ``lease_s`` is up, and the lease ends only once it says 0.
-        ``on_close()`` runs when the reservation closes, however it does (revoke the grant)."""
+        ``on_close()`` runs when the reservation closes, however it does (revoke the grant);
+        ``on_detach()`` when its stream goes away first (stop renewals: the lease runs out)."""
         loop = asyncio.get_running_loop()
         timer = loop.call_later(lease_s, self._lease_up, request_id)
         self._open[request_id] = _Reservation(loop.create_future(), timer,
                                               lease_left or (lambda: 0.0),
-                                              on_close or (lambda: None))
+                                              on_close or (lambda: None),
+                                              on_detach or (lambda: None))
         return self._open[request_id].outcome
 
     def _lease_up(self, request_id: str) -> None:
@@ -120,6 +124,7 @@ class Reservations:
         if r is None:
             return False
         r.attached = False
+        r.on_detach()
         if not r.outcome.done():
             r.outcome.set_result(Outcome("aborted"))
         return True
@@ -131,4 +136,5 @@ class Reservations:
         if r is None:
             return False
         r.attached = False
+        r.on_detach()
         return True

@@ -60,8 +60,10 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         self.transport.grant_write(token, block_ids, lease_s,
                                    functools.partial(self._on_notification, rid),
                                    functools.partial(self._on_write_lost, rid))
-        outcome = self.reservations.open(rid, lease_s, functools.partial(
-            self.transport.lease_left, token), functools.partial(self.transport.revoke, token))
+        outcome = self.reservations.open(
+            rid, lease_s, functools.partial(self.transport.lease_left, token),
+            functools.partial(self.transport.revoke, token),
+            functools.partial(self.transport.stop_renewals, token))
         return token, outcome
 
     async def Decode(self, request: worker_pb2.DecodeRequest, context):

@@ -5,13 +5,13 @@ import torch
 
 from kernels.kv_layout import KVCacheLayout
 from services.kv_transfer.base import (
-    KVLayoutMismatchError, KVTransferError, KVTransport, NotificationHandler,
+    KVLayoutMismatchError, KVLeaseRefusedError, KVTransferError, KVTransport, NotificationHandler,
 )
 
 BACKENDS = ("tcp", "nixl")
 
 __all__ = [
-    "BACKENDS", "KVLayoutMismatchError", "KVTransferError", "KVTransport",
+    "BACKENDS", "KVLayoutMismatchError", "KVLeaseRefusedError", "KVTransferError", "KVTransport",
     "NotificationHandler", "create_transport",
 ]
 

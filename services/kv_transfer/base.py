@@ -26,7 +26,7 @@ import torch
 
 from kernels.kv_layout import KVCacheLayout
 from services.kv_transfer.common import (  # re-exported: what the backends import
-    MAX_NOTIFICATION_BYTES, KVLayoutMismatchError, KVTransferError, block_runs,
+    MAX_NOTIFICATION_BYTES, KVLayoutMismatchError, KVLeaseRefusedError, KVTransferError, block_runs,
     check_layouts_match, invalid_block_ids, layout_from_dict, layout_to_dict,
 )
 from services.kv_transfer.grants import WriteGrant, WriteGrants, proof_ok
@@ -36,7 +36,8 @@ logger = logging.getLogger(__name__)
 NotificationHandler = Callable[[bytes], None]
 
 __all__ = [
-    "MAX_NOTIFICATION_BYTES", "KVLayoutMismatchError", "KVTransferError", "KVTransport",
+    "MAX_NOTIFICATION_BYTES", "KVLayoutMismatchError", "KVLeaseRefusedError", "KVTransferError",
+    "KVTransport",
     "NotificationHandler", "block_runs", "check_layouts_match", "invalid_block_ids",
     "layout_from_dict", "layout_to_dict",
 ]
@@ -119,16 +120,9 @@ class KVTransport(ABC):
         refuse), KVTransferError when the metadata is invalid or the peer is unreachable.
         """
 
-    def write_blocks(
-        self,
-        peer: str,
-        local_block_ids: Sequence[int],
-        remote_block_ids: Sequence[int],
-        notification: bytes,
-        timeout_s: float,
-        *,
-        token: bytes = b"",
-    ) -> None:
+    def write_blocks(self, peer: str, local_block_ids: Sequence[int],
+                     remote_block_ids: Sequence[int], notification: bytes, timeout_s: float,
+                     *, token: bytes = b"") -> None:
         """Copy local block ``local_block_ids[i]`` into the peer's ``remote_block_ids[i]`` for
         every layer and both K and V, then deliver ``notification`` to the peer's handler.
 
@@ -163,10 +157,12 @@ class KVTransport(ABC):
     def renew_lease(self, peer: str, token: bytes, timeout_s: float) -> float:
         """Extend the lease of the peer's grant for ``token`` (the sender is still computing
         the prompt); returns the seconds now left. Raises KVTransferError when refused (token
-        unknown or used, lease already ended), the peer is unknown or gone, or on timeout."""
+        unknown or used, lease already ended), the peer is unknown or gone, or on timeout;
+        KVLeaseRefusedError (a KVTransferError) when the peer answered no: the reservation is
+        gone or its stream is, so nothing written into it would be used."""
         reply = self._send_renewal(peer, bytes(token), time.monotonic() + timeout_s)
         if not reply.get("ok"):
-            raise KVTransferError(f"peer {peer} refused the lease renewal: {reply.get('error')}")
+            raise KVLeaseRefusedError(f"peer {peer} refused the lease renewal: {reply.get('error')}")
         return float(reply["lease_s"])
 
     @abstractmethod
@@ -206,12 +202,13 @@ class KVTransport(ABC):
             raise ValueError(f"block_ids: {problem}")
         self.grants.grant(token, block_ids, lease_s, on_write, on_lost)
 
-    def lease_left(self, token: bytes) -> float:
-        """Seconds left of ``token``'s lease (renewals included); 0 once ended or revoked."""
+    def lease_left(self, token: bytes) -> float:  # see WriteGrants.lease_left
         return self.grants.lease_left(token)
 
-    def revoke(self, token: bytes) -> None:
-        """The reservation closed: admit no write with ``token`` any more (idempotent)."""
+    def stop_renewals(self, token: bytes) -> None:  # the stream went away: let the lease run out
+        self.grants.stop_renewals(token)
+
+    def revoke(self, token: bytes) -> None:  # the reservation closed: admit no write any more
         self.grants.close(token)
 
     def _check_welcome(self, peer: str, reply: dict, *proof_parts) -> None:

@@ -11,6 +11,11 @@ class KVTransferError(RuntimeError):
     """A transfer or handshake failed: peer unreachable or gone, timeout, refusal, bad ids."""
 
 
+class KVLeaseRefusedError(KVTransferError):
+    """The receiver refused to renew a reservation's lease: it is closed, used, ended, or its
+    stream has gone. Nothing written into it would be used."""
+
+
 class KVLayoutMismatchError(KVTransferError):
     """Two workers' KV layouts differ, so blocks cannot move between them.
 

@@ -42,6 +42,7 @@ class WriteGrant:
     on_write: Callable[[bytes], None]
     on_lost: Callable[[str], None] | None = None
     state: str = "open"  # "open" -> "writing" -> "done" -> "closed"; or "open" -> "closed"
+    renewable: bool = True  # False once the reservation's stream has gone: the lease runs out
 
 
 class WriteGrants:
@@ -99,7 +100,8 @@ class WriteGrants:
         now = time.monotonic()
         with self._lock:
             grant = self._grants.get(bytes(token))
-            if grant is None or grant.state != "open" or now >= grant.expires_at:
+            if (grant is None or grant.state != "open" or not grant.renewable
+                    or now >= grant.expires_at):
                 return None
             grant.expires_at = now + grant.lease_s
             return grant.lease_s
@@ -115,6 +117,13 @@ class WriteGrants:
             # NOTE: an admitted write ends by the lease (TCP bounds its receive by it) and then
             # reports landed or lost; until it has, the blocks are not the caller's to free.
             return max(left, WRITING_POLL_S) if grant.state == "writing" else left
+
+    def stop_renewals(self, token: bytes) -> None:
+        """Refuse further renewals of ``token``'s lease (its stream has gone); writes are
+        still admitted until the lease ends, so a write under way may finish."""
+        with self._lock:
+            if (grant := self._grants.get(token)) is not None:
+                grant.renewable = False
 
     def close(self, token: bytes) -> None:
         """Forget the grant: no write is admitted with ``token`` any more (idempotent)."""

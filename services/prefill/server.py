@@ -19,7 +19,7 @@ import logging
 import time
 
 from services.api import worker_pb2, worker_pb2_grpc
-from services.kv_transfer import KVTransferError
+from services.kv_transfer import KVLeaseRefusedError, KVTransferError
 from services.prefill.faults import Faults
 from services.rpc import Aborted
 from services.worker import WorkerRuntime, params_from_proto
@@ -42,6 +42,7 @@ class _Lease:
     def __init__(self, lease_s: float) -> None:
         self.lease_s = lease_s  # the lease last granted, seconds
         self.deadline = time.monotonic() + lease_s - lease_margin_s(lease_s)
+        self.refused = asyncio.Event()  # the destination refused a renewal: it wants no KV
 
     def renewed(self, sent_at: float, lease_s: float) -> None:
         """The destination granted ``lease_s`` seconds to a renewal sent at ``sent_at``."""
@@ -165,6 +166,9 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
                 lease.renewed(sent_at, await asyncio.to_thread(
                     self.transport.renew_lease, peer, dest.write_token,
                     min(lease.lease_s / 3, NOTE_TIMEOUT_S)))
+        except KVLeaseRefusedError as exc:
+            log.info("decode worker %s wants the KV no more: %s", dest.worker_id, exc)
+            lease.refused.set()
         except (KVTransferError, OSError, ValueError) as exc:
             log.info("lease on decode worker %s not renewed: %s", dest.worker_id, exc)
 
@@ -186,16 +190,18 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
 
 async def _first_output(queue: asyncio.Queue, lease: _Lease):
     """The request's first output (its first token), awaited until the lease's deadline, which
-    renewals may move. Raises Aborted once the deadline passes first."""
-    get = asyncio.ensure_future(queue.get())
+    renewals may move. Raises Aborted once the deadline passes or a renewal is refused first."""
+    get, refused = asyncio.ensure_future(queue.get()), asyncio.ensure_future(lease.refused.wait())
     try:
-        while (left := lease.deadline - time.monotonic()) > 0:
-            done, _ = await asyncio.wait({get}, timeout=left)
-            if done:
+        while (left := lease.deadline - time.monotonic()) > 0 and not refused.done():
+            await asyncio.wait({get, refused}, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+            if get.done():
                 return get.result()
+        if refused.done():
+            raise Aborted("the decode worker refused to renew the reservation's lease")
         raise Aborted("the reservation's lease ended before the prompt was computed")
     finally:
-        get.cancel()
+        get.cancel(), refused.cancel()
 
 
 async def _wait_out(write: asyncio.Future) -> None:

@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from services.kv_transfer import KVTransferError, create_transport
+from services.kv_transfer import KVLeaseRefusedError, KVTransferError, create_transport
 from services.kv_transfer.grants import new_token
 from tests.unit.test_kv_transfer import BACKENDS, LAYOUT, TIMEOUT_S, make_cache
 
@@ -177,3 +177,14 @@ def test_a_refused_notification_reports_the_write_lost(backend, made):
         sender.write_blocks(peer, [0, 1, 2], GRANTED, b"x", TIMEOUT_S, token=token)
     assert len(lost) == 1 and "names another request" in lost[0]
     wait_until(lambda: receiver.lease_left(token) == 0)  # the lease still ends
+
+
+def test_a_detached_reservation_is_not_renewed_but_may_still_be_written(backend, made):
+    """Its stream went away: the lease runs out instead of being renewed (the sender learns
+    that nothing it computes will be used), yet a write under way may still land."""
+    sender, receiver, peer, token, notes = granted_pair(backend, made)
+    receiver.stop_renewals(token)
+    with pytest.raises(KVLeaseRefusedError):
+        sender.renew_lease(peer, token, TIMEOUT_S)
+    sender.write_blocks(peer, [0, 1, 2], GRANTED, b"landed", TIMEOUT_S, token=token)
+    assert notes == [b"landed"]
