@@ -188,3 +188,29 @@ def test_a_detached_reservation_is_not_renewed_but_may_still_be_written(backend,
         sender.renew_lease(peer, token, TIMEOUT_S)
     sender.write_blocks(peer, [0, 1, 2], GRANTED, b"landed", TIMEOUT_S, token=token)
     assert notes == [b"landed"]
+
+
+def test_tcp_write_that_breaks_off_mid_payload_is_reported_lost(made):
+    """A sender that dies mid-payload: the receiver knows nothing more of the write can land
+    and closes the reservation at once (``on_lost``), instead of waiting for the lease."""
+    import socket
+
+    from services.kv_transfer.tcp_wire import recv_frame, send_frame
+
+    receiver = make("tcp", made, 2, secret=None)
+    token, lost, notes = new_token(), [], []
+    receiver.grant_write(token, GRANTED, 30.0, notes.append, lost.append)
+    meta = json.loads(receiver.metadata())
+    deadline = time.monotonic() + TIMEOUT_S
+    with socket.create_connection((meta["host"], meta["port"]), timeout=TIMEOUT_S) as sock:
+        recv_frame(sock, deadline)  # the challenge
+        send_frame(sock, {"op": "hello", "layout": meta["layout"], "nonce": "n", "proof": ""},
+                   deadline)
+        assert recv_frame(sock, deadline)["ok"]
+        payload = len(GRANTED) * LAYOUT.num_layers * 2 * LAYOUT.block_bytes
+        send_frame(sock, {"op": "write", "remote_block_ids": GRANTED, "token": token.hex(),
+                          "notif_len": 0, "payload_bytes": payload, "timeout_s": 5.0},
+                   deadline, [memoryview(bytes(payload // 2))])
+    wait_until(lambda: lost)
+    assert notes == [] and "broke off" in lost[0]
+    assert receiver.grants.admit(token, GRANTED) == (None, "the token was already used")
