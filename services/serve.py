@@ -10,11 +10,11 @@ from pathlib import Path
 import torch
 
 from services.api import gateway_pb2, gateway_pb2_grpc, worker_pb2, worker_pb2_grpc
+from services.auth import read_internal_secret, warn_if_open
 from services.engine.engine import LLMEngine
 from services.engine.loader import load_config
 from services.engine.model_files import DEFAULT_MODEL_NAME, default_model_path
 from services.engine.tokenizer import Tokenizer
-from services.auth import read_internal_secret, warn_if_open
 from services.rpc import bind, create_server, mark_serving
 from services.state.redis_server import check_redis
 from services.state.registry import WorkerRegistry
