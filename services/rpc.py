@@ -11,6 +11,8 @@ import pydantic
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from services.auth import InternalAuthInterceptor
+
 log = logging.getLogger(__name__)
 
 
@@ -97,10 +99,18 @@ async def _abort(context: grpc.aio.ServicerContext, exc: Exception, method: str)
     await context.abort(code, message)
 
 
-def create_server(service_names: Iterable[str]) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
+def create_server(
+    service_names: Iterable[str], internal_secret: str | None = None,
+) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
     """A ``grpc.aio`` server with the status interceptor, ``grpc.health.v1`` (every service
-    reported SERVING) and server reflection. Add servicers, then ``add_insecure_port``."""
-    server = grpc.aio.server(interceptors=[StatusInterceptor()])
+    reported SERVING) and server reflection. Add servicers, then ``add_insecure_port``.
+
+    With ``internal_secret`` (workers), every call but health and reflection must carry it
+    (``services.auth``), or gets UNAUTHENTICATED before its handler runs."""
+    interceptors: list[grpc.aio.ServerInterceptor] = [StatusInterceptor()]
+    if internal_secret is not None:
+        interceptors.insert(0, InternalAuthInterceptor(internal_secret))
+    server = grpc.aio.server(interceptors=interceptors)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = [*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME]

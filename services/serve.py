@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import signal
 from pathlib import Path
@@ -9,6 +10,7 @@ from pathlib import Path
 import torch
 
 from services.api import gateway_pb2, gateway_pb2_grpc, worker_pb2, worker_pb2_grpc
+from services.auth import read_internal_secret, warn_if_open
 from services.engine.engine import LLMEngine
 from services.engine.loader import load_config
 from services.engine.model_files import DEFAULT_MODEL_NAME, default_model_path
@@ -42,6 +44,9 @@ async def serve_worker(opts: WorkerOptions, num_threads: int) -> None:
     from services.prefill.server import PrefillServicer
 
     torch.set_num_threads(num_threads)
+    if opts.internal_secret is None:
+        opts = dataclasses.replace(opts, internal_secret=read_internal_secret())
+    warn_if_open(opts.internal_secret, f"{opts.role} worker")
     await check_redis(opts.redis_url)
     engine = await asyncio.to_thread(LLMEngine, opts.engine)
     log.info("%s engine warmed up in %.2fs", opts.role, await asyncio.to_thread(engine.warm_up))
@@ -51,7 +56,7 @@ async def serve_worker(opts: WorkerOptions, num_threads: int) -> None:
     else:
         servicer, add, name = PrefillServicer(runtime), worker_pb2_grpc.add_PrefillWorkerServicer_to_server, "PrefillWorker"
     full_name = worker_pb2.DESCRIPTOR.services_by_name[name].full_name
-    server, health = create_server([full_name])
+    server, health = create_server([full_name], opts.internal_secret)
     add(servicer, server)
     port = bind(server, opts.host, opts.port)
     await server.start()
@@ -70,8 +75,9 @@ async def serve_worker(opts: WorkerOptions, num_threads: int) -> None:
 
 async def serve_gateway(host: str, port: int, redis_url: str, model: str, rpc_timeout_s: float,
                         heartbeat_s: float, kv_failure_policy: str = "recompute",
-                        max_inflight: int = 1024) -> None:
-    """Run the public Gateway service until signalled."""
+                        max_inflight: int = 1024, internal_secret: str | None = None) -> None:
+    """Run the public Gateway service until signalled. ``internal_secret`` (default: from
+    ``services.auth.read_internal_secret``) is sent on every call to a worker."""
     from services.gateway.routing import WorkerPool
     from services.gateway.server import GatewayServicer
 
@@ -79,7 +85,9 @@ async def serve_gateway(host: str, port: int, redis_url: str, model: str, rpc_ti
     tokenizer = Tokenizer.load(model)
     config = load_config(model)
     redis = redis_client(redis_url)
-    pool = WorkerPool(WorkerRegistry(redis, heartbeat_s), heartbeat_s, rpc_timeout_s)
+    secret = internal_secret if internal_secret is not None else read_internal_secret()
+    warn_if_open(secret, "gateway")
+    pool = WorkerPool(WorkerRegistry(redis, heartbeat_s), heartbeat_s, rpc_timeout_s, secret)
     servicer = GatewayServicer(
         tokenizer, served_model_name(model), config.max_position_embeddings,
         RequestStateStore(redis), pool, rpc_timeout_s, kv_failure_policy, max_inflight)

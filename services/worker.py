@@ -43,6 +43,7 @@ class WorkerOptions:
     rpc_timeout_s: float = 600.0  # bound on any wait for the engine thread
     kv_transfer_timeout_s: float = 30.0  # prefill: one KV write (never past the lease)
     fault_injection: bool = False  # TEST ONLY: honour fault tags in request ids (prefill)
+    internal_secret: str | None = None  # services.auth: proven on gRPC and KV ports; None: open
 
 
 REDIS_TIMEOUT_S = 2.0  # connect and per-command socket timeout of the services' Redis clients
@@ -109,7 +110,8 @@ class WorkerRuntime:
         ``port`` (0: ephemeral; see ``services.kv_transfer.create_transport``)."""
         opts = self.options
         return create_transport(opts.kv_transport, self.engine.kv_cache, self.engine.layout,
-                                host=opts.host, port=port, advertise_host=opts.advertise_host)
+                                host=opts.host, port=port, advertise_host=opts.advertise_host,
+                                secret=opts.internal_secret, require_grants=True)
 
     async def stop(self) -> None:
         """Stop the engine thread and close Redis (stop ``heartbeater`` first to deregister)."""

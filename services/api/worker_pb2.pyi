@@ -73,18 +73,20 @@ class DecodeRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., local_prefill: _Optional[bool] = ..., kv_failure_policy: _Optional[_Union[KVFailurePolicy, str]] = ...) -> None: ...
 
 class KVReservation(_message.Message):
-    __slots__ = ("worker_id", "transport", "transport_metadata", "block_ids", "lease_s")
+    __slots__ = ("worker_id", "transport", "transport_metadata", "block_ids", "lease_s", "write_token")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_METADATA_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     LEASE_S_FIELD_NUMBER: _ClassVar[int]
+    WRITE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     transport: str
     transport_metadata: bytes
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     lease_s: float
-    def __init__(self, worker_id: _Optional[str] = ..., transport: _Optional[str] = ..., transport_metadata: _Optional[bytes] = ..., block_ids: _Optional[_Iterable[int]] = ..., lease_s: _Optional[float] = ...) -> None: ...
+    write_token: bytes
+    def __init__(self, worker_id: _Optional[str] = ..., transport: _Optional[str] = ..., transport_metadata: _Optional[bytes] = ..., block_ids: _Optional[_Iterable[int]] = ..., lease_s: _Optional[float] = ..., write_token: _Optional[bytes] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
     __slots__ = ("reservation", "token_ids", "finish_reason", "num_output_tokens", "logprobs")

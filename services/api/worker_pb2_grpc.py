@@ -63,6 +63,8 @@ class DecodeWorkerServicer:
         / included. If the KV does not arrive (the prefill worker reports a failed transfer, or the
         / lease ends), apply kv_failure_policy: compute the prompt here, or end with ABORTED. With
         / local_prefill set, the worker computes the prompt itself and sends no reservation.
+        / The reservation's write_token admits one KV write into its blocks before the lease ends;
+        / the prefill worker renews the lease with it (over the KV transport) while it computes.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -230,7 +232,7 @@ class PrefillWorkerServicer:
     def Prefill(self, request, context):
         """/ Compute the prompt's KV and first token, write the KV into the destination's reserved
         / blocks with a notification carrying the first token, then answer. Every write ends
-        / before the destination's lease does. If the KV is not written (cancelled, transfer
+        / before the destination's lease does; the lease is renewed while the prompt computes. If the KV is not written (cancelled, transfer
         / failed, lease too short) the worker tells the destination so with an empty write and
         / answers ABORTED; RESOURCE_EXHAUSTED (queue full) means it never touched the reservation.
         """

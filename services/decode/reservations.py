@@ -6,7 +6,9 @@ is *closed* by exactly one of, whichever comes first:
 
 - the prefill worker's notification: ``landed`` (the KV is written) or ``not_written`` (sent
   after its write, if any, has ended: cancelled, failed, lease too short);
-- the lease's end: prefill workers end every write before it (they died, or gave up);
+- the lease's end: prefill workers end every write before it (they died, or gave up), and the
+  KV transport admits none after it (nor lands an admitted one's bytes). The prefill worker
+  renews the lease while it computes (``lease_left``: the transport's grant is the clock);
 - an Abort with ``reservation_unused``: the gateway never asked a prefill worker to write.
 
 While the request's Decode stream is attached, the close is handed to it as an ``Outcome``. A
@@ -49,6 +51,9 @@ class Outcome:
 class _Reservation:
     outcome: asyncio.Future[Outcome]
     timer: asyncio.TimerHandle
+    lease_left: Callable[[], float]  # seconds left of the lease, renewals included
+    on_close: Callable[[], None]  # revokes the write grant: no write is admitted any more
+    on_detach: Callable[[], None]  # stops renewals: a stream that went away needs no KV
     attached: bool = True
 
 
@@ -66,12 +71,33 @@ class Reservations:
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._open
 
-    def open(self, request_id: str, lease_s: float) -> asyncio.Future[Outcome]:
-        """Start the lease (seconds); the future resolves when the reservation closes."""
+    def open(self, request_id: str, lease_s: float,
+             lease_left: Callable[[], float] | None = None,
+             on_close: Callable[[], None] | None = None,
+             on_detach: Callable[[], None] | None = None) -> asyncio.Future[Outcome]:
+        """Start the lease (seconds); the future resolves when the reservation closes.
+
+        ``lease_left()``: seconds left of a lease that may have been renewed (the transport's
+        write grant); asked when ``lease_s`` is up, and the lease ends only once it says 0.
+        ``on_close()`` runs when the reservation closes, however it does (revoke the grant);
+        ``on_detach()`` when its stream goes away first (stop renewals: the lease runs out)."""
         loop = asyncio.get_running_loop()
-        timer = loop.call_later(lease_s, self.close, request_id, Outcome("expired"))
-        self._open[request_id] = _Reservation(loop.create_future(), timer)
+        timer = loop.call_later(lease_s, self._lease_up, request_id)
+        self._open[request_id] = _Reservation(loop.create_future(), timer,
+                                              lease_left or (lambda: 0.0),
+                                              on_close or (lambda: None),
+                                              on_detach or (lambda: None))
         return self._open[request_id].outcome
+
+    def _lease_up(self, request_id: str) -> None:
+        r = self._open.get(request_id)
+        if r is None:
+            return
+        left = r.lease_left()
+        if left > 0:  # renewed (or a write still landing): look again when it may end
+            r.timer = asyncio.get_running_loop().call_later(left, self._lease_up, request_id)
+            return
+        self.close(request_id, Outcome("expired"))
 
     def close(self, request_id: str, outcome: Outcome) -> bool:
         """Close a reservation: hand ``outcome`` to its stream, or free a detached one's blocks.
@@ -82,6 +108,7 @@ class Reservations:
                 log.info("request %s: %s for a reservation that is not open", request_id, outcome.kind)
             return False
         r.timer.cancel()
+        r.on_close()
         if r.attached and not r.outcome.done():
             r.outcome.set_result(outcome)
         else:
@@ -97,6 +124,7 @@ class Reservations:
         if r is None:
             return False
         r.attached = False
+        r.on_detach()
         if not r.outcome.done():
             r.outcome.set_result(Outcome("aborted"))
         return True
@@ -108,4 +136,5 @@ class Reservations:
         if r is None:
             return False
         r.attached = False
+        r.on_detach()
         return True

@@ -9,12 +9,14 @@ the prompt here in the reserved blocks, ``fail`` frees them and ends the stream 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 
 from services.api import worker_pb2, worker_pb2_grpc
 from services.decode.reservations import Outcome, Reservations
 from services.engine.sampler import TokenLogprobs
+from services.kv_transfer.grants import new_token
 from services.engine.scheduler import RequestOutput
 from services.rpc import Aborted, ResourceExhausted
 from services.worker import WorkerRuntime, logprobs_to_proto, params_from_proto
@@ -29,26 +31,40 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         self.rt = runtime
         self.transport = runtime.create_transport(runtime.options.kv_port)
         self.reservations = Reservations(runtime.release)
-        self.transport.set_notification_handler(self._on_notification)
         self.GetLoad = runtime.GetLoad
 
     def close(self) -> None:
         self.transport.close()
 
-    def _on_notification(self, notification: bytes) -> None:
-        """Transport thread, after the write's blocks landed: post the note to the event loop.
-        Raises ValueError on a malformed note (the sender's write then fails)."""
+    def _on_notification(self, rid: str, notification: bytes) -> None:
+        """Transport thread, after the write admitted by ``rid``'s grant landed: post the note
+        to the event loop. Raises ValueError on a malformed note, or one naming another
+        request (the sender's write then fails; the grant is used up either way)."""
         note = json.loads(notification)
-        if not isinstance(note, dict) or not isinstance(note.get("request_id"), str):
-            raise ValueError(f"KV notification without a request_id: {notification[:200]!r}")
-        self.rt.loop.call_soon_threadsafe(self._on_note, note)
-
-    def _on_note(self, note: dict) -> None:
+        if not isinstance(note, dict) or note.get("request_id") != rid:
+            raise ValueError(f"KV notification for reservation {rid!r} names another request: "
+                             f"{notification[:200]!r}")
         kind = note.get("status", "landed")
         if kind not in ("landed", "not_written"):
-            log.warning("request %s: unknown KV notification status %r", note["request_id"], kind)
-            return
-        self.reservations.close(note["request_id"], Outcome(kind, note))
+            raise ValueError(f"request {rid}: unknown KV notification status {kind!r}")
+        self.rt.loop.call_soon_threadsafe(self.reservations.close, rid, Outcome(kind, note))
+
+    def _on_write_lost(self, rid: str, reason: str) -> None:
+        """Transport thread: an admitted write broke off; nothing more of it lands."""
+        note = {"request_id": rid, "status": "not_written", "reason": reason}
+        self.rt.loop.call_soon_threadsafe(self.reservations.close, rid, Outcome("not_written", note))
+
+    def _open_reservation(self, rid: str, block_ids: list[int]) -> tuple[bytes, asyncio.Future]:
+        """Grant one write into ``block_ids`` and start the lease: (write token, outcome)."""
+        lease_s, token = self.rt.options.kv_lease_s, new_token()
+        self.transport.grant_write(token, block_ids, lease_s,
+                                   functools.partial(self._on_notification, rid),
+                                   functools.partial(self._on_write_lost, rid))
+        outcome = self.reservations.open(
+            rid, lease_s, functools.partial(self.transport.lease_left, token),
+            functools.partial(self.transport.revoke, token),
+            functools.partial(self.transport.stop_renewals, token))
+        return token, outcome
 
     async def Decode(self, request: worker_pb2.DecodeRequest, context):
         rid = request.request_id
@@ -67,12 +83,12 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 if not await self.rt.call(lambda e: e.reserve(req)):
                     raise ResourceExhausted(f"decode worker {self.rt.worker_id}: not enough free KV "
                                             f"blocks for {req.num_prompt_tokens} prompt tokens")
-                lease_s = self.rt.options.kv_lease_s
-                outcome = self.reservations.open(rid, lease_s)
+                token, outcome = self._open_reservation(rid, list(req.block_table))
                 yield worker_pb2.DecodeResponse(reservation=worker_pb2.KVReservation(
                     worker_id=self.rt.worker_id, transport=self.rt.options.kv_transport,
                     transport_metadata=self.transport.metadata(),
-                    block_ids=list(req.block_table), lease_s=lease_s))
+                    block_ids=list(req.block_table), lease_s=self.rt.options.kv_lease_s,
+                    write_token=token))
                 await self._start(rid, await outcome, request.kv_failure_policy, queue)
             async for outs in _batches(queue):
                 last = outs[-1]

@@ -1,9 +1,14 @@
-"""Model and cache configuration shared by the loaders, the model, the KV cache and transfer."""
+"""Model and cache configuration shared by the loaders, the model and the KV cache.
+
+``KVCacheLayout`` lives in ``kernels.kv_layout`` (the KV transport needs it without the engine);
+it is re-exported here for the engine's callers."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
+from kernels.kv_layout import KVCacheLayout
+
+__all__ = ["KVCacheLayout", "ModelConfig"]
 
 
 @dataclass(frozen=True)
@@ -27,39 +32,3 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: int | None = None
 
-
-@dataclass(frozen=True)
-class KVCacheLayout:
-    """What two workers must agree on before KV blocks can move between them.
-
-    The KV cache of a worker is one tensor of shape
-    ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`` (index 0 of the second
-    axis is K, 1 is V), so each (layer, K/V, block) is one contiguous region of
-    ``block_size * num_kv_heads * head_dim * itemsize`` bytes.
-    """
-
-    num_layers: int
-    block_size: int  # tokens per block
-    num_kv_heads: int
-    head_dim: int
-    dtype: str  # torch dtype name without the "torch." prefix, e.g. "float32"
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return getattr(torch, self.dtype)
-
-    @property
-    def block_bytes(self) -> int:
-        """Bytes of one block of one layer's K (or V)."""
-        itemsize = torch.empty((), dtype=self.torch_dtype).element_size()
-        return self.block_size * self.num_kv_heads * self.head_dim * itemsize
-
-    @classmethod
-    def of(cls, model: ModelConfig, block_size: int, dtype: torch.dtype) -> KVCacheLayout:
-        return cls(
-            num_layers=model.num_hidden_layers,
-            block_size=block_size,
-            num_kv_heads=model.num_key_value_heads,
-            head_dim=model.head_dim,
-            dtype=str(dtype).removeprefix("torch."),
-        )

@@ -34,7 +34,6 @@ log = logging.getLogger(__name__)
 
 MAX_ATTEMPTS = 4  # per request: the first, plus retries and migrations
 ABORT_TIMEOUT_S = 5.0  # deadline of the Abort that frees an unused reservation
-PREFILL_SLACK_S = 5.0  # a Prefill RPC's deadline: the lease left plus this
 LOST = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)  # the worker is gone
 
 
@@ -163,7 +162,7 @@ class Dispatcher:
                 await stub.Prefill(worker_pb2.PrefillRequest(
                     request_id=att.worker_request_id, prompt_token_ids=prompt,
                     sampling_params=params, destination=dest),
-                    timeout=max(min(self.rpc_timeout_s, lease_left + PREFILL_SLACK_S), 0.1))
+                    timeout=self.rpc_timeout_s)  # NOTE: the prefill worker renews the lease
             except grpc.aio.AioRpcError as exc:
                 code, details = exc.code(), exc.details()
                 if code == grpc.StatusCode.RESOURCE_EXHAUSTED:

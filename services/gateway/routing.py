@@ -10,6 +10,7 @@ import time
 import grpc
 import redis
 
+from services.auth import internal_channel
 from services.rpc import Unavailable
 from services.state.registry import TTL_HEARTBEATS, WorkerInfo, WorkerRegistry
 
@@ -25,8 +26,10 @@ class WorkerPool:
     migrate (new requests fail earlier, on their Redis record).
     """
 
-    def __init__(self, registry: WorkerRegistry, heartbeat_s: float, rpc_timeout_s: float) -> None:
+    def __init__(self, registry: WorkerRegistry, heartbeat_s: float, rpc_timeout_s: float,
+                 internal_secret: str | None = None) -> None:
         self.registry = registry
+        self.internal_secret = internal_secret  # sent on every call to a worker (services.auth)
         self.suspect_s = TTL_HEARTBEATS * heartbeat_s
         self.rpc_timeout_s = rpc_timeout_s
         self._suspects: dict[str, float] = {}  # worker id -> monotonic time it is usable again
@@ -65,7 +68,7 @@ class WorkerPool:
 
     def channel(self, endpoint: str) -> grpc.aio.Channel:
         if endpoint not in self._channels:
-            self._channels[endpoint] = grpc.aio.insecure_channel(endpoint)
+            self._channels[endpoint] = internal_channel(endpoint, self.internal_secret)
         return self._channels[endpoint]
 
     async def close(self) -> None:

@@ -3,29 +3,31 @@ from __future__ import annotations
 
 import torch
 
-from services.engine.config import KVCacheLayout
+from kernels.kv_layout import KVCacheLayout
 from services.kv_transfer.base import (
-    KVLayoutMismatchError, KVTransferError, KVTransport, NotificationHandler,
+    KVLayoutMismatchError, KVLeaseRefusedError, KVTransferError, KVTransport, NotificationHandler,
 )
 
 BACKENDS = ("tcp", "nixl")
 
 __all__ = [
-    "BACKENDS", "KVLayoutMismatchError", "KVTransferError", "KVTransport",
+    "BACKENDS", "KVLayoutMismatchError", "KVLeaseRefusedError", "KVTransferError", "KVTransport",
     "NotificationHandler", "create_transport",
 ]
 
 
 def create_transport(
     backend: str, kv_cache: torch.Tensor, layout: KVCacheLayout, *, host: str, port: int,
-    advertise_host: str | None = None,
+    advertise_host: str | None = None, secret: str | None = None, require_grants: bool = False,
 ) -> KVTransport:
     """Build the ``backend`` transport over ``kv_cache``
     (``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``, dtype ``layout.dtype``).
 
     "tcp" listens on ``host:port`` (0: ephemeral) and advertises ``advertise_host`` to peers.
     "nixl" ignores them: UCX picks its own interfaces and ports (``UCX_TLS``,
-    ``UCX_NET_DEVICES``); its metadata carries them to peers.
+    ``UCX_NET_DEVICES``); its metadata carries them to peers. ``secret`` (the internal
+    secret, proven in every handshake) and ``require_grants`` (admit only granted writes):
+    see ``KVTransport``.
 
     Raises ValueError for an unknown backend or when ``kv_cache`` disagrees with ``layout``;
     ImportError ("NIXL is not installed (pip install nixl-cu12); use --kv-transport tcp") for
@@ -34,9 +36,10 @@ def create_transport(
     if backend == "tcp":
         from services.kv_transfer.tcp import TcpKVTransport
 
-        return TcpKVTransport(kv_cache, layout, host=host, port=port, advertise_host=advertise_host)
+        return TcpKVTransport(kv_cache, layout, host=host, port=port, advertise_host=advertise_host,
+                              secret=secret, require_grants=require_grants)
     if backend == "nixl":
         from services.kv_transfer.nixl import NixlKVTransport
 
-        return NixlKVTransport(kv_cache, layout)
+        return NixlKVTransport(kv_cache, layout, secret=secret, require_grants=require_grants)
     raise ValueError(f"unknown kv transfer backend {backend!r}; valid choices: {', '.join(BACKENDS)}")

@@ -1,108 +1,44 @@
 """Pure-Python TCP backend of ``KVTransport``: no extra dependencies.
 
-Wire protocol (every frame: 4-byte big-endian length + UTF-8 JSON):
-- handshake: sender ``{"op": "hello", "layout"}`` -> receiver ``{"ok", "name", "layout",
-  "num_blocks"}`` or ``{"ok": false, "error", "fields"}``; both sides compare layouts.
-- write: sender ``{"op": "write", "remote_block_ids", "notif_len", "payload_bytes",
+Wire protocol (every frame: 4-byte big-endian length + UTF-8 JSON; framing in ``tcp_wire``):
+- handshake: receiver ``{"op": "challenge", "nonce"}`` -> sender ``{"op": "hello", "layout",
+  "nonce", "proof"}`` -> receiver ``{"ok", "name", "layout", "num_blocks", "proof"}`` or
+  ``{"ok": false, "error", "fields"}``. Both sides compare layouts; with an internal secret
+  each proves it (``proof``: HMAC over both nonces and the receiver's name), or is refused.
+- write: sender ``{"op": "write", "remote_block_ids", "token", "notif_len", "payload_bytes",
   "timeout_s"}``, then the notification bytes, then the payload in layer-major order
   (layer, K then V, blocks in list order) -> receiver ``{"ok": true}`` or ``{"ok": false,
-  "error"}``. The receiver ``recvmsg_into``s the payload straight into its cache's memory; the
-  sender ``sendmsg``s views of its cache; each side coalesces runs of consecutive block ids.
+  "error"}``. A refused write (bad ids, no valid token) is read off the socket into scratch
+  memory: not a byte reaches the cache. The receiver ``recvmsg_into``s an admitted payload
+  straight into its cache's memory, never past the grant's lease; the sender ``sendmsg``s
+  views of its cache; each side coalesces runs of consecutive block ids.
   NOTE: measured faster than gathering the blocks into one buffer first (no extra copy).
-- A cache on a GPU cannot be a socket buffer: it is staged through host memory. The sender
-  gathers the blocks on the device (``gather_blocks``, the Triton kernel on CUDA) and sends
-  one host copy; the receiver fills a host buffer and scatters it into its cache. The wire is
-  the same, so a GPU worker and a CPU worker interoperate.
+- renew: sender ``{"op": "renew", "token"}`` -> receiver ``{"ok", "lease_s"}``.
+- A cache on a GPU is staged through host memory (``tcp_wire.payload_views``); same wire.
 """
 from __future__ import annotations
 
 import contextlib
 import json
 import logging
+import secrets
 import socket
-import struct
 import threading
 import time
 import uuid
-from collections.abc import Sequence
-
 import torch
 
-from services.engine.attention import gather_blocks, scatter_blocks
-from services.engine.config import KVCacheLayout
+from kernels.kv_layout import KVCacheLayout
 from services.kv_transfer.base import (
-    MAX_NOTIFICATION_BYTES, KVLayoutMismatchError, KVTransferError, KVTransport,
-    NotificationHandler, block_runs, check_layouts_match, invalid_block_ids, layout_from_dict,
-    layout_to_dict,
+    MAX_NOTIFICATION_BYTES, KVTransferError, KVTransport,
+    check_layouts_match, layout_from_dict, layout_to_dict,
+)
+from services.kv_transfer.grants import handshake_proof
+from services.kv_transfer.tcp_wire import (
+    as_bytes, discard, payload_views, recv_frame, recv_into, recv_payload, remaining, send_frame,
 )
 
 logger = logging.getLogger(__name__)
-
-_LEN = struct.Struct("!I")
-_MAX_FRAME = 64 << 20  # bytes; a header of a million block ids still fits
-_IOV_MAX = 1024  # buffers per sendmsg/recvmsg_into call (Linux UIO_MAXIOV)
-
-
-def _bytes(tensor: torch.Tensor) -> memoryview:
-    """A flat byte view of a contiguous CPU tensor (any dtype, bfloat16 included)."""
-    return memoryview(tensor.view(-1).view(torch.uint8).numpy())
-
-
-def _remaining(deadline: float) -> float:
-    left = deadline - time.monotonic()
-    if left <= 0:
-        raise TimeoutError("deadline passed")
-    return left
-
-
-def _move(sock: socket.socket, views: list[memoryview], deadline: float | None, send: bool) -> None:
-    """Send all of ``views``, or fill them in order, by ``deadline`` (None: no limit)."""
-    views, i = [v for v in views if len(v)], 0
-    while i < len(views):
-        sock.settimeout(None if deadline is None else _remaining(deadline))
-        batch = views[i:i + _IOV_MAX]
-        nbytes = sock.sendmsg(batch) if send else sock.recvmsg_into(batch)[0]
-        if nbytes == 0:
-            raise ConnectionError("connection closed by peer")
-        while nbytes:  # skip the finished views, trim a partly done one
-            done = min(nbytes, len(views[i]))
-            views[i], nbytes = views[i][done:], nbytes - done
-            if len(views[i]) == 0:
-                i += 1
-
-
-def _recv_into(sock: socket.socket, views: list[memoryview], deadline: float | None) -> None:
-    _move(sock, views, deadline, send=False)
-
-
-def _discard(sock: socket.socket, nbytes: int, deadline: float) -> None:
-    """Read and drop ``nbytes``, keeping the stream in step after a refused write."""
-    scratch = memoryview(bytearray(min(nbytes, 1 << 20)))
-    while nbytes:
-        chunk = min(nbytes, len(scratch))
-        _recv_into(sock, [scratch[:chunk]], deadline)
-        nbytes -= chunk
-
-
-def _send_frame(sock: socket.socket, obj: dict, deadline: float, extra: Sequence = ()) -> None:
-    body = json.dumps(obj).encode()
-    _move(sock, [memoryview(_LEN.pack(len(body))), memoryview(body), *extra], deadline, True)
-
-
-def _recv_frame(sock: socket.socket, deadline: float | None, body_timeout_s: float = 0.0) -> dict:
-    """Read one frame by ``deadline``; with None, wait forever for it to start, then allow
-    ``body_timeout_s`` seconds for the rest. Raises OSError or ValueError on a bad frame."""
-    head = bytearray(_LEN.size)
-    _recv_into(sock, [memoryview(head)], deadline)
-    (size,) = _LEN.unpack(head)
-    if size > _MAX_FRAME:
-        raise ConnectionError(f"frame of {size} bytes exceeds {_MAX_FRAME}")
-    body = bytearray(size)
-    _recv_into(sock, [memoryview(body)], deadline or time.monotonic() + body_timeout_s)
-    obj = json.loads(body)
-    if not isinstance(obj, dict):
-        raise ConnectionError("frame is not a JSON object")
-    return obj
 
 
 class TcpKVTransport(KVTransport):
@@ -114,23 +50,23 @@ class TcpKVTransport(KVTransport):
     wildcard). The sender keeps a pool of connections per peer, so concurrent writes to one
     peer run in parallel. ``connect_timeout_s`` bounds ``add_remote``'s connect and handshake;
     ``io_timeout_s`` bounds how long the receiver waits for the rest of a started frame.
-    Raises ValueError when ``kv_cache`` disagrees with ``layout``.
+    ``secret`` and ``require_grants``: see ``KVTransport``. Raises ValueError when
+    ``kv_cache`` disagrees with ``layout``.
     """
 
     def __init__(
         self, kv_cache: torch.Tensor, layout: KVCacheLayout, host: str = "127.0.0.1",
         port: int = 0, advertise_host: str | None = None, *,
         connect_timeout_s: float = 10.0, io_timeout_s: float = 30.0,
+        secret: str | None = None, require_grants: bool = False,
     ) -> None:
-        super().__init__(kv_cache, layout)
+        super().__init__(kv_cache, layout, secret=secret, require_grants=require_grants)
         self._staged = kv_cache.device.type != "cpu"  # through host buffers (module doc)
         # NOTE: a flat byte view of a CPU cache; slices of it are zero-copy regions.
-        self._memory = None if self._staged else _bytes(kv_cache)
+        self._memory = None if self._staged else as_bytes(kv_cache)
         self._bytes_per_block = layout.num_layers * 2 * layout.block_bytes  # all layers, K+V
         self.name = f"tcp-{uuid.uuid4().hex[:12]}"
         self._connect_timeout_s, self._io_timeout_s = connect_timeout_s, io_timeout_s
-        self._handler: NotificationHandler | None = None
-        self._handler_lock = threading.Lock()  # NOTE: held while the handler runs: one at a time
         self._lock = threading.Lock()  # guards the fields below
         self._closed = False
         self._peers: dict[str, tuple[str, int]] = {}  # name -> address
@@ -174,36 +110,8 @@ class TcpKVTransport(KVTransport):
         for thread in self._serve_threads:
             thread.join(timeout=max(deadline - time.monotonic(), 0.0))
 
-    def _send_regions(self, block_ids: Sequence[int]) -> list[memoryview]:
-        """The payload of a write of ``block_ids``: cache views, or one staged host copy."""
-        if not self._staged:
-            return self._regions(block_ids)
-        return [_bytes(gather_blocks(self.kv_cache, self._index(block_ids)).cpu())]
-
-    def _recv_payload(self, sock: socket.socket, block_ids: Sequence[int],
-                      deadline: float) -> None:
-        """Fill ``block_ids`` from the socket: straight into the cache, or through a host buffer."""
-        if not self._staged:
-            _recv_into(sock, self._regions(block_ids), deadline)
-            return
-        shape = (self.layout.num_layers, 2, len(block_ids), *self.kv_cache.shape[3:])
-        buffer = torch.empty(shape, dtype=self.kv_cache.dtype)
-        _recv_into(sock, [_bytes(buffer)], deadline)
-        scatter_blocks(buffer.to(self.kv_cache.device), self.kv_cache, self._index(block_ids))
-
-    def _index(self, block_ids: Sequence[int]) -> torch.Tensor:
-        return torch.tensor(block_ids, dtype=torch.int64, device=self.kv_cache.device)
-
-    def _regions(self, block_ids: Sequence[int]) -> list[memoryview]:
-        """Views of a CPU cache in payload order: layer, K then V, runs of ``block_ids``."""
-        size, runs = self.layout.block_bytes, block_runs(block_ids)
-        views = []
-        for layer in range(self.layout.num_layers):
-            for kv in (0, 1):
-                base = (layer * 2 + kv) * self.num_blocks
-                views += [self._memory[(base + first) * size:(base + first + n) * size]
-                          for first, n in runs]
-        return views
+    def _cache_bytes(self) -> memoryview | None:  # None: staged through host buffers
+        return None if self._staged else self._memory
 
     def _forget(self, sock: socket.socket) -> None:
         with self._lock:
@@ -237,7 +145,7 @@ class TcpKVTransport(KVTransport):
     def _connect(self, name: str, address: tuple[str, int], deadline: float) -> socket.socket:
         """Open a connection to ``name`` and run the handshake; raises KVTransferError."""
         try:
-            sock = socket.create_connection(address, timeout=_remaining(deadline))
+            sock = socket.create_connection(address, timeout=remaining(deadline))
         except OSError as exc:
             raise KVTransferError(f"cannot connect to peer {name} at {address}: {exc}") from exc
         with self._lock:
@@ -247,12 +155,12 @@ class TcpKVTransport(KVTransport):
             self._sockets.add(sock)
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            _send_frame(sock, {"op": "hello", "layout": layout_to_dict(self.layout)}, deadline)
-            reply = _recv_frame(sock, deadline)
-            if not reply.get("ok"):
-                if reply.get("fields"):
-                    raise KVLayoutMismatchError(reply["error"], reply["fields"])
-                raise KVTransferError(f"peer {name} refused the handshake: {reply.get('error')}")
+            theirs, ours = str(recv_frame(sock, deadline).get("nonce")), secrets.token_hex(16)
+            send_frame(sock, {"op": "hello", "layout": layout_to_dict(self.layout), "nonce": ours,
+                              "proof": handshake_proof(self.secret, "kv-hello", theirs, ours, name)},
+                       deadline)
+            reply = recv_frame(sock, deadline)
+            self._check_welcome(name, reply, ours, theirs)
             check_layouts_match(self.layout, layout_from_dict(reply["layout"]), name)
             if reply.get("name") != name:
                 raise KVTransferError(f"{address} is agent {reply.get('name')}, not {name}")
@@ -264,23 +172,32 @@ class TcpKVTransport(KVTransport):
             raise KVTransferError(f"handshake with peer {name} failed: {exc!r}") from exc
 
     def _write(self, peer: str, local_ids: list[int], remote_ids: list[int],
-               notification: bytes, timeout_s: float, deadline: float) -> None:
-        sock = self._acquire(peer, deadline)
+               notification: bytes, token: bytes, timeout_s: float, deadline: float) -> None:
         header = {"op": "write", "remote_block_ids": remote_ids, "timeout_s": timeout_s,
-                  "notif_len": len(notification),
+                  "token": token.hex(), "notif_len": len(notification),
                   "payload_bytes": len(local_ids) * self._bytes_per_block}
+        reply = self._exchange(peer, header, [memoryview(notification),
+                                              *payload_views(self.kv_cache, self._cache_bytes(), local_ids)], deadline, "write")
+        if not reply.get("ok"):
+            raise KVTransferError(f"peer {peer} refused the write: {reply.get('error')}")
+
+    def _send_renewal(self, peer: str, token: bytes, deadline: float) -> dict:
+        return self._exchange(peer, {"op": "renew", "token": token.hex()}, [], deadline, "renew")
+
+    def _exchange(self, peer: str, header: dict, payload: list, deadline: float,
+                  what: str) -> dict:
+        """Send one request frame (+ ``payload``) on a pooled connection; the peer's answer."""
+        sock = self._acquire(peer, deadline)
         try:
-            _send_frame(sock, header, deadline, [memoryview(notification),
-                                                 *self._send_regions(local_ids)])
-            reply = _recv_frame(sock, deadline)
+            send_frame(sock, header, deadline, payload)
+            reply = recv_frame(sock, deadline)
         except (OSError, ValueError) as exc:  # includes timeouts and a malformed reply
             self._forget(sock)
             if isinstance(exc, TimeoutError):
-                raise KVTransferError(f"write to peer {peer} timed out after {timeout_s}s") from exc
-            raise KVTransferError(f"write to peer {peer} failed: {exc!r}") from exc
+                raise KVTransferError(f"{what} to peer {peer} timed out") from exc
+            raise KVTransferError(f"{what} to peer {peer} failed: {exc!r}") from exc
         self._release(peer, sock)
-        if not reply.get("ok"):
-            raise KVTransferError(f"peer {peer} refused the write: {reply.get('error')}")
+        return reply
 
     def _acquire(self, peer: str, deadline: float) -> socket.socket:
         with self._lock:
@@ -301,10 +218,6 @@ class TcpKVTransport(KVTransport):
         self._forget(sock)
 
     # ---- receiver side ----------------------------------------------------------------------
-
-    def set_notification_handler(self, handler: NotificationHandler) -> None:
-        with self._handler_lock:
-            self._handler = handler
 
     def _accept_loop(self) -> None:
         while not self._closed:
@@ -328,61 +241,59 @@ class TcpKVTransport(KVTransport):
     def _serve(self, sock: socket.socket) -> None:
         """One connection: handshake, then writes until the peer hangs up or we close."""
         try:
+            peer = "%s:%s" % sock.getpeername()[:2]
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            if self._handshake(sock):
+            if self._handshake(sock, peer):
                 while not self._closed:
-                    self._serve_write(sock, _recv_frame(sock, None, self._io_timeout_s))
+                    self._serve_request(sock, recv_frame(sock, None, self._io_timeout_s), peer)
         except (OSError, ValueError, KeyError, TypeError) as exc:  # peer gone, timeout, garbage
             if not self._closed:
                 logger.info("kv transfer connection dropped: %r", exc)
         finally:
             self._forget(sock)
 
-    def _handshake(self, sock: socket.socket) -> bool:
+    def _handshake(self, sock: socket.socket, peer: str) -> bool:
         deadline = time.monotonic() + self._io_timeout_s
-        hello = _recv_frame(sock, deadline)
-        try:
-            check_layouts_match(self.layout, layout_from_dict(hello.get("layout")), "sender")
-        except KVTransferError as exc:
-            logger.warning("refused a KV transfer connection: %s", exc)
-            fields = list(getattr(exc, "fields", ()))
-            _send_frame(sock, {"ok": False, "error": str(exc), "fields": fields}, deadline)
+        ours = secrets.token_hex(16)
+        send_frame(sock, {"op": "challenge", "nonce": ours}, deadline)
+        hello = recv_frame(sock, deadline)
+        theirs = str(hello.get("nonce"))
+        if refusal := self._check_hello(peer, hello.get("layout"), hello.get("proof"), ours,
+                                        theirs, self.name):
+            send_frame(sock, refusal, deadline)
             return False
-        _send_frame(sock, {"ok": True, "name": self.name, "layout": layout_to_dict(self.layout),
-                           "num_blocks": self.num_blocks}, deadline)
+        send_frame(sock, {"ok": True, "name": self.name, "layout": layout_to_dict(self.layout),
+                          "num_blocks": self.num_blocks,
+                          "proof": handshake_proof(self.secret, "kv-ack", theirs, ours)}, deadline)
         return True
 
-    def _serve_write(self, sock: socket.socket, header: dict) -> None:
-        """Receive one write's notification and payload into the cache, notify, reply."""
-        deadline = time.monotonic() + min(max(float(header["timeout_s"]), 0.1), 3600.0)
+    def _serve_request(self, sock: socket.socket, header: dict, peer: str) -> None:
+        """Serve one request frame: a write (admitted or refused untouched) or a renewal."""
+        deadline = time.monotonic() + min(max(float(header.get("timeout_s", 5.0)), 0.1), 3600.0)
+        token = bytes.fromhex(str(header.get("token", "")))
+        if header["op"] == "renew":
+            send_frame(sock, self._renew(peer, token), deadline)
+            return
         ids, notif_len = header["remote_block_ids"], int(header["notif_len"])
         payload_bytes = int(header["payload_bytes"])
         if (header["op"] != "write" or not 0 <= notif_len <= MAX_NOTIFICATION_BYTES
                 or payload_bytes < 0):
             raise ValueError(f"bad write header {header!r}")
         notification = bytearray(notif_len)
-        _recv_into(sock, [memoryview(notification)], deadline)
-        if problem := self._invalid_write(ids, payload_bytes):
-            _discard(sock, payload_bytes, deadline)
-            _send_frame(sock, {"ok": False, "error": problem}, deadline)
+        recv_into(sock, [memoryview(notification)], deadline)
+        grant, problem = None, ""
+        if isinstance(ids, list) and payload_bytes != len(ids) * self._bytes_per_block:
+            problem = f"payload of {payload_bytes} bytes does not match {len(ids)} blocks"
+        else:
+            grant, problem = self._admit_write(peer, token, ids)
+        if problem:
+            discard(sock, payload_bytes, deadline)
+            send_frame(sock, {"ok": False, "error": problem}, deadline)
             return
-        self._recv_payload(sock, ids, deadline)
-        try:
-            with self._handler_lock:
-                if self._handler is None:
-                    raise KVTransferError("receiver has no notification handler set")
-                self._handler(bytes(notification))
-        except Exception as exc:  # reported to the sender; the connection stays usable
-            logger.exception("KV notification handler failed")
-            _send_frame(sock, {"ok": False, "error": f"notification handler: {exc!r}"}, deadline)
-            return
-        _send_frame(sock, {"ok": True}, deadline)
-
-    def _invalid_write(self, ids: object, payload_bytes: int) -> str | None:
-        if not isinstance(ids, list):
-            return "remote_block_ids must be a list"
-        if problem := invalid_block_ids(ids, self.num_blocks):
-            return f"remote {problem}"
-        if payload_bytes != len(ids) * self._bytes_per_block:
-            return f"payload of {payload_bytes} bytes does not match {len(ids)} blocks"
-        return None
+        try:  # NOTE: an admitted write lands before its lease ends, or not at all
+            recv_payload(sock, self.kv_cache, self._cache_bytes(), ids,
+                         deadline if grant is None else min(deadline, grant.expires_at))
+        except BaseException as exc:
+            self._write_lost(grant, f"the KV write broke off at the receiver ({exc!r})")
+            raise
+        send_frame(sock, self._deliver(grant, bytes(notification)), deadline)

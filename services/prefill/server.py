@@ -6,6 +6,10 @@ Every handoff ends with exactly one notification to the decode worker: "landed" 
 succeeded) or "not_written" (an empty write, sent only after any write into the reservation
 has ended: cancelled, failed, or the lease too short). A write never runs past the
 reservation's lease, and this worker's own blocks are freed only once no write reads them.
+While the prompt waits and computes, the worker renews the destination's lease (every third of
+it, with the reservation's write token), so a prompt that outlives one lease is not computed
+again by the decode worker; if the decode worker stops answering, the lease it last granted
+stands.
 """
 from __future__ import annotations
 
@@ -15,7 +19,7 @@ import logging
 import time
 
 from services.api import worker_pb2, worker_pb2_grpc
-from services.kv_transfer import KVTransferError
+from services.kv_transfer import KVLeaseRefusedError, KVTransferError
 from services.prefill.faults import Faults
 from services.rpc import Aborted
 from services.worker import WorkerRuntime, params_from_proto
@@ -29,6 +33,21 @@ def lease_margin_s(lease_s: float) -> float:
     """Seconds before the lease's end by which every write must be over: covers the transit of
     the Prefill request and of a write's last bytes (the lease is measured from the gateway)."""
     return min(1.0, 0.2 * lease_s)
+
+
+class _Lease:
+    """The destination's lease as this worker sees it: ``deadline`` (``time.monotonic()``) by
+    which every write into the reservation must be over; renewals push it later."""
+
+    def __init__(self, lease_s: float) -> None:
+        self.lease_s = lease_s  # the lease last granted, seconds
+        self.deadline = time.monotonic() + lease_s - lease_margin_s(lease_s)
+        self.refused = asyncio.Event()  # the destination refused a renewal: it wants no KV
+
+    def renewed(self, sent_at: float, lease_s: float) -> None:
+        """The destination granted ``lease_s`` seconds to a renewal sent at ``sent_at``."""
+        self.lease_s = lease_s
+        self.deadline = max(self.deadline, sent_at + lease_s - lease_margin_s(lease_s))
 
 
 class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
@@ -50,8 +69,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
                              f"with {self.rt.options.kv_transport!r}")
         if rid in self._handoffs:
             raise ValueError(f"request_id: {rid!r} is already in flight on this worker")
-        deadline = time.monotonic() + dest.lease_s - lease_margin_s(dest.lease_s)
-        task = asyncio.create_task(self._handoff(request, deadline))
+        task = asyncio.create_task(self._handoff(request, _Lease(dest.lease_s)))
         self._handoffs[rid] = task
         task.add_done_callback(lambda t: (self._handoffs.pop(rid, None),
                                           t.cancelled() or t.exception()))  # retrieved: no warning
@@ -70,9 +88,10 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         return worker_pb2.WorkerAbortResponse(found=task is not None)
 
     async def _handoff(self, request: worker_pb2.PrefillRequest,
-                       deadline: float) -> worker_pb2.PrefillResponse:
-        """Compute the prompt, write its KV by ``deadline``, answer; on any failure tell the
-        destination that nothing will be written, once no write is in flight."""
+                       lease: _Lease) -> worker_pb2.PrefillResponse:
+        """Compute the prompt (renewing the ``lease`` meanwhile), write its KV before the lease
+        ends, answer; on any failure tell the destination that nothing will be written, once no
+        write is in flight."""
         rid, dest = request.request_id, request.destination
         faults = Faults.parse(rid, self.rt.options.fault_injection)
         # the prefill worker samples only the first token; the decode worker decides stopping
@@ -80,6 +99,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         t_arrival = time.monotonic()
         queue = self.rt.open_stream(rid)  # RESOURCE_EXHAUSTED here: the reservation is untouched
         held, write = False, None
+        keeper = asyncio.ensure_future(self._keep_lease(dest, lease))
         try:
             req = await self.rt.call(lambda e: e.make_request(
                 rid, list(request.prompt_token_ids), params, hold_kv=True))
@@ -90,19 +110,19 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             await asyncio.sleep(faults.queue_delay_s)
             held = True  # before the await: cancelled after the engine added it, it is still freed
             await self.rt.call(lambda e: e.add_request(req))
-            try:
-                out = await asyncio.wait_for(queue.get(), deadline - time.monotonic())
-            except TimeoutError:
-                raise Aborted("the reservation's lease ended before the prompt was computed") from None
+            out = await _first_output(queue, lease)
+            keeper.cancel()  # NOTE: a grant being written is not renewed; the write ends in time
             t_first = time.monotonic()
             note = json.dumps({"request_id": rid, "status": "landed",
                                "first_token_id": out.new_token_ids[0],
                                "logprobs": out.logprobs[0].to_dict() if out.logprobs else None})
             write = asyncio.ensure_future(asyncio.to_thread(
-                self._write, dest, req.block_table[:n_blocks], note.encode(), deadline, faults))
+                self._write, dest, req.block_table[:n_blocks], note.encode(), lease.deadline,
+                faults))
             await asyncio.shield(write)
             t_done = time.monotonic()
         except BaseException as exc:
+            keeper.cancel()
             if write is not None:
                 await _wait_out(write)
             if write is None or _failed(write):
@@ -131,7 +151,26 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         if remaining <= 0:
             raise KVTransferError("the reservation's lease ends before the KV could be written")
         self.transport.write_blocks(peer, local_ids, list(dest.block_ids), note,
-                                    min(self.transfer_timeout_s, remaining))
+                                    min(self.transfer_timeout_s, remaining),
+                                    token=dest.write_token)
+
+    async def _keep_lease(self, dest: worker_pb2.KVReservation, lease: _Lease) -> None:
+        """Renew the destination's lease every third of it until cancelled (the write starts,
+        or the handoff ends). A refused or failed renewal stops renewing: the lease last
+        granted stands, and the handoff gives up by its deadline as without renewals."""
+        try:
+            peer = await asyncio.to_thread(self.transport.add_remote, dest.transport_metadata)
+            while True:
+                await asyncio.sleep(lease.lease_s / 3)
+                sent_at = time.monotonic()
+                lease.renewed(sent_at, await asyncio.to_thread(
+                    self.transport.renew_lease, peer, dest.write_token,
+                    min(lease.lease_s / 3, NOTE_TIMEOUT_S)))
+        except KVLeaseRefusedError as exc:
+            log.info("decode worker %s wants the KV no more: %s", dest.worker_id, exc)
+            lease.refused.set()
+        except (KVTransferError, OSError, ValueError) as exc:
+            log.info("lease on decode worker %s not renewed: %s", dest.worker_id, exc)
 
     async def _send_not_written(self, dest: worker_pb2.KVReservation, rid: str, reason: str) -> None:
         """Close the reservation early with an empty write; if the destination cannot be told,
@@ -140,13 +179,29 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
 
         def send() -> None:
             peer = self.transport.add_remote(dest.transport_metadata)
-            self.transport.write_blocks(peer, [], [], note, NOTE_TIMEOUT_S)
+            self.transport.write_blocks(peer, [], [], note, NOTE_TIMEOUT_S, token=dest.write_token)
 
         try:
             await asyncio.wait_for(asyncio.to_thread(send), 2 * NOTE_TIMEOUT_S)
         except (KVTransferError, ValueError, OSError, TimeoutError) as exc:
             log.info("request %s: could not tell decode worker %s that its KV will not come "
                      "(%s); the reservation's lease frees it", rid, dest.worker_id, exc)
+
+
+async def _first_output(queue: asyncio.Queue, lease: _Lease):
+    """The request's first output (its first token), awaited until the lease's deadline, which
+    renewals may move. Raises Aborted once the deadline passes or a renewal is refused first."""
+    get, refused = asyncio.ensure_future(queue.get()), asyncio.ensure_future(lease.refused.wait())
+    try:
+        while (left := lease.deadline - time.monotonic()) > 0 and not refused.done():
+            await asyncio.wait({get, refused}, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+            if get.done():
+                return get.result()
+        if refused.done():
+            raise Aborted("the decode worker refused to renew the reservation's lease")
+        raise Aborted("the reservation's lease ended before the prompt was computed")
+    finally:
+        get.cancel(), refused.cancel()
 
 
 async def _wait_out(write: asyncio.Future) -> None:

@@ -1,0 +1,34 @@
+"""Whole-block gather / scatter of a paged KV cache, dispatched on the cache's device: the
+Triton kernels (``kernels.cache_ops``) for CUDA tensors, the torch reference elsewhere. Used to
+stage KV blocks through host memory for transfer."""
+from __future__ import annotations
+
+import torch
+
+from kernels import reference, triton_available
+
+
+def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """Blocks ``block_ids`` (``[n]`` int64, on ``cache``'s device) of ``cache``
+    (``[..., num_blocks, block_size, num_kv_heads, head_dim]``) as a new contiguous
+    ``[..., n, block_size, num_kv_heads, head_dim]`` tensor. Raises RuntimeError for a CUDA
+    cache without triton."""
+    if cache.is_cuda:
+        return _cache_ops().gather_blocks(cache, block_ids)
+    return reference.gather_blocks(cache, block_ids)
+
+
+def scatter_blocks(buffer: torch.Tensor, cache: torch.Tensor, block_ids: torch.Tensor) -> None:
+    """Inverse of ``gather_blocks``, in place (``buffer`` on ``cache``'s device, ids distinct)."""
+    if cache.is_cuda:
+        _cache_ops().scatter_blocks(buffer, cache, block_ids)
+    else:
+        reference.scatter_blocks(buffer, cache, block_ids)
+
+
+def _cache_ops():
+    if not triton_available():
+        raise RuntimeError("a CUDA KV cache needs triton for block copies: pip install 'tandem[gpu]'")
+    import kernels.cache_ops
+
+    return kernels.cache_ops
