@@ -29,6 +29,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         self.rt = runtime
         self.transport = runtime.create_transport(runtime.options.kv_port)
         self.reservations = Reservations(runtime.release)
+        runtime.reservations = self.reservations
         self.transport.set_notification_handler(self._on_notification)
         self.GetLoad = runtime.GetLoad
 
