@@ -286,6 +286,10 @@ async def _reach_stage(fs: FaultStack, stage: str, rid: str, call) -> int:
     return computed_plus_1 - 1
 
 
+# a bound on waits whose outcome another assertion decides (what was computed, how the
+# reservation closed): it only ends a wait that would never end. NOTE: under a load average
+# of 20 on 2 cores, one 256-token prefill step took over 8 s
+HANG_S = 90.0
 # tokens a cancelled request may still compute after it was last seen before the cancel:
 # prefill, the step in flight and one that may have ended unseen (2 chunks of a 1.5k prompt);
 # decode, the steps during the cancel's round trip (of 400 tokens it would generate)
@@ -300,7 +304,7 @@ async def _dropped_within_one_step(fs: FaultStack, role: str, rid: str, computed
         on = list((await held(fs, role, rid)).values())
         assert all(r.num_computed_tokens <= computed + COMPUTED_AFTER_CANCEL[role] for r in on), (computed, on)
         return not on
-    await wait_until(gone, LEASE_S + 5, f"{rid} dropped by the {role} worker")
+    await wait_until(gone, HANG_S, f"{rid} dropped by the {role} worker")
 
 
 async def _assert_cancel_reached_the_workers(fs: FaultStack, stage: str, rid: str, computed: int) -> None:
@@ -311,18 +315,18 @@ async def _assert_cancel_reached_the_workers(fs: FaultStack, stage: str, rid: st
         # (+queue_delay=30 s, or a 1.5k-token prompt) nor at the lease's; then it tells the
         # decode worker, whose reservation closes before its lease would
         await _dropped_within_one_step(fs, "prefill", rid, computed)
-        closed = await wait_until(lambda: closed_reservation(fs, rid), LEASE_S + 5, f"{rid}'s reservation closed")
+        closed = await wait_until(lambda: closed_reservation(fs, rid), HANG_S, f"{rid}'s reservation closed")
         assert (closed.outcome, closed.reason) == ("not_written", "prefill cancelled"), closed
     elif stage == "transferring":  # the write may still land: the decode blocks stay held
         on_d = list((await held(fs, "decode", rid)).values())
         assert [r.stage for r in on_d] in (["quarantined"], ["waiting_for_kv"]), on_d
         # closed by the write's end, or by the lease when the prefill worker's notice comes later
         # (the write itself ends before the lease does): either way never freed while writable
-        closed = await wait_until(lambda: closed_reservation(fs, rid), LEASE_S + 5, f"{rid}'s reservation closed")
+        closed = await wait_until(lambda: closed_reservation(fs, rid), HANG_S, f"{rid}'s reservation closed")
         assert closed.outcome in ("landed", "not_written", "expired"), closed
     else:  # decoding
         await _dropped_within_one_step(fs, "decode", rid, computed)
-    await wait_until(lambda: _not_held(fs, "decode", rid), LEASE_S + 5, f"{rid} dropped by the decode worker")
+    await wait_until(lambda: _not_held(fs, "decode", rid), HANG_S, f"{rid} dropped by the decode worker")
 
 
 async def _not_held(fs: FaultStack, role: str, rid: str) -> bool:
@@ -411,7 +415,11 @@ def test_timed_out_kv_transfer_under_both_policies(fs, greedy):
         assert (await record(fs, "slow-recompute+kv_write_delay=4")).status == "FINISHED"
         assert (await record(fs, "slow-fail+kv_write_delay=4")).status == "FAILED"
         for rid in ("slow-recompute+kv_write_delay=4", "slow-fail+kv_write_delay=4"):
-            assert (await closed_reservation(fs, rid)).outcome == "expired", rid
+            closed = await closed_reservation(fs, rid)
+            # the lease's end; or, when a stalled event loop runs the prefill worker's notice
+            # first (it comes only after the write gave up at the lease), that notice
+            assert closed.outcome == "expired" or (
+                closed.outcome == "not_written" and "lease" in closed.reason), closed
         await assert_all_blocks_freed(fs)
 
     asyncio.run(run())
