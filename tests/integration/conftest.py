@@ -18,6 +18,9 @@ from services.state.registry import WorkerInfo, WorkerRegistry
 
 WORKER_ARGS = ["--num-threads", "1", "--kv-cache-gib", "0.25", "--heartbeat-s", "0.5"]
 WORKER_ROLES = ("prefill", "decode")
+# ends a GetLoad that would hang; a worker's event loop answered one only after 5 s while
+# the machine ran at a load average of 20 on 2 cores
+GET_LOAD_TIMEOUT_S = 20.0
 
 
 def free_port() -> int:
@@ -87,7 +90,7 @@ async def worker_loads(stack: Stack) -> dict[str, worker_pb2.WorkerLoad]:
     for worker_id in sorted(live):
         async with grpc.aio.insecure_channel(registered[worker_id].endpoint) as ch:
             out[worker_id] = await worker_stub(registered[worker_id], ch).GetLoad(
-                worker_pb2.GetLoadRequest(), timeout=5)
+                worker_pb2.GetLoadRequest(), timeout=GET_LOAD_TIMEOUT_S)
     return out
 
 
