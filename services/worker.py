@@ -16,6 +16,7 @@ from redis.backoff import NoBackoff
 from services.api import worker_pb2
 from services.engine.engine import EngineConfig, LLMEngine
 from services.engine.engine_loop import EngineLoop
+from services.engine.request import Request, RequestStatus
 from services.engine.sampler import TokenLogprobs
 from services.engine.sampling_params import SamplingParams
 from services.engine.scheduler import RequestOutput
@@ -94,6 +95,8 @@ class WorkerRuntime:
         self.engine = engine
         self.loop = asyncio.get_running_loop()
         self.streams: dict[str, asyncio.Queue[RequestOutput]] = {}
+        self.max_num_queued = 0  # high-water mark of num_queued(), taken at each admission
+        self.reservations = None  # decode role: its Reservations (GetLoad reports their closes)
         self.engine_loop = EngineLoop(engine, self._on_outputs)
         self.endpoint = ""
         self.redis = redis_client(options.redis_url)
@@ -153,6 +156,7 @@ class WorkerRuntime:
                                     f"{self.options.max_waiting} requests already queued")
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self.streams[request_id] = queue
+        self.max_num_queued = max(self.max_num_queued, self.num_queued())
         return queue
 
     def release(self, request_id: str) -> None:
@@ -164,7 +168,40 @@ class WorkerRuntime:
         load = self.engine.load()  # plain int reads: safe from the event loop thread
         return WorkerInfo(self.worker_id, self.options.role, self.endpoint, **load)
 
+    def request_loads(self) -> list[worker_pb2.RequestLoad]:
+        """Every request this worker holds (a stream, or blocks in the engine) and its stage
+        (see ``WorkerLoad.requests`` in worker.proto). Plain reads from the event loop thread:
+        the engine's request table is copied at once (``dict()`` holds the GIL throughout)."""
+        engine_requests = dict(self.engine.scheduler.requests)
+        out = []
+        for rid in self.streams.keys() | engine_requests.keys():
+            req = engine_requests.get(rid)
+            out.append(worker_pb2.RequestLoad(
+                request_id=rid, stage=request_stage(req, rid in self.streams),
+                num_prompt_tokens=req.num_prompt_tokens if req else 0,
+                num_computed_tokens=req.num_computed_tokens if req else 0,
+                num_kv_blocks=len(req.block_table) if req else 0))
+        return out
+
     # shared RPC handler (each role has its own Abort: freeing must wait for KV writes)
     async def GetLoad(self, request, context) -> worker_pb2.WorkerLoad:
-        return worker_pb2.WorkerLoad(worker_id=self.worker_id, role=self.options.role,
-                                     **self.engine.load())
+        closed = self.reservations.closed.items() if self.reservations is not None else ()
+        return worker_pb2.WorkerLoad(
+            worker_id=self.worker_id, role=self.options.role, **self.engine.load(),
+            requests=self.request_loads(), max_num_queued=self.max_num_queued,
+            max_used_kv_blocks=self.engine.block_manager.max_used_blocks,
+            closed_reservations=[worker_pb2.ClosedReservation(
+                request_id=rid, outcome=o.kind, reason=str(o.note.get("reason", "")))
+                for rid, o in closed])
+
+
+def request_stage(req: Request | None, streamed: bool) -> str:
+    """A held request's stage: ``req`` is the engine's request (None: not added yet),
+    ``streamed`` whether an RPC stream still waits on it."""
+    if req is None or req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+        return "queued"
+    if req.status == RequestStatus.WAITING_FOR_KV:
+        return "waiting_for_kv" if streamed else "quarantined"
+    if req.is_finished():
+        return "transferring"  # prefill role: KV held until it has been written
+    return "prefilling" if req.num_computed_tokens < req.num_prompt_tokens else "decoding"

@@ -147,17 +147,49 @@ class GetLoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("worker_id", "role", "free_kv_blocks", "total_kv_blocks", "num_running", "num_waiting")
+    __slots__ = ("worker_id", "role", "free_kv_blocks", "total_kv_blocks", "num_running", "num_waiting", "requests", "max_num_queued", "max_used_kv_blocks", "closed_reservations")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     FREE_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    MAX_NUM_QUEUED_FIELD_NUMBER: _ClassVar[int]
+    MAX_USED_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    CLOSED_RESERVATIONS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     free_kv_blocks: int
     total_kv_blocks: int
     num_running: int
     num_waiting: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., free_kv_blocks: _Optional[int] = ..., total_kv_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ...) -> None: ...
+    requests: _containers.RepeatedCompositeFieldContainer[RequestLoad]
+    max_num_queued: int
+    max_used_kv_blocks: int
+    closed_reservations: _containers.RepeatedCompositeFieldContainer[ClosedReservation]
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., free_kv_blocks: _Optional[int] = ..., total_kv_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., requests: _Optional[_Iterable[_Union[RequestLoad, _Mapping]]] = ..., max_num_queued: _Optional[int] = ..., max_used_kv_blocks: _Optional[int] = ..., closed_reservations: _Optional[_Iterable[_Union[ClosedReservation, _Mapping]]] = ...) -> None: ...
+
+class RequestLoad(_message.Message):
+    __slots__ = ("request_id", "stage", "num_prompt_tokens", "num_computed_tokens", "num_kv_blocks")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    stage: str
+    num_prompt_tokens: int
+    num_computed_tokens: int
+    num_kv_blocks: int
+    def __init__(self, request_id: _Optional[str] = ..., stage: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ...) -> None: ...
+
+class ClosedReservation(_message.Message):
+    __slots__ = ("request_id", "outcome", "reason")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    outcome: str
+    reason: str
+    def __init__(self, request_id: _Optional[str] = ..., outcome: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...

@@ -21,12 +21,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
 log = logging.getLogger(__name__)
 
+MAX_CLOSED_KEPT = 256  # closed reservations remembered for GetLoad
 CloseKind = Literal["landed", "not_written", "expired", "unused", "aborted"]
 
 
@@ -64,6 +66,8 @@ class Reservations:
     def __init__(self, free: Callable[[str], None]) -> None:
         self._free = free
         self._open: dict[str, _Reservation] = {}
+        # how the latest reservations closed, oldest first (reported by GetLoad, for tests)
+        self.closed: OrderedDict[str, Outcome] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._open)
@@ -109,6 +113,9 @@ class Reservations:
             return False
         r.timer.cancel()
         r.on_close()
+        self.closed[request_id] = outcome
+        if len(self.closed) > MAX_CLOSED_KEPT:
+            self.closed.popitem(last=False)
         if r.attached and not r.outcome.done():
             r.outcome.set_result(outcome)
         else:

@@ -31,6 +31,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         self.rt = runtime
         self.transport = runtime.create_transport(runtime.options.kv_port)
         self.reservations = Reservations(runtime.release)
+        runtime.reservations = self.reservations
         self.GetLoad = runtime.GetLoad
 
     def close(self) -> None:

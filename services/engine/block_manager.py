@@ -63,6 +63,7 @@ class BlockManager:
         # request (by identity) -> (full blocks registered, hash of the last, its entry's serial)
         self._chains: dict[Request, tuple[int, int, int]] = {}
         self._serials = count(1)
+        self.max_used_blocks = 0  # high-water mark of num_used_blocks (taken at each allocation)
 
     @property
     def num_free_blocks(self) -> int:
@@ -166,6 +167,7 @@ class BlockManager:
             self._chains[request] = (len(computed_blocks), last.hash, last.serial)
         request.block_table.extend(computed_blocks)
         request.block_table.extend(self._pop_free() for _ in range(missing))
+        self.max_used_blocks = max(self.max_used_blocks, self.num_used_blocks)
         return True
 
     def _pop_free(self) -> int:

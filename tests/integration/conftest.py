@@ -1,15 +1,26 @@
 """A real stack for integration tests: gateway + prefill + decode processes on 127.0.0.1,
-sharing the session's throwaway redis-server."""
+sharing the session's throwaway redis-server; and the helpers every integration test uses to
+read the workers' own state (``GetLoad``) and to wait on a condition with a deadline."""
 from __future__ import annotations
 
+import asyncio
 import socket
-from collections.abc import Iterator
+import time
+from collections.abc import Awaitable, Callable, Iterator
 
+import grpc
 import pytest
+import redis.asyncio as aioredis
 
+from services.api import worker_pb2, worker_pb2_grpc
 from services.launcher import Stack, UpOptions
+from services.state.registry import WorkerInfo, WorkerRegistry
 
 WORKER_ARGS = ["--num-threads", "1", "--kv-cache-gib", "0.25", "--heartbeat-s", "0.5"]
+WORKER_ROLES = ("prefill", "decode")
+# ends a GetLoad that would hang; a worker's event loop answered one only after 5 s while
+# the machine ran at a load average of 20 on 2 cores
+GET_LOAD_TIMEOUT_S = 20.0
 
 
 def free_port() -> int:
@@ -18,14 +29,92 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def stack(redis_server) -> Iterator[Stack]:
+def start_stack(worker_args: list[str], redis_url: str | None) -> Stack:
+    """One prefill + one decode worker and a gateway, ready (``redis_url`` None: its own Redis)."""
     s = Stack(UpOptions(host="127.0.0.1", port=free_port(), num_prefill=1, num_decode=1,
-                        redis_url=redis_server.url, worker_args=WORKER_ARGS,
+                        redis_url=redis_url, worker_args=worker_args,
                         gateway_args=["--heartbeat-s", "0.5"], ready_timeout_s=180))
     try:
         s.start()
         s.wait_ready()
+    except BaseException:
+        s.stop()
+        raise
+    return s
+
+
+@pytest.fixture(scope="module")
+def stack(redis_server) -> Iterator[Stack]:
+    s = start_stack(WORKER_ARGS, redis_server.url)
+    try:
         yield s
     finally:
         s.stop()
+
+
+async def wait_until(cond: Callable[[], Awaitable], timeout_s: float, what: str, poll_s: float = 0.05):
+    """Await ``cond()`` until it returns something truthy (returned) or ``timeout_s`` seconds
+    pass (AssertionError naming ``what`` and the last value)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = await cond()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"{what}: not reached within {timeout_s}s (last: {value!r})"
+        await asyncio.sleep(poll_s)
+
+
+async def registered_workers(redis_url: str) -> list[WorkerInfo]:
+    client = aioredis.Redis.from_url(redis_url)
+    try:
+        registry = WorkerRegistry(client)
+        return [w for role in WORKER_ROLES for w in await registry.list(role)]
+    finally:
+        await client.aclose()
+
+
+def worker_stub(w: WorkerInfo, channel: grpc.aio.Channel):
+    return (worker_pb2_grpc.DecodeWorkerStub if w.role == "decode" else worker_pb2_grpc.PrefillWorkerStub)(channel)
+
+
+async def worker_loads(stack: Stack) -> dict[str, worker_pb2.WorkerLoad]:
+    """``GetLoad`` of every live worker process of ``stack``, by worker id.
+
+    Raises AssertionError when a live worker is missing from the registry, and lets any RPC
+    error through: a report is required from every process that is running."""
+    live = {name for name, proc in stack.procs
+            if name.split("-")[0] in WORKER_ROLES and proc.poll() is None}
+    registered = {w.worker_id: w for w in await registered_workers(stack.redis_url)}
+    assert live <= registered.keys(), f"live workers missing from the registry: {live - registered.keys()}"
+    out = {}
+    for worker_id in sorted(live):
+        async with grpc.aio.insecure_channel(registered[worker_id].endpoint) as ch:
+            out[worker_id] = await worker_stub(registered[worker_id], ch).GetLoad(
+                worker_pb2.GetLoadRequest(), timeout=GET_LOAD_TIMEOUT_S)
+    return out
+
+
+def busy(loads: dict[str, worker_pb2.WorkerLoad]) -> dict[str, tuple[int, int, int]]:
+    """(used KV blocks, running, waiting) of every worker that is not idle."""
+    return {w: (l.total_kv_blocks - l.free_kv_blocks, l.num_running, l.num_waiting)
+            for w, l in loads.items()
+            if l.free_kv_blocks != l.total_kv_blocks or l.num_running or l.num_waiting}
+
+
+async def assert_all_blocks_freed(stack: Stack, timeout_s: float) -> None:
+    """Every live worker process reports zero used KV blocks and no requests within
+    ``timeout_s`` seconds (a worker that does not answer fails it at once)."""
+    async def check():
+        loads = await worker_loads(stack)
+        assert loads, "no live worker process"
+        left = busy(loads)
+        return (not left) or _Busy(left)
+
+    await wait_until(check, timeout_s, "every worker idle with all its KV blocks free")
+
+
+class _Busy(dict):
+    """A falsy report of the workers still busy (for ``wait_until``'s message)."""
+
+    def __bool__(self) -> bool:
+        return False

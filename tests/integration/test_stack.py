@@ -1,4 +1,5 @@
-"""The whole request path on the real model: gateway -> prefill -> TCP KV handoff -> decode."""
+"""The whole request path on the real model: gateway -> prefill -> KV handoff (TCP, and NIXL
+for the oracle test) -> decode."""
 from __future__ import annotations
 
 import asyncio
@@ -7,10 +8,12 @@ import grpc
 import pytest
 import redis.asyncio as aioredis
 
-from services.api import gateway_pb2, gateway_pb2_grpc, worker_pb2, worker_pb2_grpc
+from services.api import gateway_pb2, gateway_pb2_grpc
 from services.state.registry import WorkerRegistry
 from services.state.store import RequestState, RequestStateStore
-from tests.reference import CHAT_PROMPTS, NUM_TOKENS, hf_greedy_outputs
+from tests.integration.conftest import WORKER_ARGS, assert_all_blocks_freed, start_stack, wait_until
+from tests.reference import CHAT_PROMPTS, NUM_TOKENS, compute_hf_greedy_outputs, hf_greedy_outputs
+from tests.unit.nixl_install import require_nixl
 
 pytestmark = pytest.mark.integration
 
@@ -33,14 +36,36 @@ async def generate(address: str, request: gateway_pb2.GenerateRequest):
         return tokens, "".join(text), last
 
 
-def test_greedy_matches_transformers_through_the_stack(stack):
+def test_stored_reference_is_what_transformers_computes():
+    """The stored oracle (tests/data/hf_greedy.json) is transformers' output today."""
+    assert compute_hf_greedy_outputs() == hf_greedy_outputs()
+
+
+@pytest.fixture(params=["tcp", "nixl"])
+def transport_stack(request):
+    """The module's TCP stack, or a stack of its own whose workers hand KV off over NIXL
+    (its own Redis; skipped only when the NIXL package is not installed at all)."""
+    if request.param == "tcp":
+        yield request.getfixturevalue("stack")
+        return
+    require_nixl()
+    s = start_stack([*WORKER_ARGS, "--kv-transport", "nixl"], redis_url=None)
+    try:
+        yield s
+    finally:
+        s.stop()
+
+
+def test_greedy_matches_transformers_through_the_stack(transport_stack):
     reference = hf_greedy_outputs()
     for prompt, expected in zip(CHAT_PROMPTS, reference):
-        tokens, text, last = asyncio.run(generate(stack.address, chat_request(prompt, request_id=f"seq-{prompt[:12]}")))
+        tokens, text, last = asyncio.run(generate(transport_stack.address,
+                                                  chat_request(prompt, request_id=f"seq-{prompt[:12]}")))
         assert tokens == list(expected), prompt
         assert last.finish_reason == "length"
         assert last.usage.completion_tokens == NUM_TOKENS
         assert text
+    asyncio.run(assert_all_blocks_freed(transport_stack, timeout_s=10))
 
 
 def test_concurrent_streams_equal_single_request_outputs(stack):
@@ -61,16 +86,8 @@ def test_blocks_freed_and_state_recorded(stack, redis_server):
     asyncio.run(generate(stack.address, chat_request(CHAT_PROMPTS[0], request_id="recorded")))
 
     async def check():
-        client = aioredis.Redis.from_url(redis_server.url)
-        workers = [w for role in ("prefill", "decode") for w in await WorkerRegistry(client).list(role)]
-        await client.aclose()
-        assert {w.role for w in workers} == {"prefill", "decode"}
-        for w in workers:
-            async with grpc.aio.insecure_channel(w.endpoint) as ch:
-                stub_cls = worker_pb2_grpc.DecodeWorkerStub if w.role == "decode" else worker_pb2_grpc.PrefillWorkerStub
-                load = await stub_cls(ch).GetLoad(worker_pb2.GetLoadRequest())
-            assert load.free_kv_blocks == load.total_kv_blocks > 0, w
-            assert load.num_running == load.num_waiting == 0
+        # the stream has ended; the workers free the blocks as the end reaches their engines
+        await assert_all_blocks_freed(stack, timeout_s=10)
         async with grpc.aio.insecure_channel(stack.address) as ch:
             info = await gateway_pb2_grpc.GatewayStub(ch).GetRequest(
                 gateway_pb2.GetRequestRequest(request_id="recorded"))
@@ -156,26 +173,13 @@ def test_abort_mid_stream_ends_the_stream_and_frees_blocks(stack):
             assert msgs[-1].finish_reason == "abort"
             assert sum(len(m.token_ids) for m in msgs) < 2000
             assert not (await stub.Abort(gateway_pb2.AbortRequest(request_id="to-abort"))).found
-            for _ in range(50):  # the workers free the blocks as the cancellation reaches them
-                info = await stub.GetRequest(gateway_pb2.GetRequestRequest(request_id="to-abort"))
-                loads = await all_loads()
-                if all(l.free_kv_blocks == l.total_kv_blocks for l in loads):
-                    break
-                await asyncio.sleep(0.1)
-            assert info.status == "ABORTED" and info.finish_reason == "abort"
-            assert all(l.free_kv_blocks == l.total_kv_blocks and l.num_running == 0 for l in loads)
+            await assert_all_blocks_freed(stack, timeout_s=10)  # as the cancellation reaches them
 
-    async def all_loads():
-        loads = []
-        for role, stub_cls in (("decode", worker_pb2_grpc.DecodeWorkerStub),
-                               ("prefill", worker_pb2_grpc.PrefillWorkerStub)):
-            client = aioredis.Redis.from_url(stack.redis_url)
-            workers = await WorkerRegistry(client).list(role)
-            await client.aclose()
-            for w in workers:
-                async with grpc.aio.insecure_channel(w.endpoint) as ch:
-                    loads.append(await stub_cls(ch).GetLoad(worker_pb2.GetLoadRequest()))
-        return loads
+            async def recorded():
+                info = await stub.GetRequest(gateway_pb2.GetRequestRequest(request_id="to-abort"))
+                return info if info.status == "ABORTED" else None
+            info = await wait_until(recorded, 10, "to-abort recorded ABORTED")
+            assert info.finish_reason == "abort"
 
     asyncio.run(run())
 
