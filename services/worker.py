@@ -14,10 +14,9 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
 from services.api import worker_pb2
+from services.api.convert import logprobs_to_proto, params_from_proto, params_to_proto  # noqa: F401
 from services.engine.engine import EngineConfig, LLMEngine
 from services.engine.engine_loop import EngineLoop
-from services.engine.sampler import TokenLogprobs
-from services.engine.sampling_params import SamplingParams
 from services.engine.scheduler import RequestOutput
 from services.kv_transfer import KVTransport, create_transport
 from services.rpc import ResourceExhausted
@@ -56,32 +55,6 @@ def redis_client(url: str) -> aioredis.Redis:
     return aioredis.Redis.from_url(
         url, socket_timeout=REDIS_TIMEOUT_S, socket_connect_timeout=REDIS_TIMEOUT_S,
         retry=Retry(NoBackoff(), 1))
-
-
-_SHARED_FIELDS = ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p",
-                  "presence_penalty", "frequency_penalty", "repetition_penalty", "ignore_eos")
-
-
-def params_from_proto(p: worker_pb2.SamplingParams) -> SamplingParams:
-    """Internal proto -> SamplingParams (stop strings stay with the gateway, which owns text)."""
-    return SamplingParams(
-        **{name: getattr(p, name) for name in _SHARED_FIELDS},
-        seed=p.seed if p.HasField("seed") else None, stop_token_ids=tuple(p.stop_token_ids),
-        logprobs=p.logprobs if p.HasField("logprobs") else None,
-    )
-
-
-def params_to_proto(p: SamplingParams) -> worker_pb2.SamplingParams:
-    return worker_pb2.SamplingParams(
-        **{name: getattr(p, name) for name in _SHARED_FIELDS},
-        seed=p.seed, stop_token_ids=list(p.stop_token_ids), logprobs=p.logprobs,
-    )
-
-
-def logprobs_to_proto(lp: TokenLogprobs) -> worker_pb2.SampledLogprobs:
-    ids, lps = zip(*lp.top) if lp.top else ((), ())
-    return worker_pb2.SampledLogprobs(token_id=lp.token_id, logprob=lp.logprob,
-                                      top_token_ids=ids, top_logprobs=lps)
 
 
 class WorkerRuntime:

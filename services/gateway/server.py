@@ -26,7 +26,7 @@ from services.gateway.dispatch import Dispatcher, Job
 from services.gateway.routing import WorkerPool
 from services.rpc import ResourceExhausted, Unavailable
 from services.state.store import RequestState, RequestStateStore
-from services.worker import params_to_proto
+from services.api.convert import params_to_proto
 
 log = logging.getLogger(__name__)
 
