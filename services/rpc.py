@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import grpc
 import pydantic
@@ -97,10 +98,12 @@ async def _abort(context: grpc.aio.ServicerContext, exc: Exception, method: str)
     await context.abort(code, message)
 
 
-def create_server(service_names: Iterable[str]) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
+def create_server(service_names: Iterable[str], options: Sequence[tuple[str, Any]] = (),
+                  ) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
     """A ``grpc.aio`` server with the status interceptor, ``grpc.health.v1`` (every service
-    reported SERVING) and server reflection. Add servicers, then ``add_insecure_port``."""
-    server = grpc.aio.server(interceptors=[StatusInterceptor()])
+    reported SERVING) and server reflection; ``options`` are gRPC channel arguments. Add
+    servicers, then ``add_insecure_port``."""
+    server = grpc.aio.server(interceptors=[StatusInterceptor()], options=list(options))
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = [*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME]

@@ -9,9 +9,6 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Callable
 
-import redis.asyncio as aioredis
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
 
 from services.api import worker_pb2
 from services.api.convert import logprobs_to_proto, params_from_proto, params_to_proto  # noqa: F401
@@ -20,6 +17,7 @@ from services.engine.engine_loop import EngineLoop
 from services.engine.scheduler import RequestOutput
 from services.kv_transfer import KVTransport, create_transport
 from services.rpc import ResourceExhausted
+from services.state.client import REDIS_TIMEOUT_S, redis_client  # noqa: F401
 from services.state.registry import Heartbeater, WorkerInfo, WorkerRegistry
 
 log = logging.getLogger(__name__)
@@ -42,19 +40,6 @@ class WorkerOptions:
     rpc_timeout_s: float = 600.0  # bound on any wait for the engine thread
     kv_transfer_timeout_s: float = 30.0  # prefill: one KV write (never past the lease)
     fault_injection: bool = False  # TEST ONLY: honour fault tags in request ids (prefill)
-
-
-REDIS_TIMEOUT_S = 2.0  # connect and per-command socket timeout of the services' Redis clients
-
-
-def redis_client(url: str) -> aioredis.Redis:
-    """A Redis client for a long-running service: every command fails within
-    ``REDIS_TIMEOUT_S`` seconds when Redis is unreachable (redis.RedisError), and retries once
-    on a fresh connection, so a restarted Redis is used again without any reconnect logic
-    (the pool drops a broken connection; nothing keeps a dead one)."""
-    return aioredis.Redis.from_url(
-        url, socket_timeout=REDIS_TIMEOUT_S, socket_connect_timeout=REDIS_TIMEOUT_S,
-        retry=Retry(NoBackoff(), 1))
 
 
 class WorkerRuntime:

@@ -125,7 +125,12 @@ class Tokenizer:
 
         if not Path(path).is_file():
             raise FileNotFoundError(f"GGUF file {path} does not exist")
-        reader = GGUFReader(path)
+        return cls.from_gguf_reader(GGUFReader(path))
+
+    @classmethod
+    def from_gguf_reader(cls, reader: Any) -> Tokenizer:
+        """``from_gguf`` over an open ``gguf.GGUFReader`` (parsing a file's header takes
+        seconds: callers that need more of it read it once). Raises ValueError as ``from_gguf``."""
         kind = gguf_field(reader, "tokenizer.ggml.model")
         if kind != "gpt2":
             raise ValueError(f"unsupported tokenizer.ggml.model {kind!r}: only 'gpt2' (byte-level BPE)")

@@ -6,9 +6,11 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from services.engine.gguf_metadata import gguf_field
 from services.engine.model_files import DEFAULT_MODEL_NAME, default_model_path
+from services.engine.tokenizer import Tokenizer
 
 HF_DEFAULT_CONTEXT = 2048  # LlamaConfig's max_position_embeddings default
 
@@ -42,15 +44,34 @@ class ModelCard:
             raise FileNotFoundError(f"model path {path} does not exist")
         from gguf import GGUFReader
 
-        reader = GGUFReader(path)
+        return cls.from_gguf_reader(GGUFReader(path), name)
+
+    @classmethod
+    def from_gguf_reader(cls, reader: Any, name: str) -> ModelCard:
+        """The card from an open ``gguf.GGUFReader``. Raises ValueError as ``load``."""
         arch = gguf_field(reader, "general.architecture")
         context = gguf_field(reader, f"{arch}.context_length")
         vocab = gguf_field(reader, f"{arch}.vocab_size")
         if vocab is None:
             vocab = len(gguf_field(reader, "tokenizer.ggml.tokens", []))
         if context is None or not vocab:
-            raise ValueError(f"{path}: GGUF metadata {arch}.context_length or the vocabulary is missing")
+            raise ValueError(f"GGUF metadata {arch}.context_length or the vocabulary is missing")
         return cls(name, int(context), int(vocab))
+
+
+def load_model_header(path: str | os.PathLike) -> tuple[ModelCard, Tokenizer]:
+    """The card and the tokenizer of a model, its file header parsed once.
+
+    Raises FileNotFoundError / ValueError as ``ModelCard.load`` and ``Tokenizer.load``."""
+    path = Path(path)
+    if path.is_dir() or path.suffix.lower() != ".gguf":
+        return ModelCard.load(path), Tokenizer.load(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"model path {path} does not exist")
+    from gguf import GGUFReader
+
+    reader = GGUFReader(path)
+    return ModelCard.from_gguf_reader(reader, served_model_name(path)), Tokenizer.from_gguf_reader(reader)
 
 
 def served_model_name(model: str | os.PathLike) -> str:
