@@ -1,9 +1,11 @@
 """Gateway health that tells the truth: SERVING only while Redis answers and the worker
 registry lists at least one live prefill and one live decode worker.
 
-Checked every half heartbeat, each check bounded by half a heartbeat, so ``grpc.health.v1``
-follows a change (Redis gone, last worker of a role gone, recovery) within one heartbeat
-interval. Readiness probes, ``tandem up`` and load balancers read it.
+Checked every half heartbeat, so ``grpc.health.v1`` follows a change (Redis refusing
+connections, the last worker of a role leaving the registry, recovery) within one heartbeat
+interval; a Redis that hangs is noticed when a check times out, after one more heartbeat (a
+shorter bound made health flap on a loaded machine). Readiness probes, ``tandem up`` and load
+balancers read it.
 """
 from __future__ import annotations
 
@@ -34,14 +36,15 @@ class ReadinessMonitor:
         self.health = health_servicer
         self.names = ["", *service_names]
         self.period_s = heartbeat_s / 2
+        self.timeout_s = heartbeat_s
         self.ready: bool | None = None
         self.reason = "not checked yet"
         self._task: asyncio.Task | None = None
 
     async def check(self) -> tuple[bool, str]:
-        """(ready, why not) from one look at Redis and the registry, within ``period_s``."""
+        """(ready, why not) from one look at Redis and the registry, within ``timeout_s``."""
         try:
-            async with asyncio.timeout(self.period_s):
+            async with asyncio.timeout(self.timeout_s):
                 await self.registry.redis.ping()
                 for role in REQUIRED_ROLES:
                     if not await self.registry.list(role):
