@@ -18,9 +18,9 @@ GENERATE = "/tandem.v1.Gateway/Generate"
 
 
 def chat(**options) -> gateway_pb2.GenerateRequest:
-    fields = {"max_tokens": 8, "temperature": 0.0, "ignore_eos": True, **options}
-    return gateway_pb2.GenerateRequest(
-        messages=[gateway_pb2.ChatMessage(role="user", content=PROMPT)], **fields)
+    fields = {"messages": [gateway_pb2.ChatMessage(role="user", content=PROMPT)], "max_tokens": 8,
+              "temperature": 0.0, "ignore_eos": True, **options}
+    return gateway_pb2.GenerateRequest(**fields)
 
 
 async def generate(address: str, request: gateway_pb2.GenerateRequest) -> list[int]:
