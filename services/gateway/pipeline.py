@@ -73,6 +73,7 @@ class GatewayCore:
         self.dispatcher = Dispatcher(pool, rpc_timeout_s, kv_failure_policy)
         self._tokenize = ThreadPoolExecutor(tokenize_threads, thread_name_prefix="tokenize")
         self._inflight: dict[str, RequestRecord] = {}
+        self._closing: set[asyncio.Task] = set()  # requests recording their outcome
 
     async def close(self) -> None:
         self._tokenize.shutdown(wait=False, cancel_futures=True)
@@ -140,13 +141,21 @@ class GatewayCore:
             raise
         finally:
             record.cancel()  # no-op for finished calls; frees worker blocks otherwise
-            await tokens.aclose()
-            self._inflight.pop(prepared.request_id, None)
-            await record.finish()
+            # NOTE: shielded: a front end on anyio (Starlette) cancels a gone client's stream
+            # at every await, which would drop the outcome's Redis write half done.
+            closing = asyncio.ensure_future(self._close(prepared.request_id, tokens, record))
+            self._closing.add(closing)
+            closing.add_done_callback(self._closing.discard)
+            await asyncio.shield(closing)
         if record.aborted:
             yield gateway_pb2.GenerateResponse(
                 request_id=prepared.request_id, finish_reason="abort",
                 usage=_usage(len(prepared.prompt), record.num_output_tokens))
+
+    async def _close(self, rid: str, tokens: AsyncIterator, record: RequestRecord) -> None:
+        await tokens.aclose()
+        self._inflight.pop(rid, None)
+        await record.finish()
 
     def abort(self, request_id: str) -> bool:
         """Cancel a request in flight on this gateway; False when there is none by that id."""

@@ -8,6 +8,7 @@ import asyncio
 import json
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 
 import grpc
@@ -103,10 +104,11 @@ def test_health_ready_and_models(http):
 
 def test_chat_completion_equals_grpc(http, stack):
     expected = grpc_greedy(stack.address)
-    r = httpx.post(f"{http.url}/v1/chat/completions", json=chat_body(), headers={"X-Request-Id": "http-whole"},
+    rid = f"http-whole-{uuid.uuid4().hex[:8]}"
+    r = httpx.post(f"{http.url}/v1/chat/completions", json=chat_body(), headers={"X-Request-Id": rid},
                    timeout=300)
     assert r.status_code == 200, r.text
-    assert r.headers["x-request-id"] == "http-whole"
+    assert r.headers["x-request-id"] == rid
     body = r.json()
     assert body["object"] == "chat.completion"
     assert body["choices"][0]["message"]["content"] == expected
@@ -163,8 +165,9 @@ def test_oversized_body_is_413_without_reading_it(http):
 
 
 def test_client_disconnect_mid_stream_aborts_and_frees_blocks(http, stack):
+    rid = f"http-gone-{uuid.uuid4().hex[:8]}"
     with httpx.stream("POST", f"{http.url}/v1/chat/completions", timeout=300,
-                      json=chat_body(max_tokens=2000, stream=True), headers={"X-Request-Id": "http-gone"}) as r:
+                      json=chat_body(max_tokens=2000, stream=True), headers={"X-Request-Id": rid}) as r:
         for line in r.iter_lines():
             if line.startswith("data: ") and json.loads(line[6:])["choices"][0]["delta"].get("content"):
                 break  # one token arrived: leave
@@ -174,7 +177,7 @@ def test_client_disconnect_mid_stream_aborts_and_frees_blocks(http, stack):
         deadline = time.monotonic() + DEADLINE_S
         try:
             while True:
-                record = await RequestStateStore(client).get("http-gone")
+                record = await RequestStateStore(client).get(rid)
                 loads = []
                 for role, cls in (("decode", worker_pb2_grpc.DecodeWorkerStub), ("prefill", worker_pb2_grpc.PrefillWorkerStub)):
                     for w in await WorkerRegistry(client).list(role):
