@@ -9,7 +9,8 @@ Errors use OpenAI's JSON ``{"error": {"message", "type", "param", "code"}}``: 40
 413 body over ``max_request_bytes`` (refused from Content-Length, or while reading, never read
 whole), 429 overload (``Retry-After``), 503 no worker or Redis. An error after a stream started
 is an SSE ``data: {"error": ...}`` event, then ``data: [DONE]``. ``X-Request-Id`` is honoured,
-used as the request's id (Redis, logs) and returned on every response.
+used as the request's id (Redis, logs) and returned on every response. A client gone from a
+stream aborts the request; one gone from a non-streaming request does not (not yet).
 """
 from __future__ import annotations
 
