@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import grpc
 import pydantic
@@ -101,16 +102,18 @@ async def _abort(context: grpc.aio.ServicerContext, exc: Exception, method: str)
 
 def create_server(
     service_names: Iterable[str], internal_secret: str | None = None,
+    options: Sequence[tuple[str, Any]] = (),
 ) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
     """A ``grpc.aio`` server with the status interceptor, ``grpc.health.v1`` (every service
-    reported SERVING) and server reflection. Add servicers, then ``add_insecure_port``.
+    reported SERVING) and server reflection; ``options`` are gRPC channel arguments. Add
+    servicers, then ``add_insecure_port``.
 
     With ``internal_secret`` (workers), every call but health and reflection must carry it
     (``services.auth``), or gets UNAUTHENTICATED before its handler runs."""
     interceptors: list[grpc.aio.ServerInterceptor] = [StatusInterceptor()]
     if internal_secret is not None:
         interceptors.insert(0, InternalAuthInterceptor(internal_secret))
-    server = grpc.aio.server(interceptors=interceptors)
+    server = grpc.aio.server(interceptors=interceptors, options=list(options))
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = [*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME]

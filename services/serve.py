@@ -5,29 +5,18 @@ import asyncio
 import dataclasses
 import logging
 import signal
-from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-
-from services.api import gateway_pb2, gateway_pb2_grpc, worker_pb2, worker_pb2_grpc
+from services.api import worker_pb2, worker_pb2_grpc
 from services.auth import read_internal_secret, warn_if_open
-from services.engine.engine import LLMEngine
-from services.engine.loader import load_config
-from services.engine.model_files import DEFAULT_MODEL_NAME, default_model_path
-from services.engine.tokenizer import Tokenizer
+from services.gateway.model_card import served_model_name  # noqa: F401  (its old home)
 from services.rpc import bind, create_server, mark_serving
 from services.state.redis_server import check_redis
-from services.state.registry import WorkerRegistry
-from services.state.store import RequestStateStore
-from services.worker import WorkerOptions, WorkerRuntime, redis_client
+
+if TYPE_CHECKING:
+    from services.worker import WorkerOptions
 
 log = logging.getLogger(__name__)
-
-
-def served_model_name(model: str) -> str:
-    """The name clients use: the default model's, else the file stem or directory name."""
-    path = Path(model)
-    return DEFAULT_MODEL_NAME if path == default_model_path() else path.stem
 
 
 async def _wait_for_signal() -> None:
@@ -40,8 +29,12 @@ async def _wait_for_signal() -> None:
 
 async def serve_worker(opts: WorkerOptions, num_threads: int) -> None:
     """Load the model, start the engine thread and the gRPC server, heartbeat until signalled."""
+    import torch  # NOTE: here, not at the top: the gateway process must not load torch
+
     from services.decode.server import DecodeServicer
+    from services.engine.engine import LLMEngine
     from services.prefill.server import PrefillServicer
+    from services.worker import WorkerRuntime
 
     torch.set_num_threads(num_threads)
     if opts.internal_secret is None:
@@ -76,33 +69,13 @@ async def serve_worker(opts: WorkerOptions, num_threads: int) -> None:
 async def serve_gateway(host: str, port: int, redis_url: str, model: str, rpc_timeout_s: float,
                         heartbeat_s: float, kv_failure_policy: str = "recompute",
                         max_inflight: int = 1024, internal_secret: str | None = None) -> None:
-    """Run the public Gateway service until signalled. ``internal_secret`` (default: from
-    ``services.auth.read_internal_secret``) is sent on every call to a worker."""
-    from services.gateway.routing import WorkerPool
-    from services.gateway.server import GatewayServicer
+    """Run the public Gateway service until signalled (``services.gateway.app``).
+    ``internal_secret`` (default: from ``services.auth.read_internal_secret``) is sent on every
+    call to a worker."""
+    from services.gateway.app import GatewayOptions, run_gateway
 
-    await check_redis(redis_url)
-    tokenizer = Tokenizer.load(model)
-    config = load_config(model)
-    redis = redis_client(redis_url)
     secret = internal_secret if internal_secret is not None else read_internal_secret()
     warn_if_open(secret, "gateway")
-    pool = WorkerPool(WorkerRegistry(redis, heartbeat_s), heartbeat_s, rpc_timeout_s, secret)
-    servicer = GatewayServicer(
-        tokenizer, served_model_name(model), config.max_position_embeddings,
-        RequestStateStore(redis), pool, rpc_timeout_s, kv_failure_policy, max_inflight)
-    full_name = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
-    server, health = create_server([full_name])
-    gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, server)
-    bound = bind(server, host, port)
-    await server.start()
-    await mark_serving(health, [full_name])
-    log.info("gateway listening on %s:%d (model %s, kv failure policy %s, max %d in flight)",
-             host, bound, served_model_name(model), kv_failure_policy, max_inflight)
-    try:
-        await _wait_for_signal()
-    finally:
-        await health.enter_graceful_shutdown()
-        await server.stop(grace=5.0)
-        await servicer.close()
-        await redis.aclose()
+    await run_gateway(GatewayOptions(host, port, redis_url, model, rpc_timeout_s, heartbeat_s,
+                                     kv_failure_policy, max_inflight, internal_secret=secret),
+                      _wait_for_signal())

@@ -9,19 +9,16 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Callable
 
-import redis.asyncio as aioredis
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
 
 from services.api import worker_pb2
+from services.api.convert import logprobs_to_proto, params_from_proto, params_to_proto  # noqa: F401
 from services.engine.engine import EngineConfig, LLMEngine
 from services.engine.engine_loop import EngineLoop
 from services.engine.request import Request, RequestStatus
-from services.engine.sampler import TokenLogprobs
-from services.engine.sampling_params import SamplingParams
 from services.engine.scheduler import RequestOutput
 from services.kv_transfer import KVTransport, create_transport
 from services.rpc import ResourceExhausted
+from services.state.client import REDIS_TIMEOUT_S, redis_client  # noqa: F401
 from services.state.registry import Heartbeater, WorkerInfo, WorkerRegistry
 
 log = logging.getLogger(__name__)
@@ -45,45 +42,6 @@ class WorkerOptions:
     kv_transfer_timeout_s: float = 30.0  # prefill: one KV write (never past the lease)
     fault_injection: bool = False  # TEST ONLY: honour fault tags in request ids (prefill)
     internal_secret: str | None = None  # services.auth: proven on gRPC and KV ports; None: open
-
-
-REDIS_TIMEOUT_S = 2.0  # connect and per-command socket timeout of the services' Redis clients
-
-
-def redis_client(url: str) -> aioredis.Redis:
-    """A Redis client for a long-running service: every command fails within
-    ``REDIS_TIMEOUT_S`` seconds when Redis is unreachable (redis.RedisError), and retries once
-    on a fresh connection, so a restarted Redis is used again without any reconnect logic
-    (the pool drops a broken connection; nothing keeps a dead one)."""
-    return aioredis.Redis.from_url(
-        url, socket_timeout=REDIS_TIMEOUT_S, socket_connect_timeout=REDIS_TIMEOUT_S,
-        retry=Retry(NoBackoff(), 1))
-
-
-_SHARED_FIELDS = ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p",
-                  "presence_penalty", "frequency_penalty", "repetition_penalty", "ignore_eos")
-
-
-def params_from_proto(p: worker_pb2.SamplingParams) -> SamplingParams:
-    """Internal proto -> SamplingParams (stop strings stay with the gateway, which owns text)."""
-    return SamplingParams(
-        **{name: getattr(p, name) for name in _SHARED_FIELDS},
-        seed=p.seed if p.HasField("seed") else None, stop_token_ids=tuple(p.stop_token_ids),
-        logprobs=p.logprobs if p.HasField("logprobs") else None,
-    )
-
-
-def params_to_proto(p: SamplingParams) -> worker_pb2.SamplingParams:
-    return worker_pb2.SamplingParams(
-        **{name: getattr(p, name) for name in _SHARED_FIELDS},
-        seed=p.seed, stop_token_ids=list(p.stop_token_ids), logprobs=p.logprobs,
-    )
-
-
-def logprobs_to_proto(lp: TokenLogprobs) -> worker_pb2.SampledLogprobs:
-    ids, lps = zip(*lp.top) if lp.top else ((), ())
-    return worker_pb2.SampledLogprobs(token_id=lp.token_id, logprob=lp.logprob,
-                                      top_token_ids=ids, top_logprobs=lps)
 
 
 class WorkerRuntime:

@@ -123,7 +123,7 @@ class GetRequestRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ...) -> None: ...
 
 class RequestInfo(_message.Message):
-    __slots__ = ("request_id", "status", "model", "prompt_tokens", "output_tokens", "prefill_worker", "decode_worker", "finish_reason", "error", "arrival_time", "prefill_start_time", "prefill_end_time", "first_token_time", "finish_time")
+    __slots__ = ("request_id", "status", "model", "prompt_tokens", "output_tokens", "prefill_worker", "decode_worker", "finish_reason", "error", "arrival_time", "prefill_start_time", "prefill_end_time", "first_token_time", "finish_time", "prefill_queue_time", "prefill_compute_time", "kv_transfer_time")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -138,6 +138,9 @@ class RequestInfo(_message.Message):
     PREFILL_END_TIME_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_TIME_FIELD_NUMBER: _ClassVar[int]
     FINISH_TIME_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_QUEUE_TIME_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_COMPUTE_TIME_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFER_TIME_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     status: str
     model: str
@@ -152,4 +155,7 @@ class RequestInfo(_message.Message):
     prefill_end_time: float
     first_token_time: float
     finish_time: float
-    def __init__(self, request_id: _Optional[str] = ..., status: _Optional[str] = ..., model: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ..., finish_reason: _Optional[str] = ..., error: _Optional[str] = ..., arrival_time: _Optional[float] = ..., prefill_start_time: _Optional[float] = ..., prefill_end_time: _Optional[float] = ..., first_token_time: _Optional[float] = ..., finish_time: _Optional[float] = ...) -> None: ...
+    prefill_queue_time: float
+    prefill_compute_time: float
+    kv_transfer_time: float
+    def __init__(self, request_id: _Optional[str] = ..., status: _Optional[str] = ..., model: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ..., finish_reason: _Optional[str] = ..., error: _Optional[str] = ..., arrival_time: _Optional[float] = ..., prefill_start_time: _Optional[float] = ..., prefill_end_time: _Optional[float] = ..., first_token_time: _Optional[float] = ..., finish_time: _Optional[float] = ..., prefill_queue_time: _Optional[float] = ..., prefill_compute_time: _Optional[float] = ..., kv_transfer_time: _Optional[float] = ...) -> None: ...

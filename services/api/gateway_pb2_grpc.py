@@ -59,7 +59,9 @@ class GatewayServicer:
     def Generate(self, request, context):
         """/ Generate a completion for a prompt or a chat conversation; streams new tokens as they
         / are decoded. The last message carries finish_reason and usage. Bad input fails with
-        / INVALID_ARGUMENT naming the field; no capacity anywhere fails with RESOURCE_EXHAUSTED.
+        / INVALID_ARGUMENT naming the field (a body over the gateway's max_request_bytes, or one
+        / that is not valid protobuf or UTF-8, too); no capacity anywhere fails with
+        / RESOURCE_EXHAUSTED.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -67,6 +69,8 @@ class GatewayServicer:
 
     def Abort(self, request, context):
         """/ Abort a request in flight; its stream ends with finish_reason "abort".
+        / NOTE: no API keys yet: any caller that knows a request id can abort it (ids the gateway
+        / assigns are random). Expose the gateway only to trusted clients until keys exist.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -74,6 +78,7 @@ class GatewayServicer:
 
     def GetRequest(self, request, context):
         """/ A request's recorded state: status, workers, token counts and timestamps.
+        / NOTE: like Abort, open to any caller that knows the id until API keys exist.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

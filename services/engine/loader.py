@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from services.engine.config import ModelConfig
+from services.engine.gguf_metadata import gguf_field
 
 StateDict = dict[str, torch.Tensor]
 
@@ -56,26 +57,6 @@ def load_model(path: str | os.PathLike) -> tuple[ModelConfig, StateDict]:
     if path.suffix.lower() == ".gguf":
         return load_gguf(path)
     raise ValueError(f"model path {path} is neither a .gguf file nor a Hugging Face directory")
-
-
-def gguf_field(reader: Any, key: str, default: Any = None) -> Any:
-    """Value of metadata ``key`` of a ``gguf.GGUFReader``: str, int, float, bool or a list.
-
-    Returns ``default`` when the key is absent. Works on every ``gguf`` version (no ``contents()``).
-    """
-    from gguf import GGUFValueType
-
-    field = reader.get_field(key)
-    if field is None:
-        return default
-    kind = field.types[-1]
-    if kind == GGUFValueType.STRING:
-        values = [bytes(field.parts[i]).decode("utf-8") for i in field.data]
-    else:
-        values = [field.parts[i][0].item() for i in field.data]
-        if kind == GGUFValueType.BOOL:
-            values = [bool(v) for v in values]
-    return values if field.types[0] == GGUFValueType.ARRAY else values[0]
 
 
 def load_gguf(path: str | os.PathLike) -> tuple[ModelConfig, StateDict]:

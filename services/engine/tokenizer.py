@@ -16,7 +16,7 @@ from typing import Any
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 
-from services.engine.loader import gguf_field
+from services.engine.gguf_metadata import gguf_field
 
 _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp's llama_token_type values in tokenizer.ggml.token_type
 # llama.cpp's LLAMA_VOCAB_PRE_TYPE_LLAMA3 split (Llama 3 files say "llama-bpe").
@@ -125,7 +125,12 @@ class Tokenizer:
 
         if not Path(path).is_file():
             raise FileNotFoundError(f"GGUF file {path} does not exist")
-        reader = GGUFReader(path)
+        return cls.from_gguf_reader(GGUFReader(path))
+
+    @classmethod
+    def from_gguf_reader(cls, reader: Any) -> Tokenizer:
+        """``from_gguf`` over an open ``gguf.GGUFReader`` (parsing a file's header takes
+        seconds: callers that need more of it read it once). Raises ValueError as ``from_gguf``."""
         kind = gguf_field(reader, "tokenizer.ggml.model")
         if kind != "gpt2":
             raise ValueError(f"unsupported tokenizer.ggml.model {kind!r}: only 'gpt2' (byte-level BPE)")
@@ -190,8 +195,11 @@ class Tokenizer:
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text``; special tokens written in the text (``<|im_start|>``) map to
-        their single id. BOS/EOS are added only where the tokenizer's source asks for it."""
-        return self.backend.encode(text, add_special_tokens=True).ids
+        their single id. BOS/EOS are added only where the tokenizer's source asks for it.
+
+        NOTE: ``encode_batch`` releases the GIL (``encode`` holds it: ~5 s for a 4 MB text), so
+        a thread tokenizing a long prompt leaves the caller's event loop running."""
+        return self.backend.encode_batch([text], add_special_tokens=True)[0].ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         """Text of ``ids``; invalid UTF-8 byte sequences decode to U+FFFD."""

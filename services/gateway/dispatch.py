@@ -56,7 +56,7 @@ class Job:
     params: worker_pb2.SamplingParams
     track: Callable[[object], object]  # registers a call or task that Abort must cancel
     on_dispatch: Callable[[str, str, bool], None]  # (decode worker, prefill worker, resumed)
-    on_prefilled: Callable[[], None]
+    on_prefilled: Callable[[worker_pb2.PrefillResponse], None]  # its timings go to the record
 
 
 @dataclass
@@ -159,7 +159,7 @@ class Dispatcher:
             job.on_dispatch(att.decode.worker_id, w.worker_id, resumed)
             stub = worker_pb2_grpc.PrefillWorkerStub(self.pool.channel(w.endpoint))
             try:
-                await stub.Prefill(worker_pb2.PrefillRequest(
+                result = await stub.Prefill(worker_pb2.PrefillRequest(
                     request_id=att.worker_request_id, prompt_token_ids=prompt,
                     sampling_params=params, destination=dest),
                     timeout=self.rpc_timeout_s)  # NOTE: the prefill worker renews the lease
@@ -173,7 +173,7 @@ class Dispatcher:
                 if code in (grpc.StatusCode.ABORTED, grpc.StatusCode.DEADLINE_EXCEEDED):
                     raise _HandoffFailed(details) from exc
                 raise _status_error(w, exc) from exc
-            job.on_prefilled()
+            job.on_prefilled(result)
             return
         raise ResourceExhausted("every prefill worker's queue is full; retry later")
 

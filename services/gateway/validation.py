@@ -1,22 +1,65 @@
-"""Public request -> (prompt token ids, SamplingParams), or ValueError naming the field."""
+"""Public request -> (prompt token ids, SamplingParams), or ValueError naming the field.
+
+Checks that cost nothing run first (``check_request``: counts, finite floats); rendering the
+chat template and tokenizing (``prompt_token_ids``) are CPU work the caller runs off its event
+loop; ``sampling_params`` then checks the options against the prompt and the model.
+"""
 from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import pydantic
 
 from services.api import gateway_pb2
 from services.engine.sampling_params import SamplingParams
 from services.engine.tokenizer import Tokenizer
+from services.gateway.model_card import ModelCard
+from services.rpc import validation_message
 
 DEFAULT_MAX_TOKENS = 256
 CHAT_ROLES = ("system", "user", "assistant")
+# vLLM's _SAMPLING_EPS: a temperature below it divides logits into overflow; it means greedy.
+GREEDY_TEMPERATURE_EPS = 1e-5
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                 "repetition_penalty")
+_OPTIONAL_FIELDS = ("temperature", "top_p", "seed", "min_tokens", "min_p", "presence_penalty",
+                    "frequency_penalty", "repetition_penalty")
+# SamplingParams field -> the request field a client set it with (for error messages)
+_REQUEST_NAMES = {"logprobs": "top_logprobs"}
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What one request may ask of the gateway (each a setting: see the lead's settings tree)."""
+
+    max_request_bytes: int = 4 * 1024 * 1024  # serialized request, checked before parsing
+    max_messages: int = 256  # chat messages in one request
+
+
+def check_request(req: gateway_pb2.GenerateRequest, limits: RequestLimits) -> None:
+    """Cheap checks before any CPU work: one of prompt/messages, their count, finite floats.
+
+    Raises ValueError naming ``prompt``, ``messages`` or the float field."""
+    if req.prompt and req.messages:
+        raise ValueError("prompt, messages: give exactly one of them, not both")
+    if not req.prompt and not req.messages:
+        raise ValueError("prompt: must not be empty (or give messages)")
+    if len(req.messages) > limits.max_messages:
+        raise ValueError(f"messages: {len(req.messages)} messages exceed the limit of "
+                         f"{limits.max_messages} (setting max_messages)")
+    for name in _FLOAT_FIELDS:
+        if req.HasField(name) and not math.isfinite(getattr(req, name)):
+            raise ValueError(f"{name}: must be a finite number, got {getattr(req, name)}")
 
 
 def prompt_token_ids(req: gateway_pb2.GenerateRequest, tokenizer: Tokenizer, max_model_len: int,
                      ) -> list[int]:
-    """Tokenize ``prompt`` as is, or ``messages`` through the chat template.
+    """Tokenize ``prompt`` as is, or ``messages`` through the chat template. CPU-bound (a long
+    prompt takes seconds): call it off the event loop.
 
-    Raises ValueError naming ``prompt`` or ``messages[i].role`` / ``messages[i].content``.
+    Raises ValueError naming ``prompt``, ``messages`` or ``messages[i].role`` / ``.content``.
     """
-    if req.prompt and req.messages:
-        raise ValueError("prompt, messages: give exactly one of them, not both")
     if req.messages:
         for i, m in enumerate(req.messages):
             if m.role not in CHAT_ROLES:
@@ -38,15 +81,17 @@ def prompt_token_ids(req: gateway_pb2.GenerateRequest, tokenizer: Tokenizer, max
     return ids
 
 
-def sampling_params(req: gateway_pb2.GenerateRequest, num_prompt_tokens: int, max_model_len: int,
+def sampling_params(req: gateway_pb2.GenerateRequest, num_prompt_tokens: int, model: ModelCard,
                     ) -> SamplingParams:
-    """OpenAI-named options -> SamplingParams. Raises ValueError (pydantic's names the field)."""
-    room = max_model_len - num_prompt_tokens
+    """OpenAI-named options -> SamplingParams. Raises ValueError naming the request's field.
+
+    A temperature below ``GREEDY_TEMPERATURE_EPS`` is greedy (0), as in vLLM."""
+    room = model.max_model_len - num_prompt_tokens
     if req.HasField("max_tokens"):
         max_tokens = req.max_tokens
         if max_tokens > room:
             raise ValueError(f"max_tokens: {max_tokens} plus the prompt's {num_prompt_tokens} "
-                             f"tokens exceed the model's context of {max_model_len} tokens")
+                             f"tokens exceed the model's context of {model.max_model_len} tokens")
     else:
         max_tokens = min(DEFAULT_MAX_TOKENS, room)
     top_k = req.top_k if req.HasField("top_k") else 0
@@ -54,14 +99,28 @@ def sampling_params(req: gateway_pb2.GenerateRequest, num_prompt_tokens: int, ma
         top_k = 0
     if req.HasField("top_logprobs") and not req.logprobs:
         raise ValueError("top_logprobs: needs logprobs set to true")
+    for i, token_id in enumerate(req.stop_token_ids):
+        if token_id >= model.vocab_size:
+            raise ValueError(f"stop_token_ids[{i}]: {token_id} is not a token id of the model "
+                             f"(ids are 0 to {model.vocab_size - 1})")
     fields = {"max_tokens": max_tokens, "top_k": top_k, "ignore_eos": req.ignore_eos,
               "stop_token_ids": tuple(req.stop_token_ids), "stop": tuple(req.stop),
               "logprobs": (req.top_logprobs if req.HasField("top_logprobs") else 0) if req.logprobs else None}
     for name in _OPTIONAL_FIELDS:
         if req.HasField(name):
             fields[name] = getattr(req, name)
-    return SamplingParams(**fields)
+    if 0.0 <= fields.get("temperature", 1.0) < GREEDY_TEMPERATURE_EPS:
+        fields["temperature"] = 0.0
+    try:
+        return SamplingParams(**fields)
+    except pydantic.ValidationError as exc:
+        raise ValueError(_request_named(exc)) from None
 
 
-_OPTIONAL_FIELDS = ("temperature", "top_p", "seed", "min_tokens", "min_p", "presence_penalty",
-                    "frequency_penalty", "repetition_penalty")
+def _request_named(exc: pydantic.ValidationError) -> str:
+    """pydantic's message with each SamplingParams field renamed to the request's field."""
+    message = validation_message(exc)
+    for internal, public in _REQUEST_NAMES.items():
+        if any(e["loc"][:1] == (internal,) for e in exc.errors()):
+            message = message.replace(f"{internal}:", f"{public}:")
+    return message

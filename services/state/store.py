@@ -42,6 +42,9 @@ FIELD_TYPES: dict[str, type] = {
     "arrival_time": float,
     "prefill_start_time": float,
     "prefill_end_time": float,
+    "prefill_queue_time": float,   # seconds in the prefill worker's queue (its report)
+    "prefill_compute_time": float,  # seconds from first scheduled to first token (its report)
+    "kv_transfer_time": float,     # seconds writing the KV to the decode worker (its report)
     "first_token_time": float,
     "finish_time": float,
     "finish_reason": str,

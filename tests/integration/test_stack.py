@@ -124,7 +124,7 @@ BAD_INPUTS = [
     ("presence_penalty", gateway_pb2.GenerateRequest(prompt="hi", presence_penalty=3), "presence_penalty"),
     ("frequency_penalty", gateway_pb2.GenerateRequest(prompt="hi", frequency_penalty=-2.5), "frequency_penalty"),
     ("repetition_penalty zero", gateway_pb2.GenerateRequest(prompt="hi", repetition_penalty=0), "repetition_penalty"),
-    ("top_logprobs too many", gateway_pb2.GenerateRequest(prompt="hi", logprobs=True, top_logprobs=25), "logprobs"),
+    ("top_logprobs too many", gateway_pb2.GenerateRequest(prompt="hi", logprobs=True, top_logprobs=25), "top_logprobs"),
     ("top_logprobs alone", gateway_pb2.GenerateRequest(prompt="hi", top_logprobs=2), "top_logprobs"),
     ("empty stop string", gateway_pb2.GenerateRequest(prompt="hi", stop=[""]), "stop"),
     ("min_tokens above max", gateway_pb2.GenerateRequest(prompt="hi", min_tokens=9, max_tokens=4), "min_tokens"),

@@ -1,0 +1,98 @@
+"""The gateway process: build the pipeline from the model file and Redis, serve gRPC, publish
+truthful health, stop cleanly. Imports no torch, engine or worker runtime."""
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable
+from dataclasses import dataclass, field
+
+from services.gateway.health import ReadinessMonitor
+from services.gateway.model_card import load_model_header
+from services.gateway.pipeline import GatewayCore
+from services.gateway.routing import WorkerPool
+from services.gateway.server import SERVICE_NAME, GatewayServicer, add_gateway_to_server
+from services.gateway.validation import RequestLimits
+from services.rpc import bind, create_server
+from services.state.client import redis_client
+from services.state.redis_server import check_redis
+from services.state.registry import WorkerRegistry
+from services.state.store import RequestStateStore
+
+log = logging.getLogger(__name__)
+
+TRANSPORT_CEILING_BYTES = 64 * 1024 * 1024  # gRPC core refuses bodies over max(this, 4x the limit)
+
+
+@dataclass
+class GatewayOptions:
+    host: str
+    port: int                  # 0: a free port
+    redis_url: str
+    model: str                 # path of the .gguf file or Hugging Face directory
+    rpc_timeout_s: float
+    heartbeat_s: float         # the workers' heartbeat; health follows changes within one
+    kv_failure_policy: str = "recompute"
+    max_inflight: int = 1024   # requests admitted at once; RESOURCE_EXHAUSTED beyond
+    limits: RequestLimits = field(default_factory=RequestLimits)
+    tokenize_threads: int = 2  # threads rendering chat templates and tokenizing
+    http_port: int | None = None  # OpenAI-compatible HTTP on host:http_port (0: free port); None: off
+    internal_secret: str | None = None  # sent on every call to a worker (services.auth)
+
+
+async def run_gateway(opts: GatewayOptions, until: Awaitable) -> None:
+    """Serve the public Gateway until ``until`` completes (e.g. a signal), then drain.
+
+    Raises ConnectionError (Redis not answering at start), FileNotFoundError / ValueError
+    (model file), OSError (port taken)."""
+    await check_redis(opts.redis_url)
+    model, tokenizer = await asyncio.to_thread(load_model_header, opts.model)
+    redis = redis_client(opts.redis_url)
+    registry = WorkerRegistry(redis, opts.heartbeat_s)
+    core = GatewayCore(
+        tokenizer, model, RequestStateStore(redis),
+        WorkerPool(registry, opts.heartbeat_s, opts.rpc_timeout_s, opts.internal_secret), opts.rpc_timeout_s,
+        opts.kv_failure_policy, opts.max_inflight, opts.limits, opts.tokenize_threads)
+    ceiling = max(TRANSPORT_CEILING_BYTES, 4 * opts.limits.max_request_bytes)
+    server, health = create_server([SERVICE_NAME], options=[("grpc.max_receive_message_length", ceiling)])
+    add_gateway_to_server(GatewayServicer(core), server, opts.limits.max_request_bytes)
+    readiness = ReadinessMonitor(registry, health, [SERVICE_NAME], opts.heartbeat_s)
+    await readiness.start()
+    bound = bind(server, opts.host, opts.port)
+    await server.start()
+    http = await _start_http(opts, core, readiness)
+    log.info("gateway listening on %s:%d (gRPC)%s (model %s, kv failure policy %s, max %d in "
+             "flight); health SERVING once a prefill and a decode worker are live",
+             opts.host, bound, f" and http://{opts.host}:{http[1]} (OpenAI HTTP)" if http else "",
+             model.name, opts.kv_failure_policy, opts.max_inflight)
+    try:
+        await until
+    finally:
+        if http:
+            http[0].should_exit = True
+            await http[2]
+        await readiness.stop()
+        await health.enter_graceful_shutdown()
+        await server.stop(grace=5.0)
+        await core.close()
+        await redis.aclose()
+
+
+async def _start_http(opts: GatewayOptions, core: GatewayCore, readiness: ReadinessMonitor):
+    """(uvicorn server, bound port, serving task) of the HTTP front end, or None when off.
+    Raises OSError when the port cannot be bound."""
+    if opts.http_port is None:
+        return None
+    import uvicorn
+
+    from services.gateway.http import HttpServer, create_app
+
+    server = HttpServer(uvicorn.Config(create_app(core, readiness), host=opts.host, port=opts.http_port,
+                                       log_level="warning", lifespan="off", access_log=False))
+    task = asyncio.ensure_future(server.serve())
+    while not server.started:
+        if task.done():  # bind failed: uvicorn logged it and returned
+            raise OSError(f"cannot serve HTTP on {opts.host}:{opts.http_port}")
+        await asyncio.sleep(0.05)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    return server, port, task

@@ -1,0 +1,91 @@
+"""Gateway health that tells the truth: SERVING only while Redis answers and the worker
+registry lists at least one live prefill and one live decode worker.
+
+Checked every half heartbeat, so ``grpc.health.v1`` follows a change (Redis refusing
+connections, the last worker of a role leaving the registry, recovery) within one heartbeat
+interval; a Redis that hangs is noticed when a check times out, after one more heartbeat (a
+shorter bound made health flap on a loaded machine). Readiness probes, ``tandem up`` and load
+balancers read it.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Iterable
+
+import redis
+from grpc_health.v1 import health_pb2
+
+from services.state.registry import WorkerRegistry
+
+log = logging.getLogger(__name__)
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+REQUIRED_ROLES = ("prefill", "decode")
+
+
+class ReadinessMonitor:
+    """Sets ``health_servicer``'s status of ``""`` and each of ``service_names`` from
+    ``check()`` every ``heartbeat_s / 2`` seconds, starting NOT_SERVING."""
+
+    def __init__(self, registry: WorkerRegistry, health_servicer, service_names: Iterable[str],
+                 heartbeat_s: float) -> None:
+        self.registry = registry
+        self.health = health_servicer
+        self.names = ["", *service_names]
+        self.period_s = heartbeat_s / 2
+        self.timeout_s = heartbeat_s
+        self.ready: bool | None = None
+        self.reason = "not checked yet"
+        self._task: asyncio.Task | None = None
+
+    async def check(self) -> tuple[bool, str]:
+        """(ready, why not) from one look at Redis and the registry, within ``timeout_s``."""
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                await self.registry.redis.ping()
+                for role in REQUIRED_ROLES:
+                    if not await self.registry.list(role):
+                        return False, f"no live {role} worker is registered"
+        except (redis.RedisError, OSError, TimeoutError) as exc:
+            return False, f"Redis unreachable: {str(exc) or type(exc).__name__}"
+        return True, ""
+
+    async def update(self) -> bool:
+        """Check once and publish the result; returns whether the gateway is ready."""
+        ready, reason = await self.check()
+        if ready != self.ready:
+            status = SERVING if ready else NOT_SERVING
+            for name in self.names:
+                await self.health.set(name, status)
+            if ready:
+                log.info("gateway ready: Redis answers and prefill and decode workers are live")
+            else:
+                log.warning("gateway not ready: %s", reason)
+        self.ready, self.reason = ready, reason
+        return ready
+
+    async def start(self) -> None:
+        """Publish NOT_SERVING until the first check passes, then follow the checks."""
+        for name in self.names:
+            await self.health.set(name, NOT_SERVING)
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="readiness")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            started = loop.time()
+            try:
+                await self.update()
+            except Exception:  # noqa: BLE001 — health must keep being checked
+                log.exception("readiness check failed")
+            await asyncio.sleep(max(0.0, self.period_s - (loop.time() - started)))

@@ -1,0 +1,170 @@
+"""OpenAI-compatible HTTP front end (FastAPI, served by uvicorn on the gateway's own event loop):
+``POST /v1/chat/completions`` and ``/v1/completions`` (SSE streaming or whole), ``GET
+/v1/models``, ``/health`` (the process answers) and ``/ready`` (Redis and a prefill and a decode
+worker are live). It translates formats and errors only; every request goes through the same
+``GatewayCore`` pipeline as gRPC.
+
+Errors use OpenAI's JSON ``{"error": {"message", "type", "param", "code"}}``: 400 bad input
+(``param`` names the field; a prompt over the context has code ``context_length_exceeded``),
+413 body over ``max_request_bytes`` (refused from Content-Length, or while reading, never read
+whole), 429 overload (``Retry-After``), 503 no worker or Redis. An error after a stream started
+is an SSE ``data: {"error": ...}`` event, then ``data: [DONE]``. ``X-Request-Id`` is honoured,
+used as the request's id (Redis, logs) and returned on every response. A client gone from a
+stream aborts the request; one gone from a non-streaming request does not (not yet).
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import uuid
+from contextlib import aclosing
+
+import pydantic
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from services.gateway.health import ReadinessMonitor
+from services.gateway.openai_api import ChatCompletionRequest, Chunker, CompletionRequest, error_body
+from services.gateway.pipeline import GatewayCore
+from services.rpc import ResourceExhausted, Unavailable
+
+log = logging.getLogger(__name__)
+
+RETRY_AFTER_S = 1
+
+
+class BodyTooLarge(Exception):
+    pass
+
+
+def create_app(core: GatewayCore, readiness: ReadinessMonitor) -> FastAPI:
+    """The FastAPI application over ``core``; ``readiness`` answers ``/ready``."""
+    app = FastAPI(title="Tandem", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready() -> JSONResponse:
+        ok = bool(readiness.ready)
+        return JSONResponse({"ready": ok, "reason": "" if ok else readiness.reason}, status_code=200 if ok else 503)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        card = core.model
+        return {"object": "list", "data": [{"id": card.name, "object": "model", "created": 0,
+                                            "owned_by": "tandem", "max_model_len": card.max_model_len}]}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await _complete(core, request, ChatCompletionRequest, "chat")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await _complete(core, request, CompletionRequest, "completion")
+
+    return app
+
+
+async def _complete(core: GatewayCore, request: Request, body_cls, kind: str):
+    rid = request.headers.get("x-request-id") or uuid.uuid4().hex
+    headers = {"X-Request-Id": rid}
+    try:
+        body = body_cls.model_validate_json(await _read_body(request, core.limits.max_request_bytes))
+        prepared = await core.prepare(body.to_proto(rid))
+        record = await core.admit(prepared)
+    except Exception as exc:  # noqa: BLE001 — every failure becomes OpenAI's error JSON
+        return _error_response(exc, headers)
+    chunker = Chunker(kind, rid, core.model.name)
+    responses = core.relay(prepared, record)
+    if body.stream:  # NOTE: up to the first token, a failure still gets its HTTP status
+        try:
+            first = await anext(responses)
+        except Exception as exc:  # noqa: BLE001
+            return _error_response(exc, headers)
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return StreamingResponse(_sse(first, responses, chunker, include_usage),
+                                 media_type="text/event-stream", headers=headers)
+    try:
+        async with aclosing(responses) as rs:
+            msgs = [m async for m in rs]
+    except Exception as exc:  # noqa: BLE001
+        return _error_response(exc, headers)
+    return JSONResponse(chunker.whole(msgs), headers=headers)
+
+
+async def _read_body(request: Request, max_bytes: int) -> bytes:
+    """The body, refused (BodyTooLarge) as soon as it is known to exceed ``max_bytes``."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        raise BodyTooLarge(f"request: {declared} bytes exceed the gateway's limit of {max_bytes} "
+                           "bytes (setting max_request_bytes)")
+    parts, size = [], 0
+    async for part in request.stream():
+        size += len(part)
+        if size > max_bytes:
+            raise BodyTooLarge(f"request: more than {max_bytes} bytes, the gateway's limit "
+                               "(setting max_request_bytes)")
+        parts.append(part)
+    return b"".join(parts)
+
+
+async def _sse(first, responses, chunker: Chunker, include_usage: bool):
+    last = first
+    try:
+        yield _event(chunker.chunk(first))
+        async with aclosing(responses) as rs:
+            async for msg in rs:
+                last = msg
+                yield _event(chunker.chunk(msg))
+        if include_usage:
+            yield _event(chunker.usage_chunk(last))
+    except Exception as exc:  # noqa: BLE001 — the stream has started: an error event
+        status, message, code = _status(exc)
+        yield _event(error_body(message, status, code))
+    yield "data: [DONE]\n\n"
+
+
+def _event(obj: dict) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+def _status(exc: Exception) -> tuple[int, str, str | None]:
+    """(HTTP status, message, OpenAI error code) of a pipeline exception."""
+    if isinstance(exc, BodyTooLarge):
+        return 413, str(exc), None
+    if isinstance(exc, pydantic.ValidationError):
+        e = exc.errors()[0]
+        loc = ".".join(str(p) for p in e["loc"] if p != "body")
+        return 400, f"{loc}: {e['msg']}" if loc else e["msg"], None
+    if isinstance(exc, ValueError):
+        message = str(exc)
+        over_context = "do not fit the model's context" in message or "exceed the model's context" in message
+        code = "context_length_exceeded" if over_context else None
+        return 400, message, code
+    if isinstance(exc, ResourceExhausted):
+        return 429, str(exc), None
+    if isinstance(exc, Unavailable):
+        return 503, str(exc), None
+    if isinstance(exc, TimeoutError):
+        return 504, str(exc) or "timed out", None
+    log.exception("HTTP request failed")
+    return 500, f"internal error ({type(exc).__name__})", None
+
+
+def _error_response(exc: Exception, headers: dict) -> JSONResponse:
+    status, message, code = _status(exc)
+    if status == 429:
+        headers = {**headers, "Retry-After": str(RETRY_AFTER_S)}
+    return JSONResponse(error_body(message, status, code), status_code=status, headers=headers)
+
+
+class HttpServer(uvicorn.Server):
+    """uvicorn on the running loop; the gateway, not uvicorn, handles SIGINT/SIGTERM."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield

@@ -1,0 +1,219 @@
+"""One request's way through the gateway, shared by every front end (gRPC today, HTTP next):
+validate → admit → record → relay → detokenize → finish.
+
+``GatewayCore.generate(request)`` runs the whole way for a ``GenerateRequest`` and yields
+``GenerateResponse``s; a front end only translates formats and errors. Validation that costs
+CPU (chat template, tokenizer) runs on a small thread pool, so a 4 MB prompt never stalls the
+event loop that relays every other stream.
+
+Redis: a new request needs its record (UNAVAILABLE naming Redis otherwise); once admitted, a
+request never fails because of Redis: its state writes run in order off the request path and
+become logged warnings while Redis is away.
+
+Abort and GetRequest act on any request id given: there are no API keys yet, so anyone who can
+reach the gateway can cancel or read any request whose id they know (ids the gateway assigns are
+random UUIDs). Until keys exist (issue 12), expose the gateway only to trusted clients.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import aclosing
+from dataclasses import dataclass
+
+import grpc
+
+from services.api import gateway_pb2, worker_pb2
+from services.api.convert import params_to_proto
+from services.engine.output_processor import OutputProcessor
+from services.engine.sampling_params import SamplingParams
+from services.engine.tokenizer import Tokenizer
+from services.gateway import validation
+from services.gateway.dispatch import Dispatcher, Job
+from services.gateway.model_card import ModelCard
+from services.gateway.records import RequestRecord, redis_call
+from services.gateway.routing import WorkerPool
+from services.gateway.validation import RequestLimits
+from services.rpc import ResourceExhausted, Unavailable
+from services.state.store import RequestState, RequestStateStore
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A validated request: what admission and the workers need."""
+
+    request_id: str
+    prompt: list[int]  # prompt token ids (chat template applied)
+    params: SamplingParams
+
+
+class GatewayCore:
+    """The gateway's request pipeline, independent of the wire protocol.
+
+    ``tokenize_threads`` threads render chat templates and tokenize; ``max_inflight`` bounds the
+    requests admitted at once (RESOURCE_EXHAUSTED beyond); ``limits`` bounds one request.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, model: ModelCard, store: RequestStateStore,
+                 pool: WorkerPool, rpc_timeout_s: float, kv_failure_policy: str = "recompute",
+                 max_inflight: int = 1024, limits: RequestLimits = RequestLimits(),
+                 tokenize_threads: int = 2) -> None:
+        self.tokenizer = tokenizer
+        self.model = model
+        self.store = store
+        self.pool = pool
+        self.max_inflight = max_inflight
+        self.limits = limits
+        self.dispatcher = Dispatcher(pool, rpc_timeout_s, kv_failure_policy)
+        self._tokenize = ThreadPoolExecutor(tokenize_threads, thread_name_prefix="tokenize")
+        self._inflight: dict[str, RequestRecord] = {}
+        self._closing: set[asyncio.Task] = set()  # requests recording their outcome
+
+    async def close(self) -> None:
+        self._tokenize.shutdown(wait=False, cancel_futures=True)
+        await self.pool.close()
+
+    async def generate(self, request: gateway_pb2.GenerateRequest,
+                       ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
+        """The whole pipeline for one request. Raises ValueError (bad input, naming the field),
+        ResourceExhausted, Unavailable; the last response carries finish_reason and usage."""
+        prepared = await self.prepare(request)
+        record = await self.admit(prepared)
+        async with aclosing(self.relay(prepared, record)) as responses:
+            async for response in responses:
+                yield response
+
+    async def prepare(self, request: gateway_pb2.GenerateRequest) -> Prepared:
+        """Validate; render and tokenize the prompt off the event loop. Raises ValueError."""
+        if request.model and request.model != self.model.name:
+            raise ValueError(f"model: {request.model!r} is not served here (serving {self.model.name!r})")
+        validation.check_request(request, self.limits)
+        rid = request.request_id or uuid.uuid4().hex
+        self._check_new(rid)
+        prompt = await asyncio.get_running_loop().run_in_executor(
+            self._tokenize, validation.prompt_token_ids, request, self.tokenizer,
+            self.model.max_model_len)
+        return Prepared(rid, prompt, validation.sampling_params(request, len(prompt), self.model))
+
+    async def admit(self, prepared: Prepared) -> RequestRecord:
+        """Take one of ``max_inflight`` places and create the Redis record (QUEUED).
+
+        Raises ResourceExhausted (gateway full), ValueError (id in flight), Unavailable (Redis)."""
+        rid = prepared.request_id
+        self._check_new(rid)
+        if len(self._inflight) >= self.max_inflight:
+            raise ResourceExhausted(f"gateway overloaded: {self.max_inflight} requests in flight "
+                                    "(--max-inflight); retry later")
+        record = self._inflight[rid] = RequestRecord(self.store, rid)
+        try:
+            await redis_call(self.store.create(rid, prompt_tokens=len(prepared.prompt),
+                                               model=self.model.name))
+        except BaseException:
+            del self._inflight[rid]
+            raise
+        return record
+
+    async def relay(self, prepared: Prepared, record: RequestRecord,
+                    ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
+        """Stream the workers' tokens as detokenized responses; record the outcome at the end."""
+        text_out = OutputProcessor(self.tokenizer, prepared.params)
+        tokens = self.dispatcher.stream(self._job(prepared, record))
+        try:
+            async for msg in tokens:
+                response = self._response(prepared, record, text_out, msg)
+                yield response
+                if response.finish_reason:
+                    break  # a stop string: the finally below cancels the decode stream
+        except asyncio.CancelledError:
+            if not record.aborted or asyncio.current_task().cancelling():
+                raise  # the client went away: nothing more to send
+        except grpc.aio.AioRpcError as exc:  # a worker error the dispatcher did not translate
+            record.error = f"{exc.code().name}: {exc.details()}"
+            raise Unavailable(f"worker failed: {exc.details()}") from exc
+        except Exception as exc:
+            record.error = f"{type(exc).__name__}: {exc}"
+            raise
+        finally:
+            record.cancel()  # no-op for finished calls; frees worker blocks otherwise
+            # NOTE: shielded: a front end on anyio (Starlette) cancels a gone client's stream
+            # at every await, which would drop the outcome's Redis write half done.
+            closing = asyncio.ensure_future(self._close(prepared.request_id, tokens, record))
+            self._closing.add(closing)
+            closing.add_done_callback(self._closing.discard)
+            await asyncio.shield(closing)
+        if record.aborted:
+            yield gateway_pb2.GenerateResponse(
+                request_id=prepared.request_id, finish_reason="abort",
+                usage=_usage(len(prepared.prompt), record.num_output_tokens))
+
+    async def _close(self, rid: str, tokens: AsyncIterator, record: RequestRecord) -> None:
+        await tokens.aclose()
+        self._inflight.pop(rid, None)
+        await record.finish()
+
+    def abort(self, request_id: str) -> bool:
+        """Cancel a request in flight on this gateway; False when there is none by that id."""
+        record = self._inflight.get(request_id)
+        if record is None:
+            return False
+        record.abort()
+        return True
+
+    async def request_info(self, request_id: str) -> dict | None:
+        """The request's Redis record (None if unknown). Raises Unavailable (Redis)."""
+        return await redis_call(self.store.get(request_id))
+
+    def _check_new(self, rid: str) -> None:
+        if rid in self._inflight:
+            raise ValueError(f"request_id: {rid!r} is already in flight")
+
+    def _response(self, prepared: Prepared, record: RequestRecord, text_out: OutputProcessor,
+                  msg: worker_pb2.DecodeResponse) -> gateway_pb2.GenerateResponse:
+        """Detokenize one decode message (stop strings included) and note it in the record."""
+        record.on_tokens(len(msg.token_ids))
+        text, stopped = text_out.process(list(msg.token_ids))
+        reason = "stop" if stopped else msg.finish_reason
+        if reason and not stopped:
+            text += text_out.flush()
+        if reason:
+            record.finish_reason = reason
+        return gateway_pb2.GenerateResponse(
+            request_id=prepared.request_id, token_ids=msg.token_ids, text=text,
+            finish_reason=reason, logprobs=[self._logprob(lp) for lp in msg.logprobs],
+            usage=_usage(len(prepared.prompt), record.num_output_tokens) if reason else None)
+
+    def _job(self, prepared: Prepared, record: RequestRecord) -> Job:
+        def on_dispatch(decode_worker: str, prefill_worker: str, resumed: bool) -> None:
+            workers = {"decode_worker": decode_worker, "prefill_worker": prefill_worker}
+            if resumed:  # a retry or migration: the record names the workers now serving it
+                record.write(self.store.update(prepared.request_id, **workers))
+            else:
+                record.write(self.store.transition(prepared.request_id, RequestState.PREFILLING,
+                                                   prefill_start_time=time.time(), **workers))
+
+        def on_prefilled(result: worker_pb2.PrefillResponse) -> None:
+            record.write(self.store.update(
+                prepared.request_id, prefill_end_time=time.time(),
+                prefill_queue_time=result.queue_time_s, prefill_compute_time=result.compute_time_s,
+                kv_transfer_time=result.transfer_time_s))
+
+        return Job(prepared.request_id, prepared.prompt, params_to_proto(prepared.params),
+                   record.track, on_dispatch, on_prefilled)
+
+    def _logprob(self, lp: worker_pb2.SampledLogprobs) -> gateway_pb2.TokenLogprob:
+        decode = lambda t: self.tokenizer.decode([t], skip_special_tokens=False)  # noqa: E731
+        return gateway_pb2.TokenLogprob(
+            token_id=lp.token_id, logprob=lp.logprob, text=decode(lp.token_id),
+            top_logprobs=[gateway_pb2.TopLogprob(token_id=t, logprob=v, text=decode(t))
+                          for t, v in zip(lp.top_token_ids, lp.top_logprobs)])
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> gateway_pb2.Usage:
+    return gateway_pb2.Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                             total_tokens=prompt_tokens + completion_tokens)

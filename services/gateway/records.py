@@ -1,0 +1,100 @@
+"""An admitted request's bookkeeping at the gateway: the worker calls Abort must cancel, its
+Redis writes (queued in order, best effort), and its outcome, recorded once at the end."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable
+from typing import Any
+
+import redis
+
+from services.rpc import Unavailable
+from services.state.store import RequestState, RequestStateStore
+
+log = logging.getLogger(__name__)
+
+
+class RequestRecord:
+    """One admitted request: ``track`` its worker calls, ``write`` its state, ``finish`` once.
+
+    The outcome follows from what was seen: aborted (Abort, client gone, a worker's "abort"),
+    failed (``error`` set), else finished with ``finish_reason``.
+    """
+
+    def __init__(self, store: RequestStateStore, request_id: str) -> None:
+        self.store = store
+        self.request_id = request_id
+        self.calls: list = []  # grpc.aio calls and tasks to this request's workers
+        self.aborted = False  # Abort was called
+        self.num_output_tokens = 0
+        self.finish_reason = ""  # set when the last response went out
+        self.error: str | None = None  # set when the request failed
+        self._writes: asyncio.Future | None = None  # the latest queued Redis write
+
+    def track(self, call):
+        """Register a worker call or task that Abort must cancel; returns it."""
+        self.calls = [c for c in self.calls if not c.done()]
+        self.calls.append(call)
+        if self.aborted:
+            call.cancel()
+        return call
+
+    def cancel(self) -> None:
+        for c in self.calls:
+            c.cancel()
+
+    def abort(self) -> None:
+        self.aborted = True
+        self.cancel()
+
+    def on_tokens(self, count: int) -> None:
+        """``count`` new output tokens are on their way to the client (DECODING at the first)."""
+        if self.num_output_tokens == 0:
+            self.write(self.store.transition(self.request_id, RequestState.DECODING,
+                                             first_token_time=time.time()))
+        self.num_output_tokens += count
+
+    def write(self, coro: Awaitable) -> None:
+        """Queue a Redis write after the request's earlier ones (best effort: a failure is logged)."""
+        previous = self._writes
+
+        async def write():
+            if previous is not None:
+                await asyncio.wait({previous})
+            await redis_call(coro, raise_=False)
+
+        self._writes = asyncio.ensure_future(write())
+
+    def outcome(self) -> tuple[RequestState, dict[str, Any]]:
+        """The terminal state and the fields recorded with it."""
+        if self.aborted or self.finish_reason == "abort" or (not self.finish_reason and self.error is None):
+            return RequestState.ABORTED, {"finish_reason": "abort"}  # no reason, no error: cancelled
+        if self.error is not None:
+            return RequestState.FAILED, {"error": self.error}
+        return RequestState.FINISHED, {"finish_reason": self.finish_reason}
+
+    async def finish(self) -> None:
+        """Wait for the queued writes, then record the outcome (never raises for Redis)."""
+        if self._writes is not None:
+            await asyncio.wait({self._writes})
+        state, fields = self.outcome()
+        await redis_call(self.store.transition(self.request_id, state,
+                                               output_tokens=self.num_output_tokens, **fields),
+                         raise_=False)
+
+
+async def redis_call(coro: Awaitable, raise_: bool = True):
+    """Await a Redis operation. Unreachable Redis: UNAVAILABLE naming it, or with ``raise_``
+    False a logged warning (as is a record gone missing, e.g. after Redis restarted empty)."""
+    try:
+        return await coro
+    except (redis.RedisError, OSError, TimeoutError) as exc:
+        if raise_:
+            raise Unavailable(f"request-state store (Redis) unreachable: {exc}") from exc
+        log.warning("request-state store (Redis) write failed: %s", exc)
+    except KeyError as exc:
+        if raise_:
+            raise ValueError(f"request_id: {exc.args[0]}") from None
+        log.warning("request-state store (Redis): %s", exc.args[0])
