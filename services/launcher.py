@@ -3,8 +3,9 @@ private redis-server with a random password, all as child processes of this one,
 a child that dies is restarted (``services/supervisor.py``); Ctrl-C stops them all.
 
 Every child reads the same settings object, written once per run as a JSON file readable by
-this user only (``--config``), with the per-run internal secret and the Redis password in it;
-nothing secret is on a command line or in a log. The children's environment is this one's
+this user only (``--config``), with the per-run internal secret (also in the children's
+``TANDEM_INTERNAL_SECRET``) and the Redis password in it; nothing secret is on a command line
+or in a log. The children's environment is this one's
 without any setting's variable, so the file (plus a test's explicit ``env``) is the whole truth.
 """
 from __future__ import annotations
@@ -131,6 +132,8 @@ class Stack:
         log.info("children read their settings from %s", self.settings_file)
         names = {leaf.env for leaf in leaves()}
         self.child_env = {k: v for k, v in os.environ.items() if k not in names}
+        # NOTE: also in the environment, where services.auth.read_internal_secret looks for it
+        self.child_env["TANDEM_INTERNAL_SECRET"] = secret
         self.child_env.update(self.opts.env or {})
 
     def add_worker(self, role: str, worker_id: str, extra_args: list[str] = ()) -> subprocess.Popen:
