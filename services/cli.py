@@ -17,8 +17,9 @@ from services.settings_sources import (
     markdown_table, show_lines)
 
 BENCH_MODES = ("offline", "online", "serve", "plot", "sweep")
-# Settings that `tandem up` decides per child (each worker gets its own id and a free port).
-PER_CHILD = {"worker.port", "worker.kv_port", "worker.worker_id", "log_level"}
+# Not flags of `tandem up`: it gives each worker its own id and a free port, and --log-level is
+# the main parser's (`tandem --log-level DEBUG up`).
+NOT_UP_FLAGS = {"worker.port", "worker.kv_port", "worker.worker_id", "log_level"}
 
 
 def _positive_int(raw: str) -> int:
@@ -53,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     up = sub.add_parser("up", help="start gateway + prefill + decode workers locally, supervised")
     _config_flag(up)
-    add_setting_flags(up, select=lambda path: path not in PER_CHILD)
+    add_setting_flags(up, select=lambda path: path not in NOT_UP_FLAGS)
     up.add_argument("--num-prefill", type=_positive_int, default=1)
     up.add_argument("--num-decode", type=_positive_int, default=1)
     up.add_argument("--chat", metavar="MESSAGE", help="send one chat message once ready, print "
@@ -85,7 +86,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("mode", choices=BENCH_MODES)
     bench.add_argument("bench_args", nargs=argparse.REMAINDER,
                        help="flags of the benchmark (see `tandem bench offline -- --help`)")
+    _add_config(sub)
+    return parser
 
+
+def _add_config(sub) -> None:
     config = sub.add_parser("config", help="the effective configuration")
     show = config.add_subparsers(dest="config_command", required=True).add_parser(
         "show", help="print every setting's effective value and where it came from "
@@ -94,7 +99,6 @@ def build_parser() -> argparse.ArgumentParser:
                       help="print the settings table of the README instead")
     _config_flag(show)
     add_setting_flags(show)
-    return parser
 
 
 def _load(args) -> LoadedSettings:
