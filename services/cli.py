@@ -1,109 +1,37 @@
-"""``tandem``: run the stack (``up``), one service (``serve``), a client (``chat``), the
-engine in-process (``generate``) or a benchmark (``bench offline|online``). Flags default to
-the environment variables of settings.py."""
+"""``tandem``: run the stack (``up``), one service (``serve``), a client (``chat``), the engine
+in-process (``generate``), a benchmark (``bench MODE``) or print the effective configuration
+(``config show``). Every setting is one leaf of ``services/settings.py``'s tree, read from its
+flag, its ``TANDEM_*`` environment variable or a config file (``--config``), in that order."""
 from __future__ import annotations
 
 import argparse
-import asyncio
+import importlib
 import logging
+import os
 import sys
 
 import grpc
 
-from services import settings as S
+from services.settings_sources import (
+    FLAG_PREFIX, LoadedSettings, SettingsError, add_setting_flags, flag_values, load_settings,
+    markdown_table, show_lines)
+
+BENCH_MODES = ("offline", "online", "serve", "plot", "sweep")
+# Not flags of `tandem up`: it gives each worker its own id and a free port, and --log-level is
+# the main parser's (`tandem --log-level DEBUG up`).
+NOT_UP_FLAGS = {"worker.port", "worker.kv_port", "worker.worker_id", "log_level"}
 
 
-def _engine_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=S.MODEL.get(), help=S.MODEL.help + " (default: built-in SmolLM2-135M-Instruct)")
-    p.add_argument("--device", default=S.DEVICE.get(), help=S.DEVICE.help)
-    p.add_argument("--dtype", default=S.DTYPE.get(), help=S.DTYPE.help)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--kv-cache-gib", type=float, default=S.KV_CACHE_GIB.get(), help=S.KV_CACHE_GIB.help)
-    p.add_argument("--num-kv-blocks", type=int, default=None, help="overrides --kv-cache-gib")
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--num-threads", type=int, default=S.NUM_THREADS.get(), help=S.NUM_THREADS.help)
+def _positive_int(raw: str) -> int:
+    value = int(raw)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
 
 
-def _engine_config(args):
-    from services.engine.engine import EngineConfig
-
-    fields = dict(device=args.device, dtype=args.dtype,
-                  block_size=args.block_size, kv_cache_memory_gib=args.kv_cache_gib,
-                  num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
-                  max_num_batched_tokens=args.max_num_batched_tokens)
-    if args.model:
-        fields["model"] = args.model
-    return EngineConfig(**fields)
-
-
-def _gateway_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--kv-failure-policy", choices=["recompute", "fail"],
-                   default=S.KV_FAILURE_POLICY.get(), help=S.KV_FAILURE_POLICY.help)
-    p.add_argument("--max-inflight", type=int, default=S.MAX_INFLIGHT.get(), help=S.MAX_INFLIGHT.help)
-
-
-def _worker_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--kv-lease-s", type=float, default=S.KV_LEASE_S.get(), help=S.KV_LEASE_S.help)
-    p.add_argument("--kv-transfer-timeout-s", type=float, default=S.KV_TRANSFER_TIMEOUT_S.get(),
-                   help=S.KV_TRANSFER_TIMEOUT_S.help)
-    p.add_argument("--max-waiting", type=int, default=S.MAX_WAITING.get(), help=S.MAX_WAITING.help)
-
-
-def _service_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--host", default=S.HOST.get(), help=S.HOST.help)
-    p.add_argument("--advertise-host", default=S.ADVERTISE_HOST.get(), help=S.ADVERTISE_HOST.help)
-    p.add_argument("--redis-url", default=S.REDIS_URL.get(), help=S.REDIS_URL.help)
-    p.add_argument("--heartbeat-s", type=float, default=S.HEARTBEAT_S.get(), help=S.HEARTBEAT_S.help)
-    p.add_argument("--rpc-timeout-s", type=float, default=S.RPC_TIMEOUT_S.get(), help=S.RPC_TIMEOUT_S.help)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tandem", description=__doc__)
-    parser.add_argument("--log-level", default=S.LOG_LEVEL.get())
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    up = sub.add_parser("up", help="start gateway + prefill + decode workers locally")
-    _service_flags(up)
-    _engine_flags(up)
-    up.add_argument("--port", type=int, default=S.GATEWAY_PORT.get(), help=S.GATEWAY_PORT.help)
-    up.add_argument("--num-prefill", type=int, default=1)
-    up.add_argument("--num-decode", type=int, default=1)
-    up.add_argument("--kv-transport", default=S.KV_TRANSPORT.get(), help=S.KV_TRANSPORT.help)
-    _gateway_flags(up)
-    _worker_flags(up)
-    up.add_argument("--chat", metavar="MESSAGE", help="send one chat message once ready, print "
-                    "the streamed answer, then stop the stack")
-    _sampling_flags(up)  # for --chat
-
-    serve = sub.add_parser("serve", help="run one service in this process")
-    serve.add_argument("role", choices=["gateway", "prefill", "decode"])
-    _service_flags(serve)
-    _engine_flags(serve)
-    serve.add_argument("--port", type=int, default=None, help="gRPC port (gateway: TANDEM_PORT, "
-                       "workers: TANDEM_WORKER_PORT)")
-    serve.add_argument("--worker-id", default="")
-    serve.add_argument("--kv-port", type=int, default=S.KV_PORT.get(), help=S.KV_PORT.help)
-    serve.add_argument("--kv-transport", default=S.KV_TRANSPORT.get(), help=S.KV_TRANSPORT.help)
-    _gateway_flags(serve)
-    _worker_flags(serve)
-
-    chat = sub.add_parser("chat", help="chat with a running gateway (message, or lines on stdin)")
-    chat.add_argument("message", nargs="?")
-    chat.add_argument("--address", default=f"{S.HOST.get()}:{S.GATEWAY_PORT.get()}")
-    _sampling_flags(chat)
-
-    gen = sub.add_parser("generate", help="generate in-process, no services (unified role)")
-    gen.add_argument("prompt")
-    gen.add_argument("--raw", action="store_true", help="send the prompt without the chat template")
-    _engine_flags(gen)
-    _sampling_flags(gen)
-
-    bench = sub.add_parser("bench", help="benchmarks: offline (engine in-process) or online (a gateway)")
-    bench.add_argument("mode", choices=["offline", "online"])
-    bench.add_argument("bench_args", nargs=argparse.REMAINDER,
-                       help="flags of the benchmark (see `tandem bench offline -- --help`)")
-    return parser
+def _config_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", metavar="FILE", help="YAML, TOML or JSON settings file, nested "
+                   "by section (flags and environment variables override it) [TANDEM_CONFIG]")
 
 
 def _sampling_flags(p: argparse.ArgumentParser) -> None:
@@ -119,69 +47,146 @@ def _sampling_options(args) -> dict:
     return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
 
 
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tandem", description=__doc__)
+    add_setting_flags(parser, select=lambda path: path == "log_level")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    up = sub.add_parser("up", help="start gateway + prefill + decode workers locally, supervised")
+    _config_flag(up)
+    add_setting_flags(up, select=lambda path: path not in NOT_UP_FLAGS)
+    up.add_argument("--num-prefill", type=_positive_int, default=1)
+    up.add_argument("--num-decode", type=_positive_int, default=1)
+    up.add_argument("--chat", metavar="MESSAGE", help="send one chat message once ready, print "
+                    "the streamed answer, then stop the stack")
+    _sampling_flags(up)  # for --chat
+
+    serve = sub.add_parser("serve", help="run one service in this process")
+    serve.add_argument("role", choices=["gateway", "prefill", "decode"])
+    _config_flag(serve)
+    add_setting_flags(serve, select=lambda path: path != "log_level")
+    port = next(a for a in serve._actions if "--port" in a.option_strings)
+    port.help = "gRPC port of this service (gateway: gateway.port [TANDEM_PORT]; workers: " \
+                "worker.port [TANDEM_WORKER_PORT])"
+
+    chat = sub.add_parser("chat", help="chat with a running gateway (message, or lines on stdin)")
+    chat.add_argument("message", nargs="?")
+    chat.add_argument("--address", help="gateway HOST:PORT (default: host and gateway.port)")
+    _config_flag(chat)
+    _sampling_flags(chat)
+
+    gen = sub.add_parser("generate", help="generate in-process, no services (unified role)")
+    gen.add_argument("prompt")
+    gen.add_argument("--raw", action="store_true", help="send the prompt without the chat template")
+    _config_flag(gen)
+    add_setting_flags(gen, select=lambda p: p.startswith("engine.") or p == "worker.num_threads")
+    _sampling_flags(gen)
+
+    bench = sub.add_parser("bench", help="benchmarks: loadtest.MODE's main(ARGS)")
+    bench.add_argument("mode", choices=BENCH_MODES)
+    bench.add_argument("bench_args", nargs=argparse.REMAINDER,
+                       help="flags of the benchmark (see `tandem bench offline -- --help`)")
+    _add_config(sub)
+    return parser
+
+
+def _add_config(sub) -> None:
+    config = sub.add_parser("config", help="the effective configuration")
+    show = config.add_subparsers(dest="config_command", required=True).add_parser(
+        "show", help="print every setting's effective value and where it came from "
+        "(flag, environment variable, config file line, or default)")
+    show.add_argument("--markdown", action="store_true",
+                      help="print the settings table of the README instead")
+    _config_flag(show)
+    add_setting_flags(show)
+
+
+def _load(args) -> LoadedSettings:
+    flags = flag_values(args)
+    if getattr(args, "role", "gateway") != "gateway" and "gateway.port" in flags:
+        flags["worker.port"] = flags.pop("gateway.port")  # `serve decode --port N`
+    return load_settings(flags, getattr(args, "config", None) or os.environ.get("TANDEM_CONFIG"))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    name = f"tandem {args.command}"
+    if args.command == "bench":
+        logging.basicConfig(level=getattr(args, FLAG_PREFIX + "log_level", "INFO").upper())
+        return _run(name, cmd_bench, args)
     try:
-        return {"up": cmd_up, "serve": cmd_serve, "chat": cmd_chat, "generate": cmd_generate,
-                "bench": cmd_bench}[args.command](args)
+        loaded = _load(args)
+    except SettingsError as exc:
+        print(f"{name}: error: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=loaded.settings.log_level.value,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    commands = {"up": cmd_up, "serve": cmd_serve, "chat": cmd_chat, "generate": cmd_generate,
+                "config": cmd_config}
+    return _run(name, commands[args.command], args, loaded)
+
+
+def _run(name: str, command, *args) -> int:
+    try:
+        return command(*args)
     except grpc.RpcError as exc:
-        print(f"tandem {args.command}: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        print(f"{name}: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return 1
     except (RuntimeError, ValueError, ConnectionError, FileNotFoundError, TimeoutError) as exc:
-        print(f"tandem {args.command}: error: {exc}", file=sys.stderr)
+        print(f"{name}: error: {exc}", file=sys.stderr)
         return 1
 
 
-def cmd_serve(args) -> int:
+def cmd_serve(args, loaded: LoadedSettings) -> int:
     import uvloop
 
     from services.serve import serve_gateway, serve_worker
-    from services.worker import WorkerOptions
 
-    if not args.redis_url:
-        raise ValueError("--redis-url (or REDIS_URL) is required for `tandem serve`")
-    for flag in ("max_inflight", "max_waiting", "kv_lease_s", "kv_transfer_timeout_s", "rpc_timeout_s"):
-        if getattr(args, flag) <= 0:
-            raise ValueError(f"--{flag.replace('_', '-')}: must be > 0, got {getattr(args, flag)}")
-    model = args.model or str(_engine_config(args).model)
+    s = loaded.settings
+    if not s.state.redis_url:
+        raise ValueError("state.redis_url: required for `tandem serve` (--redis-url or REDIS_URL)")
     if args.role == "gateway":
-        port = S.GATEWAY_PORT.get() if args.port is None else args.port
-        uvloop.run(serve_gateway(args.host, port, args.redis_url, model, args.rpc_timeout_s,
-                                 args.heartbeat_s, args.kv_failure_policy, args.max_inflight))
+        uvloop.run(serve_gateway(gateway_options(s)))
         return 0
-    opts = WorkerOptions(
-        role=args.role, engine=_engine_config(args), host=args.host,
-        advertise_host=args.advertise_host or args.host,
-        port=S.WORKER_PORT.get() if args.port is None else args.port, kv_port=args.kv_port,
-        kv_transport=args.kv_transport, redis_url=args.redis_url, heartbeat_s=args.heartbeat_s,
-        kv_lease_s=args.kv_lease_s, worker_id=args.worker_id, max_waiting=args.max_waiting,
-        rpc_timeout_s=args.rpc_timeout_s, kv_transfer_timeout_s=args.kv_transfer_timeout_s,
-        fault_injection=S.TEST_FAULT_INJECTION.get())
-    uvloop.run(serve_worker(opts, args.num_threads))
+    uvloop.run(serve_worker(worker_options(s, args.role), s.worker.num_threads))
     return 0
 
 
-def cmd_up(args) -> int:
+def gateway_options(s):
+    """The settings tree -> the gateway's ``GatewayOptions``."""
+    from services.gateway.app import GatewayOptions
+    from services.gateway.validation import RequestLimits
+
+    g = s.gateway
+    return GatewayOptions(
+        s.host, g.port, s.state.redis_url, s.engine.model, s.transport.rpc_timeout_s,
+        s.state.heartbeat_s, g.kv_failure_policy.value, g.max_inflight,
+        RequestLimits(g.max_request_bytes, g.max_messages), g.tokenize_threads, g.http_port,
+        internal_secret=s.internal_secret())
+
+
+def worker_options(s, role: str):
+    """The settings tree -> one worker's ``WorkerOptions``."""
+    from services.worker import WorkerOptions
+
+    w, t = s.worker, s.transport
+    return WorkerOptions(
+        role=role, engine=s.engine.engine_config(), host=s.host,
+        advertise_host=w.advertise_host or s.host, port=w.port, kv_port=w.kv_port,
+        kv_transport=t.kv_transport.value, redis_url=s.state.redis_url,
+        heartbeat_s=s.state.heartbeat_s, kv_lease_s=w.kv_lease_s, worker_id=w.worker_id,
+        max_waiting=w.max_waiting, rpc_timeout_s=t.rpc_timeout_s,
+        kv_transfer_timeout_s=t.kv_transfer_timeout_s, fault_injection=w.fault_injection,
+        internal_secret=s.internal_secret())
+
+
+def cmd_up(args, loaded: LoadedSettings) -> int:
     from services.client import print_chat
     from services.launcher import Stack, UpOptions, run_until_interrupted
 
-    worker_args = ["--device", args.device, "--dtype", args.dtype,
-                   "--block-size", str(args.block_size), "--kv-cache-gib", str(args.kv_cache_gib),
-                   "--max-num-seqs", str(args.max_num_seqs), "--num-threads", str(args.num_threads),
-                   "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-                   "--kv-transport", args.kv_transport, "--heartbeat-s", str(args.heartbeat_s),
-                   "--kv-lease-s", str(args.kv_lease_s), "--max-waiting", str(args.max_waiting),
-                   "--kv-transfer-timeout-s", str(args.kv_transfer_timeout_s),
-                   "--rpc-timeout-s", str(args.rpc_timeout_s)]
-    if args.num_kv_blocks:
-        worker_args += ["--num-kv-blocks", str(args.num_kv_blocks)]
-    model_args = ["--model", args.model] if args.model else []
-    gateway_args = ["--heartbeat-s", str(args.heartbeat_s), "--rpc-timeout-s", str(args.rpc_timeout_s),
-                    "--kv-failure-policy", args.kv_failure_policy, "--max-inflight", str(args.max_inflight)]
-    stack = Stack(UpOptions(args.host, args.port, args.num_prefill, args.num_decode, args.redis_url,
-                            worker_args + model_args, model_args + gateway_args))
+    s = loaded.settings
+    stack = Stack(UpOptions(s.host, s.gateway.port, args.num_prefill, args.num_decode,
+                            s.state.redis_url, settings=s))
     try:
         stack.start()
         stack.wait_ready()
@@ -197,24 +202,27 @@ def cmd_up(args) -> int:
     return 0
 
 
-def cmd_chat(args) -> int:
+def cmd_chat(args, loaded: LoadedSettings) -> int:
     from services.client import chat_repl, print_chat
 
+    s = loaded.settings
+    address = args.address or f"{s.host}:{s.gateway.port}"
     if args.message:
-        print_chat(args.address, [{"role": "user", "content": args.message}], **_sampling_options(args))
+        print_chat(address, [{"role": "user", "content": args.message}], **_sampling_options(args))
     else:
-        chat_repl(args.address, **_sampling_options(args))
+        chat_repl(address, **_sampling_options(args))
     return 0
 
 
-def cmd_generate(args) -> int:
+def cmd_generate(args, loaded: LoadedSettings) -> int:
     import torch
 
     from services.engine.llm import LLM
     from services.engine.sampling_params import SamplingParams
 
-    torch.set_num_threads(args.num_threads)
-    llm = LLM(_engine_config(args))
+    s = loaded.settings
+    torch.set_num_threads(s.worker.num_threads)
+    llm = LLM(s.engine.engine_config())
     params = SamplingParams(**_sampling_options(args))
     if args.raw:
         result = llm.generate([args.prompt], params)[0]
@@ -225,14 +233,22 @@ def cmd_generate(args) -> int:
 
 
 def cmd_bench(args) -> int:
+    """``loadtest.<mode>.main(argv)``; a mode whose module is not in this checkout is a clear
+    error, not a traceback."""
     bench_args = [a for a in args.bench_args if a != "--"]
-    if args.mode == "offline":
-        from loadtest.offline import main as offline_main
+    module_name = f"loadtest.{args.mode}"
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name != module_name:
+            raise
+        raise RuntimeError(f"{module_name} is not in this checkout: `tandem bench {args.mode}` "
+                           "is unavailable") from None
+    return int(module.main(bench_args) or 0)
 
-        return offline_main(bench_args)
-    from loadtest.online import main as online_main
 
-    online_main(bench_args)
+def cmd_config(args, loaded: LoadedSettings) -> int:
+    print(markdown_table() if args.markdown else "\n".join(show_lines(loaded)))
     return 0
 
 

@@ -1,23 +1,39 @@
 """``tandem up``: one gateway, N prefill and M decode workers, and (without REDIS_URL) a
-private redis-server, all as child processes of this one; Ctrl-C stops them all."""
+private redis-server with a random password, all as child processes of this one, supervised:
+a child that dies is restarted (``services/supervisor.py``); Ctrl-C stops them all.
+
+Every child reads the same settings object, written once per run as a JSON file readable by
+this user only (``--config``), with the per-run internal secret (also in the children's
+``TANDEM_INTERNAL_SECRET``) and the Redis password in it; nothing secret is on a command line
+or in a log. The children's environment is this one's
+without any setting's variable, so the file (plus a test's explicit ``env``) is the whole truth.
+"""
 from __future__ import annotations
 
 import asyncio
 import logging
 import os
+import secrets
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import grpc
 import redis.asyncio as aioredis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from pydantic import SecretStr
 
 from services.process import die_with_parent
-from services.state.redis_server import check_redis, start_redis_server
+from services.settings import Settings
+from services.settings_sources import leaves, load_settings, write_settings_file
+from services.state.redis_server import RedisServer, check_redis, start_redis_server
 from services.state.registry import WorkerRegistry
+from services.supervisor import RestartPolicy, Supervisor, Unit
 
 log = logging.getLogger(__name__)
 
@@ -29,10 +45,44 @@ class UpOptions:
     num_prefill: int
     num_decode: int
     redis_url: str | None
-    worker_args: list[str]  # passed to every worker (model, KV memory, threads, ...)
-    gateway_args: list[str]
+    worker_args: list[str] = field(default_factory=list)  # extra flags for every worker
+    gateway_args: list[str] = field(default_factory=list)  # extra flags for the gateway
     ready_timeout_s: float = 300.0
     env: dict[str, str] | None = None  # extra environment for every child (tests: fault hooks)
+    settings: Settings | None = None  # handed to every child; default: this process's env
+
+
+@dataclass
+class Child:
+    """One supervised child process; ``restart()`` runs the same argv again."""
+    name: str
+    argv: list[str]
+    env: dict[str, str]
+    proc: subprocess.Popen
+
+    def exit_code(self) -> int | None:
+        return self.proc.poll()  # reaps it
+
+    def restart(self) -> None:
+        self.proc = _spawn(self.argv, self.env)
+
+
+@dataclass
+class RedisUnit:
+    server: RedisServer
+    name: str = "redis-server"
+
+    def exit_code(self) -> int | None:
+        return self.server.process.poll()
+
+    def restart(self) -> None:
+        self.server.restart()
+
+
+def _spawn(argv: list[str], env: dict[str, str]) -> subprocess.Popen:
+    # own session: a terminal's Ctrl-C reaches only us, and we stop children in order;
+    # the parent-death signal ends a child even if we are killed with SIGKILL
+    return subprocess.Popen(argv, start_new_session=True, preexec_fn=die_with_parent, env=env)
 
 
 class Stack:
@@ -40,56 +90,91 @@ class Stack:
 
     def __init__(self, opts: UpOptions) -> None:
         self.opts = opts
-        self.redis_server = None
+        self.redis_server: RedisServer | None = None
         self.redis_url = opts.redis_url
-        self.procs: list[tuple[str, subprocess.Popen]] = []
+        self.children: list[Child] = []
+        self.run_dir: Path | None = None
+
+    @property
+    def procs(self) -> list[tuple[str, subprocess.Popen]]:
+        """(name, process) of every child, in start order."""
+        return [(c.name, c.proc) for c in self.children]
 
     def start(self) -> None:
         if self.redis_url:
             asyncio.run(check_redis(self.redis_url))
         else:
-            self.redis_server = start_redis_server(self.opts.host)
+            self.redis_server = start_redis_server(self.opts.host,
+                                                   password=secrets.token_urlsafe(24))
             self.redis_url = self.redis_server.url
-            log.info("started redis-server at %s (persistence off)", self.redis_url)
+            log.info("started redis-server at %s (password set, persistence off)",
+                     self.redis_server.safe_url)
+        self._write_settings()
         for i in range(self.opts.num_decode):
             self.add_worker("decode", f"decode-{i}")
         for i in range(self.opts.num_prefill):
             self.add_worker("prefill", f"prefill-{i}")
         self.add_gateway("gateway", self.opts.port)
 
+    def _write_settings(self) -> None:
+        base = self.opts.settings or load_settings().settings
+        secret = base.internal_secret() or secrets.token_urlsafe(32)
+        self.settings = base.model_copy(update={
+            "host": self.opts.host,
+            "state": base.state.model_copy(update={"redis_url": self.redis_url}),
+            "gateway": base.gateway.model_copy(update={"port": self.opts.port}),
+            "transport": base.transport.model_copy(update={
+                "internal_secret": SecretStr(secret), "internal_secret_file": None}),
+        })
+        self.run_dir = Path(tempfile.mkdtemp(prefix="tandem-up-"))  # mode 0700
+        self.settings_file = self.run_dir / "settings.json"
+        write_settings_file(self.settings, self.settings_file)
+        log.info("children read their settings from %s", self.settings_file)
+        names = {leaf.env for leaf in leaves()}
+        self.child_env = {k: v for k, v in os.environ.items() if k not in names}
+        # NOTE: also in the environment, where services.auth.read_internal_secret looks for it
+        self.child_env["TANDEM_INTERNAL_SECRET"] = secret
+        self.child_env.update(self.opts.env or {})
+
     def add_worker(self, role: str, worker_id: str, extra_args: list[str] = ()) -> subprocess.Popen:
         """Start one more worker (it joins through the registry; nothing else restarts)."""
-        return self._spawn(worker_id, [*self._serve(role), "--worker-id", worker_id,
-                                       *self.opts.worker_args, *extra_args])
+        return self._add(worker_id, [*self._serve(role), "--worker-id", worker_id,
+                                     *self.opts.worker_args, *extra_args])
 
     def add_gateway(self, name: str, port: int, extra_args: list[str] = ()) -> subprocess.Popen:
         """Start a gateway on ``port``; several gateways share the workers and Redis."""
-        return self._spawn(name, [*self._serve("gateway"), "--port", str(port),
-                                  *self.opts.gateway_args, *extra_args])
+        return self._add(name, [*self._serve("gateway"), "--port", str(port),
+                                *self.opts.gateway_args, *extra_args])
 
     def _serve(self, role: str) -> list[str]:
         return [sys.executable, "-m", "services.cli", "serve", role,
-                "--redis-url", self.redis_url, "--host", self.opts.host]
+                "--config", str(self.settings_file)]
+
+    def _add(self, name: str, argv: list[str]) -> subprocess.Popen:
+        child = Child(name, argv, self.child_env, _spawn(argv, self.child_env))
+        self.children.append(child)
+        return child.proc
 
     def process(self, name: str) -> subprocess.Popen:
         """The child named ``name`` (a worker id, or "gateway"). Raises KeyError."""
-        for n, proc in reversed(self.procs):
-            if n == name:
-                return proc
+        for child in reversed(self.children):
+            if child.name == name:
+                return child.proc
         raise KeyError(f"no child process named {name!r}")
 
-    def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
-        # own session: a terminal's Ctrl-C reaches only us, and we stop children in order;
-        # the parent-death signal ends a child even if we are killed with SIGKILL
-        env = {**os.environ, **self.opts.env} if self.opts.env else None
-        proc = subprocess.Popen(argv, start_new_session=True, preexec_fn=die_with_parent, env=env)
-        self.procs.append((name, proc))
-        return proc
+    def units(self) -> list[Unit]:
+        """What a supervisor restarts: every child, and the private redis-server."""
+        return [*self.children, *([RedisUnit(self.redis_server)] if self.redis_server else [])]
+
+    def supervisor(self) -> Supervisor:
+        s = self.settings.supervisor
+        return Supervisor(self.units, RestartPolicy(
+            s.restart_limit, s.restart_window_s, s.restart_backoff_s, s.restart_backoff_max_s))
 
     def check_alive(self) -> None:
-        for name, proc in self.procs:
-            if proc.poll() is not None:
-                raise RuntimeError(f"{name} exited with code {proc.returncode}")
+        for unit in self.units():
+            if unit.exit_code() is not None:
+                raise RuntimeError(f"{unit.name} exited with code {unit.exit_code()}")
 
     def wait_ready(self) -> None:
         """Block until every worker is registered and the gateway reports SERVING."""
@@ -133,6 +218,8 @@ class Stack:
                 proc.wait()
         if self.redis_server is not None:
             self.redis_server.stop()
+        if self.run_dir is not None:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
 
     @property
     def address(self) -> str:
@@ -140,7 +227,8 @@ class Stack:
 
 
 def run_until_interrupted(stack: Stack) -> None:
-    """Supervise: return on SIGINT (Ctrl-C) or SIGTERM, raise if a child dies.
+    """Supervise until SIGINT (Ctrl-C) or SIGTERM: restart any child that dies; raise
+    ``CrashLoop`` (naming it) if one keeps dying.
 
     Both handlers are installed explicitly: a shell starts background jobs with SIGINT ignored,
     and Python then raises no KeyboardInterrupt.
@@ -153,7 +241,4 @@ def run_until_interrupted(stack: Stack) -> None:
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _handler)
-    while not stop:
-        stack.check_alive()
-        time.sleep(0.5)
-
+    stack.supervisor().run(lambda: stop)

@@ -14,6 +14,7 @@ from services.rpc import bind, create_server, mark_serving
 from services.state.redis_server import check_redis
 
 if TYPE_CHECKING:
+    from services.gateway.app import GatewayOptions
     from services.worker import WorkerOptions
 
 log = logging.getLogger(__name__)
@@ -66,16 +67,13 @@ async def serve_worker(opts: WorkerOptions, num_threads: int) -> None:
         await runtime.stop()
 
 
-async def serve_gateway(host: str, port: int, redis_url: str, model: str, rpc_timeout_s: float,
-                        heartbeat_s: float, kv_failure_policy: str = "recompute",
-                        max_inflight: int = 1024, internal_secret: str | None = None) -> None:
-    """Run the public Gateway service until signalled (``services.gateway.app``).
-    ``internal_secret`` (default: from ``services.auth.read_internal_secret``) is sent on every
-    call to a worker."""
-    from services.gateway.app import GatewayOptions, run_gateway
+async def serve_gateway(opts: GatewayOptions) -> None:
+    """Run the public Gateway (``services.gateway.app``) until signalled. With no
+    ``opts.internal_secret``, the one from ``services.auth.read_internal_secret`` (if any) is
+    sent on every call to a worker."""
+    from services.gateway.app import run_gateway
 
-    secret = internal_secret if internal_secret is not None else read_internal_secret()
-    warn_if_open(secret, "gateway")
-    await run_gateway(GatewayOptions(host, port, redis_url, model, rpc_timeout_s, heartbeat_s,
-                                     kv_failure_policy, max_inflight, internal_secret=secret),
-                      _wait_for_signal())
+    if opts.internal_secret is None:
+        opts = dataclasses.replace(opts, internal_secret=read_internal_secret())
+    warn_if_open(opts.internal_secret, "gateway")
+    await run_gateway(opts, _wait_for_signal())

@@ -1,86 +1,207 @@
-"""Every environment variable Tandem reads, declared once with its type and default.
+"""Every Tandem setting, declared once: one typed tree (``Settings``) with one section per part.
 
-Command-line flags take their defaults from these, so ``--port`` and ``TANDEM_PORT`` set the
-same thing. Library code never reads ``os.environ`` itself and holds no literal host or port.
+Each leaf has one default (written here, or in ``EngineConfig`` for the engine's own knobs), one
+environment variable (``TANDEM_<NAME>`` unless it says otherwise) and, where a person sets it on
+the command line, one flag. ``services/settings_sources.py`` reads flags, environment variables
+and a YAML/TOML/JSON config file (``--config``, what a Kubernetes ConfigMap mounts) into this
+tree, remembering where each value came from. Library code never reads ``os.environ`` itself and
+holds no literal host or port; it receives these values as constructor arguments.
 """
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass
-from typing import Callable, Generic, TypeVar
+from enum import Enum
+from typing import Any
 
-T = TypeVar("T")
+from pydantic import BaseModel, ConfigDict, Field, SecretStr
+from pydantic_settings import BaseSettings, SettingsConfigDict
 
-
-@dataclass(frozen=True)
-class EnvVar(Generic[T]):
-    name: str
-    default: T
-    parse: Callable[[str], T]
-    help: str
-
-    def get(self) -> T:
-        raw = os.environ.get(self.name)
-        if raw is None or raw == "":
-            return self.default
-        try:
-            return self.parse(raw)
-        except ValueError as exc:
-            raise ValueError(f"environment variable {self.name}={raw!r}: {exc}") from exc
+from services.engine.engine import EngineConfig
 
 
-def _opt_str(raw: str) -> str | None:
-    return raw or None
+class Device(str, Enum):
+    """Torch device of a worker's model and KV cache."""
+    cpu = "cpu"
+    cuda = "cuda"
 
 
-def _bool(raw: str) -> bool:
-    value = raw.strip().lower()
-    if value in ("1", "true", "yes", "on"):
-        return True
-    if value in ("0", "false", "no", "off"):
-        return False
-    raise ValueError("expected one of 1/0, true/false, yes/no, on/off")
+class DType(str, Enum):
+    """Model and KV cache dtype (float32 on CPU: the exact oracle mode; bfloat16 on GPUs)."""
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
 
 
-def _choice(*choices: str) -> Callable[[str], str]:
-    def parse(raw: str) -> str:
-        if raw not in choices:
-            raise ValueError(f"expected one of {', '.join(choices)}")
-        return raw
-    return parse
+class KVTransportKind(str, Enum):
+    """KV transfer backend: a pure-Python TCP path, or NIXL over UCX."""
+    tcp = "tcp"
+    nixl = "nixl"
 
 
-REDIS_URL = EnvVar("REDIS_URL", None, _opt_str, "Redis for request state and the worker registry")
-HOST = EnvVar("TANDEM_HOST", "127.0.0.1", str, "address services listen on")
-ADVERTISE_HOST = EnvVar("TANDEM_ADVERTISE_HOST", None, _opt_str,
-                        "address peers use to reach this worker (default: --host)")
-GATEWAY_PORT = EnvVar("TANDEM_PORT", 50051, int, "gateway gRPC port")
-WORKER_PORT = EnvVar("TANDEM_WORKER_PORT", 0, int, "worker gRPC port (0: any free port)")
-KV_PORT = EnvVar("TANDEM_KV_PORT", 0, int, "KV transfer listen port (0: any free port)")
-MODEL = EnvVar("TANDEM_MODEL", None, _opt_str, "GGUF file or Hugging Face directory")
-DEVICE = EnvVar("TANDEM_DEVICE", "cpu", str, "torch device of a worker's model and KV cache")
-DTYPE = EnvVar("TANDEM_DTYPE", "float32", str, "model and KV dtype (float32 on CPU, bfloat16 on GPU)")
-KV_TRANSPORT = EnvVar("TANDEM_KV_TRANSPORT", "tcp", str, "KV transfer backend")
-KV_CACHE_GIB = EnvVar("TANDEM_KV_CACHE_GIB", 1.0, float, "KV cache memory per worker, GiB")
-NUM_THREADS = EnvVar("TANDEM_NUM_THREADS", 1, int, "torch threads per worker process")
-HEARTBEAT_S = EnvVar("TANDEM_HEARTBEAT_S", 1.0, float, "worker registry heartbeat, seconds")
-KV_LEASE_S = EnvVar("TANDEM_KV_LEASE_S", 30.0, float,
-                   "decode worker: seconds a KV reservation waits for its KV before it is freed")
-KV_TRANSFER_TIMEOUT_S = EnvVar("TANDEM_KV_TRANSFER_TIMEOUT_S", 30.0, float,
-                              "prefill worker: deadline of one KV write, seconds (never past the lease)")
-KV_FAILURE_POLICY = EnvVar("TANDEM_KV_FAILURE_POLICY", "recompute", _choice("recompute", "fail"),
-                           "gateway: when a prompt's KV transfer fails or times out, the decode "
-                           "worker computes the prompt itself (recompute) or the request fails (fail)")
-MAX_WAITING = EnvVar("TANDEM_MAX_WAITING", 256, int,
-                     "worker: requests held outside the running batch before new ones get "
-                     "RESOURCE_EXHAUSTED")
-MAX_INFLIGHT = EnvVar("TANDEM_MAX_INFLIGHT", 1024, int,
-                      "gateway: requests in flight before new ones get RESOURCE_EXHAUSTED")
-RPC_TIMEOUT_S = EnvVar("TANDEM_RPC_TIMEOUT_S", 600.0, float, "deadline of internal RPCs, seconds")
-LOG_LEVEL = EnvVar("TANDEM_LOG_LEVEL", "INFO", str, "logging level")
+class KVFailurePolicy(str, Enum):
+    """When a prompt's KV transfer fails: the decode worker recomputes it, or the request fails."""
+    recompute = "recompute"
+    fail = "fail"
 
-# TEST ONLY: never set in a deployment. Lets the integration tests inject faults per request.
-TEST_FAULT_INJECTION = EnvVar(
-    "TANDEM_TEST_FAULT_INJECTION", False, _bool,
-    "TEST ONLY: prefill workers honour fault tags in request ids (+fail_kv_write, "
-    "+kv_write_delay=S, +queue_delay=S); see services/prefill/faults.py")
+
+class LogLevel(str, Enum):
+    DEBUG = "DEBUG"
+    INFO = "INFO"
+    WARNING = "WARNING"
+    ERROR = "ERROR"
+    CRITICAL = "CRITICAL"
+
+    @classmethod
+    def _missing_(cls, value: object) -> LogLevel | None:  # accept "info", "debug", ...
+        return cls.__members__.get(str(value).upper())
+
+
+def setting(default: Any = ..., *, help: str, env: str | None = None, flag: str | None = "",
+            **constraints: Any) -> Any:
+    """A leaf of the tree: ``env`` overrides the variable's name (default ``TANDEM_<NAME>``),
+    ``flag`` the flag's (default ``--<name>``; ``None``: no flag, environment and file only)."""
+    return Field(default, description=help, json_schema_extra={"env": env, "flag": flag},
+                 **constraints)
+
+
+_SECTION = ConfigDict(extra="forbid", frozen=True, use_enum_values=False)
+
+# Help for the engine's own knobs; their defaults live in EngineConfig (helper "engine"'s file).
+ENGINE_HELP = {
+    "model": "GGUF file or Hugging Face directory (default: built-in SmolLM2-135M-Instruct)",
+    "dtype": "model and KV cache dtype (float32 on CPU, bfloat16 on GPU)",
+    "device": "torch device of a worker's model and KV cache",
+    "block_size": "tokens per KV block",
+    "num_kv_blocks": "KV blocks per worker; overrides kv_cache_memory_gib",
+    "kv_cache_memory_gib": "KV cache memory per worker, GiB",
+    "max_num_seqs": "sequences in one running batch",
+    "max_num_batched_tokens": "token budget of one engine step (chunked prefill)",
+    "max_model_len": "longest sequence in tokens (default: the model's context length)",
+    "scheduling_policy": "continuous (iteration-level) or static batching",
+    "enable_prefix_caching": "reuse the KV blocks of a shared prompt prefix",
+}
+ENGINE_NAMES = {"kv_cache_memory_gib": ("TANDEM_KV_CACHE_GIB", "--kv-cache-gib")}
+
+
+class EngineSection(EngineConfig):
+    """``EngineConfig`` with closed choices as enums; every default is ``EngineConfig``'s."""
+
+    dtype: DType = DType(EngineConfig.model_fields["dtype"].default)
+    device: Device = Device(EngineConfig.model_fields["device"].default)
+
+    def engine_config(self) -> EngineConfig:
+        """The plain ``EngineConfig`` the engine takes."""
+        return EngineConfig(**self.model_dump(mode="json"))
+
+
+class WorkerSection(BaseModel):
+    """Prefill and decode workers."""
+    model_config = _SECTION
+    port: int = setting(0, help="worker gRPC port (0: any free port)", env="TANDEM_WORKER_PORT",
+                        flag="--worker-port", ge=0, le=65535)
+    kv_port: int = setting(0, help="KV transfer listen port (0: any free port)", ge=0, le=65535)
+    worker_id: str = setting("", help="registry id of this worker (default: a random one)")
+    advertise_host: str | None = setting(
+        None, help="address peers use to reach this worker (default: host)")
+    num_threads: int = setting(1, help="torch threads per worker process", gt=0)
+    kv_lease_s: float = setting(
+        30.0, help="decode: seconds a KV reservation waits for its KV before it is freed", gt=0)
+    max_waiting: int = setting(256, help="requests held outside the running batch before new "
+                               "ones get RESOURCE_EXHAUSTED", gt=0)
+    fault_injection: bool = setting(
+        False, env="TANDEM_TEST_FAULT_INJECTION", flag=None,
+        help="TEST ONLY: prefill workers honour fault tags in request ids "
+             "(services/prefill/faults.py); never set it in a deployment")
+
+
+class GatewaySection(BaseModel):
+    """The public gateway."""
+    model_config = _SECTION
+    port: int = setting(50051, help="gateway gRPC port", env="TANDEM_PORT", flag="--port",
+                        ge=0, le=65535)
+    kv_failure_policy: KVFailurePolicy = setting(
+        KVFailurePolicy.recompute, help="when a prompt's KV transfer fails or times out, the "
+        "decode worker computes the prompt itself (recompute) or the request fails (fail)")
+    max_inflight: int = setting(
+        1024, help="requests in flight before new ones get RESOURCE_EXHAUSTED", gt=0)
+    http_port: int | None = setting(
+        None, help="OpenAI-compatible HTTP port (0: any free port; unset: no HTTP listener)",
+        ge=0, le=65535)
+    max_request_bytes: int = setting(
+        4 * 1024 * 1024, help="largest request body in bytes (gRPC and HTTP), refused before "
+        "it is parsed", gt=0)
+    max_messages: int = setting(256, help="most chat messages in one request", gt=0)
+    tokenize_threads: int = setting(
+        2, help="threads that render chat templates and tokenize, off the event loop", gt=0)
+
+
+class StateSection(BaseModel):
+    """Redis: request state and the worker registry."""
+    model_config = _SECTION
+    redis_url: str | None = setting(
+        None, env="REDIS_URL", help="Redis for request state and the worker registry, with its "
+        "password if any (redis://:PASSWORD@HOST:PORT/DB); `tandem up` without it starts its own")
+    heartbeat_s: float = setting(1.0, help="worker registry heartbeat, seconds", gt=0)
+
+
+class TransportSection(BaseModel):
+    """Internal RPCs and KV transfer between workers."""
+    model_config = _SECTION
+    kv_transport: KVTransportKind = setting(KVTransportKind.tcp, help="KV transfer backend")
+    kv_transfer_timeout_s: float = setting(
+        30.0, help="prefill: deadline of one KV write, seconds (never past the lease)", gt=0)
+    rpc_timeout_s: float = setting(600.0, help="deadline of internal RPCs, seconds", gt=0)
+    internal_secret: SecretStr | None = setting(
+        None, flag=None, help="shared secret of internal gRPC and KV ports (`tandem up` "
+        "generates one per run)")
+    internal_secret_file: str | None = setting(
+        None, flag=None, help="file holding the internal secret (a mounted Kubernetes Secret)")
+
+
+class SupervisorSection(BaseModel):
+    """How `tandem up` restarts a child that exits (as Kubernetes restarts a container)."""
+    model_config = _SECTION
+    restart_limit: int = setting(
+        5, help="restarts of one child within restart_window_s before the stack stops", ge=0)
+    restart_window_s: float = setting(60.0, help="crash-loop window, seconds", gt=0)
+    restart_backoff_s: float = setting(
+        0.5, help="delay before the first restart, seconds; doubles with each recent restart", ge=0)
+    restart_backoff_max_s: float = setting(10.0, help="longest delay before a restart, seconds",
+                                           ge=0)
+
+
+class Settings(BaseSettings):
+    """The whole configuration; build it with ``services.settings_sources.load_settings``."""
+
+    model_config = SettingsConfigDict(extra="forbid", frozen=True)
+
+    host: str = setting("127.0.0.1", help="address services listen on")
+    log_level: LogLevel = setting(LogLevel.INFO, help="logging level")
+    engine: EngineSection = Field(default_factory=EngineSection)
+    worker: WorkerSection = Field(default_factory=WorkerSection)
+    gateway: GatewaySection = Field(default_factory=GatewaySection)
+    state: StateSection = Field(default_factory=StateSection)
+    transport: TransportSection = Field(default_factory=TransportSection)
+    supervisor: SupervisorSection = Field(default_factory=SupervisorSection)
+
+    @classmethod
+    def settings_customise_sources(cls, settings_cls, init_settings, *args, **kwargs):
+        # NOTE: load_settings() merges flags, environment and file itself (it must know where
+        # each value came from); the tree validates only what it is given.
+        return (init_settings,)
+
+    def internal_secret(self) -> str | None:
+        """The internal secret: ``internal_secret``, else the first line of
+        ``internal_secret_file``. Raises ValueError naming the file if it cannot be read."""
+        t = self.transport
+        if t.internal_secret is not None:
+            return t.internal_secret.get_secret_value()
+        if t.internal_secret_file:
+            try:
+                with open(t.internal_secret_file) as f:
+                    return f.readline().strip()
+            except OSError as exc:
+                raise ValueError(f"transport.internal_secret_file: {exc}") from exc
+        return None
+
+
+SECTIONS = ("engine", "worker", "gateway", "state", "transport", "supervisor")

@@ -1,14 +1,19 @@
 """A throwaway `redis-server` child process, and a reachability check for any Redis URL.
 
 `tandem up` and the tests start Redis with `start_redis_server()`: a child process on a free
-loopback port with persistence off (nothing is written to disk), stopped with `.stop()` or by
-leaving its `with` block. Services check their configured Redis with `check_redis(url)` at start
-so a wrong URL fails with one clear line instead of a retry storm.
+loopback port with persistence off (nothing is written to disk), optionally with a password
+(`requirepass`, written to a config file only this user can read, never on the command line),
+stopped with `.stop()` or by leaving its `with` block; `.restart()` starts it again on the same
+port with the same password (its data is gone: persistence is off). Services check their
+configured Redis with `check_redis(url)` at start so a wrong URL fails with one clear line
+instead of a retry storm.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
+import re
 import shutil
 import socket
 import subprocess
@@ -38,23 +43,45 @@ class RedisServer:
     """
 
     def __init__(self, process: subprocess.Popen[bytes], host: str, port: int,
-                 workdir: tempfile.TemporaryDirectory[str]) -> None:
+                 workdir: tempfile.TemporaryDirectory[str], password: str | None = None) -> None:
         self.process = process
         self.host = host
         self.port = port
+        self.password = password
         self._workdir = workdir
 
     @property
     def url(self) -> str:
-        """`redis://HOST:PORT/0`."""
-        return f"redis://{self.host}:{self.port}/0"
+        """`redis://HOST:PORT/0`, or `redis://:PASSWORD@HOST:PORT/0` (never log it: see
+        `safe_url`)."""
+        auth = f":{self.password}@" if self.password else ""
+        return f"redis://{auth}{self.host}:{self.port}/0"
+
+    @property
+    def safe_url(self) -> str:
+        """`url` with the password replaced by `***`."""
+        return redact_url(self.url)
 
     @property
     def log_path(self) -> Path:
         return Path(self._workdir.name) / "redis.log"
 
     def is_running(self) -> bool:
+        """False once the process has exited (and it is reaped then: no zombie)."""
         return self.process.poll() is None
+
+    def restart(self, timeout_s: float = 10.0) -> None:
+        """Start the server again on the same host, port and password, after killing what is
+        left of the old process. Raises RuntimeError as `start_redis_server` does."""
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait()
+        self.process = _popen(shutil.which(REDIS_BINARY) or REDIS_BINARY, self.host, self.port,
+                              self._workdir.name)
+        try:
+            _wait_until_ready(self, timeout_s)
+        except _ExitedEarly as exc:
+            raise RuntimeError(str(exc)) from None
 
     def stop(self, timeout_s: float = 5.0) -> None:
         """Terminate the server (SIGTERM), wait up to `timeout_s` seconds, then SIGKILL it.
@@ -78,15 +105,16 @@ class RedisServer:
 
     def __repr__(self) -> str:
         state = "running" if self.is_running() else f"exited {self.process.returncode}"
-        return f"RedisServer({self.url}, pid={self.process.pid}, {state})"
+        return f"RedisServer({self.safe_url}, pid={self.process.pid}, {state})"
 
 
 def start_redis_server(host: str = "127.0.0.1", port: int = 0, *,
-                       startup_timeout_s: float = 10.0) -> RedisServer:
+                       startup_timeout_s: float = 10.0, password: str | None = None) -> RedisServer:
     """Start `redis-server` on `host:port` (port 0: a free port) and wait until it answers PING.
 
     Persistence is off (`--save '' --appendonly no`) and its working directory is a temporary
-    one. Waits at most `startup_timeout_s` seconds.
+    one. With `password`, clients must AUTH (`requirepass`); the URL carries it. Waits at most
+    `startup_timeout_s` seconds.
 
     Raises:
         RuntimeError: the `redis-server` binary is not on PATH (the message says how to install
@@ -99,7 +127,7 @@ def start_redis_server(host: str = "127.0.0.1", port: int = 0, *,
     attempts = _PORT_ATTEMPTS if port == 0 else 1
     for attempt in range(attempts):
         chosen = port or _free_port(host)
-        server = _spawn(binary, host, chosen)
+        server = _spawn(binary, host, chosen, password)
         try:
             _wait_until_ready(server, startup_timeout_s)
             return server
@@ -130,7 +158,7 @@ async def check_redis(url: str, timeout_s: float = 2.0) -> None:
     except (redis.RedisError, OSError, TimeoutError) as exc:
         cause = str(exc) or type(exc).__name__
         raise ConnectionError(
-            f"Redis at {url} is unreachable (no PING answer within {timeout_s}s): {cause}"
+            f"Redis at {redact_url(url)} is unreachable (no PING answer within {timeout_s}s): {cause}"
         ) from exc
     finally:
         await client.aclose()
@@ -146,20 +174,30 @@ def _free_port(host: str) -> int:
         return sock.getsockname()[1]
 
 
-def _spawn(binary: str, host: str, port: int) -> RedisServer:
-    workdir = tempfile.TemporaryDirectory(prefix="tandem-redis-")
-    args = [binary, "--port", str(port), "--bind", host, "--save", "", "--appendonly", "no",
-            "--dir", workdir.name, "--daemonize", "no", "--logfile", "redis.log"]
-    process = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                               stderr=subprocess.DEVNULL, cwd=workdir.name,
-                               preexec_fn=die_with_parent)
-    return RedisServer(process, host, port, workdir)
+def redact_url(url: str) -> str:
+    """`url` with any password replaced by `***`, safe to log or print."""
+    return re.sub(r"(//[^/@:]*:)[^/@]*@", r"\1***@", url)
+
+
+def _spawn(binary: str, host: str, port: int, password: str | None) -> RedisServer:
+    workdir = tempfile.TemporaryDirectory(prefix="tandem-redis-")  # mode 0700
+    conf = os.open(Path(workdir.name) / "redis.conf", os.O_WRONLY | os.O_CREAT, 0o600)
+    with os.fdopen(conf, "w") as f:  # NOTE: a password on argv would be in /proc/PID/cmdline
+        f.write(f"requirepass {password}\n" if password else "")
+    return RedisServer(_popen(binary, host, port, workdir.name), host, port, workdir, password)
+
+
+def _popen(binary: str, host: str, port: int, workdir: str) -> subprocess.Popen[bytes]:
+    args = [binary, "redis.conf", "--port", str(port), "--bind", host, "--save", "",
+            "--appendonly", "no", "--dir", workdir, "--daemonize", "no", "--logfile", "redis.log"]
+    return subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, cwd=workdir, preexec_fn=die_with_parent)
 
 
 def _wait_until_ready(server: RedisServer, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
-    client = redis.Redis(host=server.host, port=server.port, socket_connect_timeout=0.5,
-                         socket_timeout=0.5, retry=None)
+    client = redis.Redis(host=server.host, port=server.port, password=server.password,
+                         socket_connect_timeout=0.5, socket_timeout=0.5, retry=None)
     try:
         while True:
             if server.process.poll() is not None:

@@ -1,35 +1,19 @@
-"""`tandem` as a person runs it: up (with its own redis-server), Ctrl-C, errors, generate."""
+"""`tandem` as a person runs it: up (with its own redis-server), Ctrl-C, errors, generate.
+Every wait is on a condition with a deadline; nothing asserts how long anything took."""
 from __future__ import annotations
 
 import os
 import re
-import signal
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from tests.integration.conftest import WORKER_ARGS, free_port
+from tests.integration.up_process import (
+    TANDEM, UpProcess, env_without_redis_url, processes_mentioning, wait_until)
 
 pytestmark = pytest.mark.integration
-TANDEM = [sys.executable, "-m", "services.cli"]
-
-
-def processes_mentioning(text: str) -> list[int]:
-    pids = []
-    for proc in Path("/proc").iterdir():
-        try:
-            if proc.name.isdigit() and text.encode() in (proc / "cmdline").read_bytes():
-                pids.append(int(proc.name))
-        except OSError:
-            continue
-    return pids
-
-
-def env_without_redis_url() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
 
 
 def test_up_with_chat_answers_and_leaves_nothing_running():
@@ -42,30 +26,28 @@ def test_up_with_chat_answers_and_leaves_nothing_running():
     assert "Paris" in proc.stdout
     assert "finish_reason=" in proc.stdout
     assert f"gateway listening on 127.0.0.1:{port}" in proc.stderr
-    redis_url = re.search(r"started redis-server at (\S+)", proc.stderr).group(1)
-    assert processes_mentioning(redis_url) == []
+    settings_file = re.search(r"children read their settings from (\S+)", proc.stderr).group(1)
+    redis_port = re.search(r"started redis-server at redis://:\*\*\*@127.0.0.1:(\d+)/0 "
+                           r"\(password set", proc.stderr).group(1)
+    output = proc.stdout + proc.stderr
+    assert not re.search(r"redis://:(?!\*\*\*@)", output), "a Redis password was printed"
+    assert processes_mentioning(settings_file) == []
+    assert processes_mentioning(f"redis-server 127.0.0.1:{redis_port}") == []
+    assert not Path(settings_file).exists()  # the run's secrets are gone with it
 
 
 def test_ctrl_c_stops_every_process():
-    port = free_port()
-    proc = subprocess.Popen([*TANDEM, "up", "--port", str(port), *WORKER_ARGS],
-                            stderr=subprocess.PIPE, text=True, env=env_without_redis_url())
-    log = []
+    up = UpProcess(["--port", str(free_port()), *WORKER_ARGS])
     try:
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline:
-            line = proc.stderr.readline()
-            log.append(line)
-            if "Tandem is up" in line or not line:
-                break
-        assert "Tandem is up" in log[-1], "".join(log)[-3000:]
-        redis_url = re.search(r"started redis-server at (\S+)", "".join(log)).group(1)
-        assert len(processes_mentioning(redis_url)) == 3  # gateway, prefill, decode
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=60) == 0
+        up.wait_ready(240)
+        assert len(up.children()) == 3  # gateway, prefill, decode
+        assert len(up.redis_pids()) == 1
+        settings_file = up.settings_file
+        assert up.stop() == 0
     finally:
-        proc.kill()
-    assert processes_mentioning(redis_url) == []
+        up.proc.kill()
+    assert processes_mentioning(settings_file) == []
+    assert up.redis_pids() == []
 
 
 def test_unreachable_redis_url_is_a_clear_error():
@@ -77,12 +59,29 @@ def test_unreachable_redis_url_is_a_clear_error():
     assert url in proc.stderr and "unreachable" in proc.stderr
 
 
+def test_password_of_an_unreachable_redis_url_is_not_printed():
+    url = f"redis://:hunter2@127.0.0.1:{free_port()}/0"
+    proc = subprocess.run([*TANDEM, "up", "--port", str(free_port())], capture_output=True, text=True,
+                          timeout=60, env={**os.environ, "REDIS_URL": url})
+    assert proc.returncode == 1 and "unreachable" in proc.stderr
+    assert "hunter2" not in proc.stderr + proc.stdout
+
+
 def test_missing_redis_server_binary_is_a_clear_error(tmp_path):
     env = {**env_without_redis_url(), "PATH": str(tmp_path)}
     proc = subprocess.run([*TANDEM, "up", "--port", str(free_port())], capture_output=True, text=True,
                           timeout=60, env=env)
     assert proc.returncode == 1
     assert "redis-server" in proc.stderr and "apt-get install" in proc.stderr
+
+
+def test_bad_setting_fails_before_anything_starts():
+    proc = subprocess.run([*TANDEM, "up", "--kv-transport", "ucx"], capture_output=True, text=True,
+                          timeout=60, env={**env_without_redis_url(), "TANDEM_MAX_INFLIGHT": "-1"})
+    assert proc.returncode == 2
+    assert "transport.kv_transport: Input should be 'tcp' or 'nixl' (got 'ucx' from flag --kv-transport)" in proc.stderr
+    assert "gateway.max_inflight: Input should be greater than 0 (got '-1' from env TANDEM_MAX_INFLIGHT)" in proc.stderr
+    assert "started redis-server" not in proc.stderr
 
 
 def test_generate_in_process():
@@ -94,24 +93,13 @@ def test_generate_in_process():
 
 
 def test_sigkill_of_tandem_up_takes_every_child_with_it():
-    proc = subprocess.Popen([*TANDEM, "up", "--port", str(free_port()), *WORKER_ARGS],
-                            stderr=subprocess.PIPE, text=True, env=env_without_redis_url())
-    log = []
-    try:
-        while True:  # only the start-up matters here: kill as soon as the children exist
-            line = proc.stderr.readline()
-            log.append(line)
-            if "started redis-server at" in line or not line:
-                break
-        redis_url = re.search(r"started redis-server at (\S+)", "".join(log)).group(1)
-        time.sleep(2)
-        assert processes_mentioning(redis_url)  # workers are starting
+    up = UpProcess(["--port", str(free_port()), *WORKER_ARGS])
+    try:  # only the start-up matters here: kill as soon as the children exist
+        up.wait_for_log(r"children read their settings from", 120)
+        wait_until(lambda: len(up.children()) == 3, 60, "gateway, prefill and decode to start")
+        assert len(up.redis_pids()) == 1
     finally:
-        proc.kill()
-        proc.wait()
-    deadline = time.monotonic() + 20
-    while processes_mentioning(redis_url) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert processes_mentioning(redis_url) == []
-    port = int(redis_url.rsplit(":", 1)[1].split("/")[0])
-    assert processes_mentioning(f"--port\0{port}\0") == []  # the redis-server child too
+        up.proc.kill()
+        up.proc.wait()
+    wait_until(lambda: not up.children(), 20, "every child to exit")
+    wait_until(lambda: not up.redis_pids(), 20, "the redis-server child to exit")

@@ -1,0 +1,56 @@
+"""What `tandem up` hands its children: one settings file (0600, secrets in it, never on argv)
+and an environment in which no setting's variable contradicts that file."""
+from __future__ import annotations
+
+import json
+import stat
+
+from services.launcher import Stack, UpOptions
+from services.settings_sources import load_settings
+
+
+def make_stack(monkeypatch, **opts) -> Stack:
+    monkeypatch.setenv("TANDEM_PORT", "6001")  # a parent's setting the children must not re-read
+    monkeypatch.setenv("TANDEM_MAX_WAITING", "17")
+    stack = Stack(UpOptions(host="127.0.0.1", port=7000, num_prefill=1, num_decode=1,
+                            redis_url="redis://:pw@127.0.0.1:1/0", **opts))
+    stack._write_settings()
+    return stack
+
+
+def test_children_get_one_private_file_with_the_effective_settings(monkeypatch):
+    stack = make_stack(monkeypatch, env={"TANDEM_TEST_FAULT_INJECTION": "1"})
+    try:
+        assert stat.S_IMODE(stack.settings_file.stat().st_mode) == 0o600
+        assert stat.S_IMODE(stack.run_dir.stat().st_mode) == 0o700
+        data = json.loads(stack.settings_file.read_text())
+        assert data["gateway"]["port"] == 7000 and data["worker"]["max_waiting"] == 17
+        assert data["state"]["redis_url"] == "redis://:pw@127.0.0.1:1/0"
+        secret = data["transport"]["internal_secret"]
+        assert len(secret) >= 32
+        env = stack.child_env
+        assert "TANDEM_PORT" not in env and "TANDEM_MAX_WAITING" not in env
+        assert env["TANDEM_INTERNAL_SECRET"] == secret and env["TANDEM_TEST_FAULT_INJECTION"] == "1"
+        argv = stack._serve("decode")
+        assert argv[-2:] == ["--config", str(stack.settings_file)]
+        assert not any(secret in a or "pw" in a for a in argv)
+        child = load_settings(None, stack.settings_file, env).settings
+        assert child.gateway.port == 7000 and child.worker.fault_injection
+        assert child.internal_secret() == secret
+    finally:
+        stack.stop()
+    assert not stack.run_dir.exists()
+
+
+def test_secret_is_new_per_run_unless_one_is_given(monkeypatch):
+    a, b = make_stack(monkeypatch), make_stack(monkeypatch)
+    try:
+        assert a.settings.internal_secret() != b.settings.internal_secret()
+    finally:
+        a.stop(), b.stop()
+    monkeypatch.setenv("TANDEM_INTERNAL_SECRET", "given")
+    c = make_stack(monkeypatch)
+    try:
+        assert c.settings.internal_secret() == "given" == c.child_env["TANDEM_INTERNAL_SECRET"]
+    finally:
+        c.stop()
