@@ -15,6 +15,7 @@ import logging
 import time
 
 from services.api import worker_pb2, worker_pb2_grpc
+from services.engine import commands
 from services.kv_transfer import KVTransferError
 from services.prefill.faults import Faults
 from services.rpc import Aborted
@@ -81,7 +82,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         queue = self.rt.open_stream(rid)  # RESOURCE_EXHAUSTED here: the reservation is untouched
         held, write = False, None
         try:
-            req = await self.rt.call(lambda e: e.make_request(
+            req = await self.rt.call(commands.MakeRequest(
                 rid, list(request.prompt_token_ids), params, hold_kv=True))
             n_blocks = self.rt.engine.block_manager.blocks_needed(req.num_prompt_tokens)
             if len(dest.block_ids) != n_blocks:
@@ -89,11 +90,12 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
                                  f"{req.num_prompt_tokens} prompt tokens, expected {n_blocks}")
             await asyncio.sleep(faults.queue_delay_s)
             held = True  # before the await: cancelled after the engine added it, it is still freed
-            await self.rt.call(lambda e: e.add_request(req))
+            await self.rt.call(commands.AddRequest(req))
             try:
                 out = await asyncio.wait_for(queue.get(), deadline - time.monotonic())
             except TimeoutError:
                 raise Aborted("the reservation's lease ended before the prompt was computed") from None
+            self.rt.check_output(out)  # failed alone, or the engine died: an error
             t_first = time.monotonic()
             note = json.dumps({"request_id": rid, "status": "landed",
                                "first_token_id": out.new_token_ids[0],
