@@ -1,7 +1,7 @@
 """TTFT of a short prompt queued right behind a long one on a prefill-role engine, in-process,
 with and without ``long_prefill_token_threshold`` (issue 10, finding 4).
 
-    python scripts/bench_prefill_interleave.py [--long 8000] [--short 20] [--thresholds 0,512]
+    python -m scripts.bench_prefill_interleave [--long 8000] [--short 20] [--thresholds 0,512]
 
 Both requests are added before the first step (the short one second), as a prefill worker's
 queue holds them; each samples one token (a prefill worker's job). TTFT is measured from the
