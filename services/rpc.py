@@ -25,6 +25,11 @@ class Unavailable(Exception):
     """A dependency (Redis, every worker of a role) cannot be reached; maps to UNAVAILABLE."""
 
 
+class RequestFailed(Exception):
+    """The engine failed this request alone (running it raised; its blocks are freed); maps to
+    INTERNAL with the cause, which names no internal class beyond the exception's type."""
+
+
 class Aborted(Exception):
     """A worker gave a request up (KV handoff failed or cancelled, lease ended, policy
     ``fail``); maps to ABORTED."""
@@ -53,6 +58,8 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.UNAVAILABLE, str(exc)
     if isinstance(exc, Aborted):
         return grpc.StatusCode.ABORTED, str(exc)
+    if isinstance(exc, RequestFailed):
+        return grpc.StatusCode.INTERNAL, str(exc)
     return grpc.StatusCode.INTERNAL, f"internal error ({type(exc).__name__})"
 
 
@@ -124,6 +131,12 @@ def create_server(
 async def mark_serving(health_servicer, service_names: Iterable[str]) -> None:
     for name in ["", *service_names]:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+
+
+async def mark_not_serving(health_servicer, service_names: Iterable[str]) -> None:
+    """Report ``""`` and every name NOT_SERVING (grpc's servicer starts with ``""`` SERVING)."""
+    for name in ["", *service_names]:
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
 
 
 def bind(server: grpc.aio.Server, host: str, port: int) -> int:

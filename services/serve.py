@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from services.api import worker_pb2, worker_pb2_grpc
 from services.auth import read_internal_secret, warn_if_open
 from services.gateway.model_card import served_model_name  # noqa: F401  (its old home)
-from services.rpc import bind, create_server, mark_serving
+from services.rpc import bind, create_server, mark_not_serving, mark_serving
 from services.state.redis_server import check_redis
 
 if TYPE_CHECKING:
@@ -28,8 +28,26 @@ async def _wait_for_signal() -> None:
     await stop.wait()
 
 
+EXIT_ENGINE_DIED = 3  # a worker's exit status when its engine died (a supervisor restarts it)
+
+
+def role_engine_config(opts: WorkerOptions) -> EngineConfig:
+    """The engine config with the role's defaults filled in: a prefill worker caps a long
+    prompt's chunk at a quarter of the token budget while others wait, so a short prompt queued
+    behind it is not held until its last chunk (``long_prefill_token_threshold``)."""
+    cfg = opts.engine
+    if cfg.long_prefill_token_threshold is not None or opts.role != "prefill":
+        return cfg
+    return cfg.model_copy(update={"long_prefill_token_threshold":
+                                  max(1, cfg.max_num_batched_tokens // 4)})
+
+
 async def serve_worker(opts: WorkerOptions, num_threads: int) -> None:
-    """Load the model, start the engine thread and the gRPC server, heartbeat until signalled."""
+    """Load the model, start the engine thread and the gRPC server, heartbeat until signalled.
+
+    Health is NOT_SERVING until the engine is loaded, warmed up and heartbeating, and again
+    from the moment the engine dies; then the worker leaves the registry, stops, and raises
+    ``SystemExit(EXIT_ENGINE_DIED)``."""
     import torch  # NOTE: here, not at the top: the gateway process must not load torch
 
     from services.decode.server import DecodeServicer
@@ -42,7 +60,8 @@ async def serve_worker(opts: WorkerOptions, num_threads: int) -> None:
         opts = dataclasses.replace(opts, internal_secret=read_internal_secret())
     warn_if_open(opts.internal_secret, f"{opts.role} worker")
     await check_redis(opts.redis_url)
-    engine = await asyncio.to_thread(LLMEngine, opts.engine)
+    engine = await asyncio.to_thread(LLMEngine, role_engine_config(opts),
+                                     fault_injection=opts.fault_injection)
     log.info("%s engine warmed up in %.2fs", opts.role, await asyncio.to_thread(engine.warm_up))
     runtime = WorkerRuntime(opts, engine)
     if opts.role == "decode":
@@ -51,6 +70,7 @@ async def serve_worker(opts: WorkerOptions, num_threads: int) -> None:
         servicer, add, name = PrefillServicer(runtime), worker_pb2_grpc.add_PrefillWorkerServicer_to_server, "PrefillWorker"
     full_name = worker_pb2.DESCRIPTOR.services_by_name[name].full_name
     server, health = create_server([full_name], opts.internal_secret)
+    await mark_not_serving(health, [full_name])
     add(servicer, server)
     port = bind(server, opts.host, opts.port)
     await server.start()
@@ -58,13 +78,26 @@ async def serve_worker(opts: WorkerOptions, num_threads: int) -> None:
     await mark_serving(health, [full_name])
     log.info("%s worker %s ready on %s:%d", opts.role, runtime.worker_id, opts.host, port)
     try:
-        await _wait_for_signal()
+        await _wait_for_signal_or(runtime.died)
     finally:
-        await health.enter_graceful_shutdown()
+        await health.enter_graceful_shutdown()  # NOT_SERVING for every service
         await runtime.heartbeater.stop()  # leave the registry first: no new requests
         await server.stop(grace=5.0)
         servicer.close()
         await runtime.stop()
+    if runtime.died.is_set():
+        log.critical("%s worker %s exits: its engine died", opts.role, runtime.worker_id)
+        raise SystemExit(EXIT_ENGINE_DIED)
+
+
+async def _wait_for_signal_or(event: asyncio.Event) -> None:
+    signalled = asyncio.ensure_future(_wait_for_signal())
+    died = asyncio.ensure_future(event.wait())
+    try:
+        await asyncio.wait({signalled, died}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        signalled.cancel()
+        died.cancel()
 
 
 async def serve_gateway(opts: GatewayOptions) -> None:

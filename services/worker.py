@@ -1,23 +1,30 @@
 """What prefill and decode workers share: the engine on its own thread bridged to asyncio,
 per-request output queues (bounded: ``max_waiting``), registry heartbeats, the GetLoad handler,
-and a Redis client that survives Redis outages."""
+and a Redis client that survives Redis outages.
+
+Engine death: when the engine thread dies (``EngineLoop.on_fatal``, or found dead by the
+heartbeat), ``engine_died`` fails every open stream with UNAVAILABLE (the gateway migrates or
+retries them), every later engine command with UNAVAILABLE, and sets ``died``: the process then
+leaves the registry and exits non-zero (``services/serve.py``).
+"""
 from __future__ import annotations
 
 import asyncio
 import logging
 import uuid
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 
 from services.api import worker_pb2
 from services.api.convert import logprobs_to_proto, params_from_proto, params_to_proto  # noqa: F401
+from services.engine import commands
 from services.engine.engine import EngineConfig, LLMEngine
 from services.engine.engine_loop import EngineLoop
+from services.engine.outputs import EngineDeadError, RequestOutput
 from services.engine.request import Request, RequestStatus
-from services.engine.scheduler import RequestOutput
 from services.kv_transfer import KVTransport, create_transport
-from services.rpc import ResourceExhausted
+from services.rpc import RequestFailed, ResourceExhausted, Unavailable
 from services.state.client import REDIS_TIMEOUT_S, redis_client  # noqa: F401
 from services.state.registry import Heartbeater, WorkerInfo, WorkerRegistry
 
@@ -40,7 +47,7 @@ class WorkerOptions:
     max_waiting: int = 256  # requests held outside the running batch; more: RESOURCE_EXHAUSTED
     rpc_timeout_s: float = 600.0  # bound on any wait for the engine thread
     kv_transfer_timeout_s: float = 30.0  # prefill: one KV write (never past the lease)
-    fault_injection: bool = False  # TEST ONLY: honour fault tags in request ids (prefill)
+    fault_injection: bool = False  # TEST ONLY: honour fault tags in request ids (prefill, engine)
     internal_secret: str | None = None  # services.auth: proven on gRPC and KV ports; None: open
 
 
@@ -55,7 +62,8 @@ class WorkerRuntime:
         self.streams: dict[str, asyncio.Queue[RequestOutput]] = {}
         self.max_num_queued = 0  # high-water mark of num_queued(), taken at each admission
         self.reservations = None  # decode role: its Reservations (GetLoad reports their closes)
-        self.engine_loop = EngineLoop(engine, self._on_outputs)
+        self.engine_loop = EngineLoop(engine, self._on_outputs, self._on_fatal)
+        self.died = asyncio.Event()  # set once the engine has died (see the module docstring)
         self.endpoint = ""
         self.redis = redis_client(options.redis_url)
         self.registry = WorkerRegistry(self.redis, options.heartbeat_s)
@@ -89,13 +97,42 @@ class WorkerRuntime:
             if queue is not None:
                 queue.put_nowait(out)
 
-    async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
-        """Run ``fn(engine)`` on the engine thread between steps and await its result.
+    def _on_fatal(self, exc: BaseException) -> None:
+        self.loop.call_soon_threadsafe(self.engine_died, exc)
 
-        Raises TimeoutError when the engine thread has not run it within ``rpc_timeout_s``
-        (a stuck or dead engine thread must not hang an RPC forever)."""
-        return await asyncio.wait_for(asyncio.wrap_future(self.engine_loop.call(fn)),
-                                      self.options.rpc_timeout_s)
+    def engine_died(self, exc: BaseException) -> None:
+        """Event loop thread: fail every open stream (UNAVAILABLE) and set ``died``."""
+        if self.died.is_set():
+            return
+        log.critical("%s worker %s: the engine died (%s: %s); failing %d streams",
+                     self.options.role, self.worker_id, type(exc).__name__, exc, len(self.streams))
+        self.died.set()
+        error = f"{type(exc).__name__}: {exc}"
+        for rid, queue in self.streams.items():
+            queue.put_nowait(RequestOutput(rid, [], None, error=error))
+
+    def check_output(self, out: RequestOutput) -> None:
+        """Raise what a stream's output means when it carries an error: ``Unavailable`` once
+        the engine died (the gateway retries elsewhere), else ``RequestFailed`` (this request
+        alone failed in the engine; its blocks are already freed)."""
+        if out.error is None:
+            return
+        if self.died.is_set():
+            raise Unavailable(f"{self.options.role} worker {self.worker_id}: engine stopped "
+                              f"({out.error})")
+        raise RequestFailed(f"request {out.request_id} failed in the engine: {out.error}")
+
+    async def call(self, command: commands.EngineCommand) -> Any:
+        """Apply ``command`` on the engine thread between steps and await its result.
+
+        Raises what the engine raised (``ValueError`` naming a field), ``Unavailable`` when the
+        engine has died, and TimeoutError when the engine thread has not run it within
+        ``rpc_timeout_s`` (a stuck engine thread must not hang an RPC forever)."""
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(self.engine_loop.submit(command)),
+                                          self.options.rpc_timeout_s)
+        except EngineDeadError as exc:
+            raise Unavailable(f"{self.options.role} worker {self.worker_id}: {exc}") from None
 
     def num_queued(self) -> int:
         """Requests this worker holds outside its running batch: queued, waiting for KV, or
@@ -120,9 +157,15 @@ class WorkerRuntime:
     def release(self, request_id: str) -> None:
         """Abort the request on the engine thread, freeing its blocks. Queued at once and not
         awaited: no cancellation of the caller can drop it (``call``'s future can be)."""
-        self.engine_loop.call(lambda e: e.abort(request_id))
+        self.engine_loop.submit(commands.Abort(request_id))
 
     def info(self) -> WorkerInfo:
+        """This worker's registry entry. Raises RuntimeError (no heartbeat) once the engine
+        thread is dead, after ``engine_died``: a worker without an engine must not be listed."""
+        if not self.engine_loop.is_alive() and not self.died.is_set():
+            self.engine_died(self.engine_loop.dead or RuntimeError("engine thread is not running"))
+        if self.died.is_set():
+            raise RuntimeError(f"{self.options.role} worker {self.worker_id}: the engine died")
         load = self.engine.load()  # plain int reads: safe from the event loop thread
         return WorkerInfo(self.worker_id, self.options.role, self.endpoint, **load)
 

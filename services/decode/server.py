@@ -15,9 +15,10 @@ import logging
 
 from services.api import worker_pb2, worker_pb2_grpc
 from services.decode.reservations import Outcome, Reservations
+from services.engine import commands
+from services.engine.outputs import RequestOutput
 from services.engine.sampler import TokenLogprobs
 from services.kv_transfer.grants import new_token
-from services.engine.scheduler import RequestOutput
 from services.rpc import Aborted, ResourceExhausted
 from services.worker import WorkerRuntime, logprobs_to_proto, params_from_proto
 
@@ -76,12 +77,12 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         owned = finished = False  # owned: the engine may hold a request of ours under rid
         try:
             req = await self.rt.call(
-                lambda e: e.make_request(rid, list(request.prompt_token_ids), params))
+                commands.MakeRequest(rid, list(request.prompt_token_ids), params))
             owned = True
             if request.local_prefill:
-                await self.rt.call(lambda e: e.add_request(req))
+                await self.rt.call(commands.AddRequest(req))
             else:
-                if not await self.rt.call(lambda e: e.reserve(req)):
+                if not await self.rt.call(commands.Reserve(req)):
                     raise ResourceExhausted(f"decode worker {self.rt.worker_id}: not enough free KV "
                                             f"blocks for {req.num_prompt_tokens} prompt tokens")
                 token, outcome = self._open_reservation(rid, list(req.block_table))
@@ -92,6 +93,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                     write_token=token))
                 await self._start(rid, await outcome, request.kv_failure_policy, queue)
             async for outs in _batches(queue):
+                for out in outs:
+                    self.rt.check_output(out)  # failed alone, or the engine died: an error
                 last = outs[-1]
                 finished = last.finish_reason is not None
                 yield worker_pb2.DecodeResponse(
@@ -112,7 +115,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         if outcome.kind == "landed":
             note = outcome.note
             logprobs = TokenLogprobs.from_dict(note["logprobs"]) if note.get("logprobs") else None
-            out = await self.rt.call(lambda e: e.finish_remote_prefill(
+            out = await self.rt.call(commands.FinishRemotePrefill(
                 rid, int(note["first_token_id"]), logprobs))
             if out is None:
                 raise Aborted(f"request {rid} is no longer waiting for its KV")
@@ -123,7 +126,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         if policy != FAIL:
             log.info("request %s: %s; computing the prompt here (kv failure policy: recompute)",
                      rid, outcome.why)
-            if await self.rt.call(lambda e: e.prefill_locally(rid)):
+            if await self.rt.call(commands.PrefillLocally(rid)):
                 return
         raise Aborted(f"decode worker {self.rt.worker_id}: {outcome.why} (kv failure policy: fail)")
 
@@ -140,7 +143,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             queue.put_nowait(RequestOutput(rid, [], "abort"))
             found = True
         else:
-            found = await self.rt.call(lambda e: e.abort(rid))
+            found = await self.rt.call(commands.Abort(rid))
         return worker_pb2.WorkerAbortResponse(found=found)
 
 

@@ -1,10 +1,20 @@
 """The engine core: one worker's model, KV cache, scheduler and step loop.
 
 A step reads as the algorithm: ``scheduler.schedule()`` -> ``runner.execute()`` ->
-``scheduler.update_from_output()``. Roles: a ``prefill`` worker adds requests with
-``hold_kv=True`` (compute the prompt, sample the first token, keep the KV until it has been
-sent); a ``decode`` worker ``reserve()``s blocks for a prompt whose KV another worker writes,
-then ``finish_remote_prefill()`` admits it; ``unified`` does both in one process.
+``scheduler.update_from_output()``, each phase timed from outside (``EngineMetrics.timed``). Roles: a
+``prefill`` worker adds requests with ``hold_kv=True`` (compute the prompt, sample the first
+token, keep the KV until it has been sent); a ``decode`` worker ``reserve()``s blocks for a
+prompt whose KV another worker writes, then ``finish_remote_prefill()`` admits it; ``unified``
+does both in one process.
+
+Fault containment: when ``runner.execute`` raises, nothing of the scheduler's state has advanced
+yet (``update_from_output`` has not run), so the step's requests are run again one by one. A
+request that raises alone is failed (aborted, its blocks freed, an output with ``error``); the
+others' tokens are used as if the batch had succeeded (re-running a request rewrites its KV
+slots with the same values). When no request succeeds alone (two or more in the step, or
+``MAX_STEPS_LOST_ALL`` such steps in a row), or anything outside ``execute`` raises, the failure
+is the engine's: ``EngineDeadError`` (or the exception) propagates; do not step it again.
+A fault raised while the sampler draws may shift a seeded request's random stream by one draw.
 """
 from __future__ import annotations
 
@@ -18,17 +28,22 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from .block_manager import BlockManager
 from .config import KVCacheLayout, ModelConfig
+from .faults import EngineFaults
 from .loader import load_model
-from .metrics import STEP_PHASES, EngineMetrics
+from .metrics import EngineMetrics
 from .model import LlamaForCausalLM
 from .model_files import default_model_path
 from .model_runner import ModelRunner
+from .outputs import EngineDeadError, RequestOutput
+from .policy import create_scheduler
 from .request import Request, RequestStatus
 from .sampler import TokenLogprobs
 from .sampling_params import SamplingParams
-from .scheduler import RequestOutput, Scheduler, SchedulerConfig, SchedulerOutput
+from .scheduler import SchedulerConfig, SchedulerOutput
 
 log = logging.getLogger(__name__)
+
+MAX_STEPS_LOST_ALL = 3  # single-request steps in a row that fail: the engine's fault, not theirs
 
 
 class EngineConfig(BaseModel):
@@ -47,12 +62,20 @@ class EngineConfig(BaseModel):
     max_model_len: int | None = Field(default=None, gt=1)  # default: the model's context
     scheduling_policy: Literal["continuous", "static"] = "continuous"
     enable_prefix_caching: bool = True
+    # tokens one prompt chunk may take per step while others wait (scheduler.py); 0: no cap;
+    # None: the role's default (a prefill worker caps, see services/serve.py; otherwise none)
+    long_prefill_token_threshold: int | None = Field(default=None, ge=0)
 
 
 class LLMEngine:
-    """Synchronous engine: callers own the thread that calls ``step()``."""
+    """Synchronous engine: callers own the thread that calls ``step()``.
 
-    def __init__(self, config: EngineConfig | None = None, *, weights=None) -> None:
+    ``weights``: ``(ModelConfig, state_dict)`` already loaded (else read from ``config.model``).
+    ``fault_injection``: TEST ONLY, honour the fault tags of ``faults.py`` in request ids.
+    """
+
+    def __init__(self, config: EngineConfig | None = None, *, weights=None,
+                 fault_injection: bool = False) -> None:
         self.config = config = config or EngineConfig()
         t0 = time.perf_counter()
         model_config, state_dict = weights if weights is not None else load_model(config.model)
@@ -62,20 +85,24 @@ class LLMEngine:
         _load_weights(model, state_dict)
         model = model.to(device=config.device, dtype=dtype).eval()
         self.layout = KVCacheLayout.of(model_config, config.block_size, dtype)
-        num_blocks = config.num_kv_blocks or self._blocks_for_memory(config.kv_cache_memory_gib)
+        per_block = self.layout.block_bytes * 2 * self.layout.num_layers  # bytes, K and V
+        num_blocks = config.num_kv_blocks or max(1, int(config.kv_cache_memory_gib * 2**30) // per_block)
         kv_shape = (self.layout.num_layers, 2, num_blocks, config.block_size,
                     self.layout.num_kv_heads, self.layout.head_dim)
         self.kv_cache = torch.zeros(kv_shape, dtype=dtype, device=config.device)
         self.max_model_len = min(config.max_model_len or model_config.max_position_embeddings,
                                  model_config.max_position_embeddings)
         self.block_manager = BlockManager(num_blocks, config.block_size)
-        self.scheduler = Scheduler(
+        self.scheduler = create_scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
-                            config.scheduling_policy, config.enable_prefix_caching),
+                            config.scheduling_policy, config.enable_prefix_caching,
+                            config.long_prefill_token_threshold or 0),
             self.block_manager,
         )
         self.runner = ModelRunner(model, self.kv_cache, config.block_size)
         self.metrics = EngineMetrics()
+        self._faults = EngineFaults() if fault_injection else None
+        self._steps_lost_all = 0  # failed steps in a row whose every request failed alone
         log.info("engine ready in %.1fs: %d KV blocks of %d tokens, max_model_len %d",
                  time.perf_counter() - t0, num_blocks, config.block_size, self.max_model_len)
 
@@ -96,10 +123,6 @@ class LLMEngine:
         self.metrics = EngineMetrics()
         return time.perf_counter() - t0
 
-    def _blocks_for_memory(self, gib: float) -> int:
-        per_block = self.layout.block_bytes * 2 * self.layout.num_layers
-        return max(1, int(gib * 2**30) // per_block)
-
     # -- requests ----------------------------------------------------------------------------
     def make_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -118,14 +141,27 @@ class LLMEngine:
             raise ValueError(f"prompt: {len(prompt_token_ids)} tokens exceed this worker's KV cache")
         if request_id in self.scheduler.requests:
             raise ValueError(f"request_id: {request_id!r} is already in use")
+        self.check_params(params)
         return Request(request_id, list(prompt_token_ids), params,
                        eos_token_id=self.model_config.eos_token_id, hold_kv_on_finish=hold_kv)
 
+    def check_params(self, params: SamplingParams) -> None:
+        """Check what ``SamplingParams`` cannot know alone: token ids within this model's
+        vocabulary. Raises ``ValueError`` naming the field."""
+        vocab = self.model_config.vocab_size
+        bad = [t for t in params.stop_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"stop_token_ids: {bad[:5]} outside the vocabulary [0, {vocab})")
+
     def add_request(self, request: Request) -> None:
+        """Queue a request. Raises ``ValueError`` naming a field the model cannot serve."""
+        self.check_params(request.sampling_params)
         self.scheduler.add_request(request)
 
     def reserve(self, request: Request) -> bool:
-        """Decode role: reserve blocks for the prompt's KV; False when too few are free."""
+        """Decode role: reserve blocks for the prompt's KV; False when too few are free.
+        Raises ``ValueError`` naming a field the model cannot serve."""
+        self.check_params(request.sampling_params)
         return self.scheduler.reserve(request)
 
     def finish_remote_prefill(self, request_id: str, first_token_id: int,
@@ -157,7 +193,10 @@ class LLMEngine:
         return True
 
     def abort(self, request_id: str) -> bool:
+        """Finish a request in any state and free its blocks. False if unknown."""
         self.runner.remove_request(request_id)
+        if self._faults is not None:
+            self._faults.forget(request_id)
         return self.scheduler.abort(request_id)
 
     def release(self, request_id: str) -> None:
@@ -170,19 +209,65 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """One iteration: schedule, run the model once, sample, update. Finished requests are
-        evicted and their blocks freed (unless held) before this returns."""
-        m = self.metrics
-        t0 = time.perf_counter()
-        out = self.scheduler.schedule()
+        evicted and their blocks freed (unless held) before this returns; requests the step
+        failed alone come first, with ``error`` set. Raises ``EngineDeadError`` (or what the
+        scheduler raised) when the engine cannot continue; see the module docstring."""
+        out = self.metrics.timed("schedule", self.scheduler.schedule)
         if not out.scheduled:
             return []
-        t1 = time.perf_counter()
-        inputs = self.runner.prepare_inputs(out)
-        t2 = time.perf_counter()
-        logits = self.runner.forward(inputs)
-        t3 = time.perf_counter()
-        sampled, logprobs = self.runner.sample(out, inputs, logits)
-        t4 = time.perf_counter()
+        sampled, logprobs, failed = self._execute(out)
+        if self._faults is not None:
+            self._faults.after_execute(out)
+        outputs = self.metrics.timed("postprocess", self._update, out, sampled, logprobs)
+        self.metrics.record_step(out, self.scheduler, len(outputs))
+        return failed + outputs
+
+    def _run_model(self, out: SchedulerOutput):
+        if self._faults is not None:
+            self._faults.before_execute(out)
+        return self.runner.execute(out, self.metrics.timed)
+
+    def _execute(self, out: SchedulerOutput):
+        """``runner.execute``, or on failure each request alone: (tokens, logprobs, failed)."""
+        try:
+            sampled, logprobs = self._run_model(out)
+        except Exception as exc:  # noqa: BLE001 - attributed below, or re-raised as the engine's
+            return self._execute_alone(out, exc)
+        self._steps_lost_all = 0
+        return sampled, logprobs, []
+
+    def _execute_alone(self, out: SchedulerOutput, exc: Exception):
+        n = len(out.scheduled)
+        log.warning("engine step of %d requests failed (%s: %s); running each alone",
+                    n, type(exc).__name__, exc)
+        sampled: list[int | None] = [None] * n
+        logprobs: list[TokenLogprobs | None] = [None] * n
+        failed: list[RequestOutput] = []
+        for i, request in enumerate(out.scheduled):
+            alone = SchedulerOutput([request], {request.request_id:
+                                                out.num_scheduled_tokens[request.request_id]})
+            try:
+                (sampled[i],), (logprobs[i],) = self._run_model(alone)
+            except Exception as cause:  # noqa: BLE001 - this request's own failure
+                if request.is_padding:
+                    raise EngineDeadError(f"a static batch's padding row failed: {cause}") from cause
+                failed.append(self._fail(request, cause))
+        self._steps_lost_all = self._steps_lost_all + 1 if len(failed) == n else 0
+        if len(failed) == n and (n > 1 or self._steps_lost_all >= MAX_STEPS_LOST_ALL):
+            raise EngineDeadError(f"engine step failed for every request, alone too: "
+                                  f"{type(exc).__name__}: {exc}") from exc
+        return sampled, logprobs, failed
+
+    def _fail(self, request: Request, cause: Exception) -> RequestOutput:
+        """Abort ``request`` (blocks freed) because running it raises ``cause``."""
+        error = f"{type(cause).__name__}: {cause}"
+        log.error("request %s failed in the engine: %s", request.request_id, error, exc_info=cause)
+        self.abort(request.request_id)
+        return RequestOutput(request.request_id, [], "abort", request.num_prompt_tokens,
+                             len(request.output_token_ids), error=error)
+
+    def _update(self, out: SchedulerOutput, sampled: list[int | None],
+                logprobs: list[TokenLogprobs | None]) -> list[RequestOutput]:
         outputs = self.scheduler.update_from_output(out, sampled)
         by_id = {r.request_id: lp for r, lp in zip(out.scheduled, logprobs) if lp is not None}
         for o in outputs:
@@ -190,36 +275,13 @@ class LLMEngine:
                 o.logprobs = [by_id[o.request_id]]
             if o.finish_reason:
                 self.runner.remove_request(o.request_id)
-        t5 = time.perf_counter()
-        for phase, dt in zip(STEP_PHASES, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4)):
-            m.phase_s[phase] += dt
-        self._count(out, len(outputs))
         return outputs
-
-    def _count(self, out: SchedulerOutput, num_generated: int) -> None:
-        m = self.metrics
-        m.num_steps += 1
-        m.num_batched_tokens += out.total_num_scheduled_tokens
-        m.num_scheduled_seqs += len(out.scheduled)
-        m.num_generated_tokens += num_generated
-        bs = self.block_manager.block_size
-        m.kv_allocated_slots += sum(len(r.block_table) for r in out.scheduled) * bs
-        # a static batch's padding rows hold slots whose KV no request uses
-        m.kv_used_slots += sum(min(r.num_computed_tokens, len(r.block_table) * bs)
-                               for r in out.scheduled if not r.is_padding)
-        m.kv_used_blocks += self.block_manager.num_used_blocks
-        m.num_preemptions = self.scheduler.num_preemptions
-        m.prefix_cache_queries = self.scheduler.prefix_cache_queries  # cumulative, tokens
-        m.prefix_cache_hits = self.scheduler.prefix_cache_hits
 
     def load(self) -> dict[str, int]:
         """Load figures for the worker registry."""
-        return {
-            "free_kv_blocks": self.block_manager.num_free_blocks,
-            "total_kv_blocks": self.block_manager.num_blocks,
-            "num_running": len(self.scheduler.running),
-            "num_waiting": self.scheduler.num_waiting,
-        }
+        bm, s = self.block_manager, self.scheduler
+        return {"free_kv_blocks": bm.num_free_blocks, "total_kv_blocks": bm.num_blocks,
+                "num_running": len(s.running), "num_waiting": s.num_waiting}
 
 
 def _load_weights(model: LlamaForCausalLM, state_dict: dict[str, torch.Tensor]) -> None:

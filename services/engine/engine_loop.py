@@ -1,7 +1,11 @@
 """Runs an ``LLMEngine`` on its own thread so model forward passes never block an event loop.
 
-Callers submit commands (thread-safe); the loop applies them between steps, steps while there is
-work, and hands every ``RequestOutput`` to ``on_outputs`` from the engine thread.
+Callers ``submit`` commands (``commands.py``: the whole list of what a caller may ask; thread
+safe); the loop applies them between steps, steps while there is work, and hands every
+``RequestOutput`` to ``on_outputs`` from the engine thread. A request the engine fails alone
+comes out as an output with ``error`` (see ``LLMEngine.step``). When the engine cannot continue
+the thread ends: ``on_fatal(exc)`` is called once from it, every queued command's future fails
+with ``EngineDeadError``, and so does every later ``submit``.
 """
 from __future__ import annotations
 
@@ -10,10 +14,10 @@ import queue
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any
 
+from . import commands as c
 from .engine import LLMEngine
-from .scheduler import RequestOutput
+from .outputs import EngineDeadError, RequestOutput
 
 log = logging.getLogger(__name__)
 
@@ -21,14 +25,17 @@ _STOP = object()
 
 
 class EngineLoop:
-    """Owns the engine thread. ``call(fn)`` runs ``fn(engine)`` on it and returns a Future."""
+    """Owns the engine thread. ``submit(command)`` returns a Future of the command's result."""
 
-    def __init__(self, engine: LLMEngine, on_outputs: Callable[[list[RequestOutput]], None]) -> None:
+    def __init__(self, engine: LLMEngine, on_outputs: Callable[[list[RequestOutput]], None],
+                 on_fatal: Callable[[BaseException], None] | None = None) -> None:
         self.engine = engine
         self._on_outputs = on_outputs
+        self._on_fatal = on_fatal
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
-        self.step_count = 0
+        self._lock = threading.Lock()  # orders submit() against the thread's death
+        self.dead: BaseException | None = None  # why the engine stopped, once it has died
 
     def start(self) -> None:
         self._thread.start()
@@ -37,13 +44,29 @@ class EngineLoop:
         self._commands.put(_STOP)
         self._thread.join(timeout_s)
 
-    def call(self, fn: Callable[[LLMEngine], Any]) -> Future:
-        """Run ``fn(engine)`` on the engine thread before its next step."""
+    def is_alive(self) -> bool:
+        """Whether the engine thread runs (False before ``start``, after ``stop`` or death)."""
+        return self._thread.is_alive() and self.dead is None
+
+    def submit(self, command: c.EngineCommand) -> Future:
+        """Apply ``command`` on the engine thread before its next step. The future fails with
+        ``EngineDeadError`` when the engine has died (at once, or when it dies first)."""
         fut: Future = Future()
-        self._commands.put((fn, fut))
+        with self._lock:
+            if self.dead is None:
+                self._commands.put((command, fut))
+                return fut
+        fut.set_exception(EngineDeadError(f"the engine has stopped: {self.dead}"))
         return fut
 
     def _run(self) -> None:
+        try:
+            self._serve()
+        except BaseException as exc:  # noqa: BLE001 - the engine cannot go on: say so, once
+            log.critical("engine thread died: %s: %s", type(exc).__name__, exc, exc_info=exc)
+            self._die(exc)
+
+    def _serve(self) -> None:
         while True:
             block = not self.engine.has_work()
             try:
@@ -56,19 +79,46 @@ class EngineLoop:
             except queue.Empty:
                 pass
             if self.engine.has_work():
-                try:
-                    outputs = self.engine.step()
-                except Exception:  # a broken step must not leave every stream hanging
-                    log.exception("engine step failed")
-                    raise
-                self.step_count += 1
+                outputs = self.engine.step()
                 if outputs:
                     self._on_outputs(outputs)
 
-    def _apply(self, fn: Callable[[LLMEngine], Any], fut: Future) -> None:
+    def _die(self, exc: BaseException) -> None:
+        with self._lock:
+            self.dead = exc
+        while True:  # nothing is added after ``dead`` is set
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if cmd is not _STOP and cmd[1].set_running_or_notify_cancel():
+                cmd[1].set_exception(EngineDeadError(f"the engine has stopped: {exc}"))
+        if self._on_fatal is not None:
+            self._on_fatal(exc)
+
+    def _apply(self, command: c.EngineCommand, fut: Future) -> None:
         if not fut.set_running_or_notify_cancel():
             return
         try:
-            fut.set_result(fn(self.engine))
-        except BaseException as exc:  # noqa: BLE001 - handed to the caller
+            fut.set_result(self._dispatch(command))
+        except Exception as exc:  # noqa: BLE001 - handed to the caller
             fut.set_exception(exc)
+
+    def _dispatch(self, command: c.EngineCommand):
+        e = self.engine
+        match command:
+            case c.MakeRequest(rid, prompt, params, hold_kv):
+                return e.make_request(rid, prompt, params, hold_kv=hold_kv)
+            case c.AddRequest(request):
+                return e.add_request(request)
+            case c.Reserve(request):
+                return e.reserve(request)
+            case c.FinishRemotePrefill(rid, first_token_id, logprobs):
+                return e.finish_remote_prefill(rid, first_token_id, logprobs)
+            case c.PrefillLocally(rid):
+                return e.prefill_locally(rid)
+            case c.Abort(rid):
+                return e.abort(rid)
+            case c.Release(rid):
+                return e.release(rid)
+        raise TypeError(f"not an engine command: {type(command).__name__}")

@@ -1,7 +1,13 @@
 """Counters an engine accumulates over its steps; benchmarks read and reset them."""
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .scheduler import Scheduler, SchedulerOutput
 
 STEP_PHASES = ("schedule", "prepare_inputs", "forward", "sample", "postprocess")
 
@@ -25,6 +31,31 @@ class EngineMetrics:
     prefix_cache_hits: int = 0  # of those, tokens found (their KV reused)
     num_preemptions: int = 0
     phase_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STEP_PHASES, 0.0))
+
+    def timed(self, phase: str, fn: Callable, *args):
+        """``fn(*args)``, its wall time added to ``phase_s[phase]`` (seconds)."""
+        t0 = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            self.phase_s[phase] += time.perf_counter() - t0
+
+    def record_step(self, out: SchedulerOutput, scheduler: Scheduler, num_generated: int) -> None:
+        """Add one step that ran ``out`` and generated ``num_generated`` tokens."""
+        self.num_steps += 1
+        self.num_batched_tokens += out.total_num_scheduled_tokens
+        self.num_scheduled_seqs += len(out.scheduled)
+        self.num_generated_tokens += num_generated
+        bm = scheduler.block_manager
+        bs = bm.block_size
+        self.kv_allocated_slots += sum(len(r.block_table) for r in out.scheduled) * bs
+        # a static batch's padding rows hold slots whose KV no request uses
+        self.kv_used_slots += sum(min(r.num_computed_tokens, len(r.block_table) * bs)
+                                  for r in out.scheduled if not r.is_padding)
+        self.kv_used_blocks += bm.num_used_blocks
+        self.num_preemptions = scheduler.num_preemptions
+        self.prefix_cache_queries = scheduler.prefix_cache_queries  # cumulative, tokens
+        self.prefix_cache_hits = scheduler.prefix_cache_hits
 
     @property
     def mean_batch_size(self) -> float:

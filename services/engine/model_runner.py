@@ -6,6 +6,7 @@ last token of each sequence whose prompt (or recompute) completes this step.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -27,8 +28,12 @@ class ModelInputs:
     sampled_rows: list[int]  # batch rows that sample, aligned with logits_indices
 
 
+def _untimed(phase: str, fn: Callable, *args):
+    return fn(*args)
+
+
 class ModelRunner:
-    """Owns the model and the KV cache tensor; one ``execute`` per engine step."""
+    """Owns the model and the KV cache tensor; ``execute`` runs one engine step's batch."""
 
     def __init__(self, model: LlamaForCausalLM, kv_cache: torch.Tensor, block_size: int) -> None:
         self.model = model
@@ -78,10 +83,13 @@ class ModelRunner:
                 logprobs[inputs.order[row]] = TokenLogprobs.from_sampler(result, k, num_top)
         return sampled, logprobs
 
-    def execute(self, out: SchedulerOutput) -> list[int | None]:
-        """prepare_inputs + forward + sample in one call."""
-        inputs = self.prepare_inputs(out)
-        return self.sample(out, inputs, self.forward(inputs))[0]
+    def execute(self, out: SchedulerOutput, timed: Callable = _untimed,
+                ) -> tuple[list[int | None], list[TokenLogprobs | None]]:
+        """One step's model work: ``prepare_inputs`` -> ``forward`` -> ``sample``; returns what
+        ``sample`` does. ``timed(phase, fn, *args)`` runs each phase (the engine times them)."""
+        inputs = timed("prepare_inputs", self.prepare_inputs, out)
+        logits = timed("forward", self.forward, inputs)
+        return timed("sample", self.sample, out, inputs, logits)
 
     def prepare_inputs(self, out: SchedulerOutput) -> ModelInputs:
         reqs = out.scheduled

@@ -22,7 +22,7 @@ from .request import Request
 class SamplingMetadata:
     """Per-row settings for one step; tensors are ``[num_seqs]`` unless noted."""
 
-    temperature: torch.Tensor  # float32; 0 = greedy row
+    temperature: torch.Tensor  # float32; 0 = greedy row (temperature below SAMPLING_EPS)
     top_p: torch.Tensor
     top_k: torch.Tensor  # int64; 0 disables
     min_p: torch.Tensor
@@ -40,7 +40,7 @@ class SamplingMetadata:
         f32 = lambda xs: torch.tensor(xs, dtype=torch.float32)  # noqa: E731
         asked = [p.logprobs for p in params if p.logprobs is not None]
         return cls(
-            temperature=f32([p.temperature for p in params]),
+            temperature=f32([0.0 if p.greedy else p.temperature for p in params]),
             top_p=f32([p.top_p for p in params]),
             top_k=torch.tensor([p.top_k for p in params], dtype=torch.int64),
             min_p=f32([p.min_p for p in params]),

@@ -1,6 +1,10 @@
 """Per-request generation options, validated at the edge (field names follow OpenAI's API)."""
 from __future__ import annotations
 
+# below this temperature a request samples greedily (vLLM's _SAMPLING_EPS): dividing logits by
+# a tiny temperature overflows them to inf, and the softmax of inf is nan
+SAMPLING_EPS = 1e-5
+
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
@@ -8,14 +12,16 @@ class SamplingParams(BaseModel):
     """How to pick each next token and when to stop.
 
     Validation raises ``pydantic.ValidationError`` (a ``ValueError``) whose message names the
-    field; the services turn it into INVALID_ARGUMENT / HTTP 400.
+    field; the services turn it into INVALID_ARGUMENT / HTTP 400. Every float must be finite
+    (inf and nan are refused, naming the field). Token ids are checked against the model by the
+    engine (``LLMEngine.check_params``). A temperature below ``SAMPLING_EPS`` means greedy.
     """
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
     max_tokens: int = Field(default=256, gt=0)  # output tokens, first token included
     min_tokens: int = Field(default=0, ge=0)  # EOS and stop tokens cannot end it earlier
-    temperature: float = Field(default=1.0, ge=0.0)  # 0 means greedy
+    temperature: float = Field(default=1.0, ge=0.0)  # below SAMPLING_EPS: greedy
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)  # nucleus mass kept
     top_k: int = Field(default=0, ge=0)  # 0 disables top-k
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)  # drop tokens below min_p x top prob
@@ -50,7 +56,7 @@ class SamplingParams(BaseModel):
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < SAMPLING_EPS
 
     @property
     def has_penalties(self) -> bool:

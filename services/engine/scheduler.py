@@ -7,8 +7,15 @@ admitted with nothing computed (new, or preempted) starts after its longest pref
 block manager's prefix cache; blocks that become full are registered after each step. When a
 running request cannot get a block, the newest running request is preempted (its blocks freed,
 its tokens recomputed later, mostly from the prefix cache), so the scheduler never deadlocks on
-KV memory; no request is admitted in a step that preempted (vLLM v1). ``policy="static"`` hands
-admission to ``StaticBatcher`` (the padded static-batching baseline).
+KV memory; no request is admitted in a step that preempted (vLLM v1).
+
+With ``long_prefill_token_threshold`` T > 0, a prompt chunk is capped at T tokens in a step
+where other requests wait behind it, so a short prompt queued behind a long one is admitted in
+the same step instead of after the long prompt's last chunk (vLLM's
+``long_prefill_token_threshold``; vLLM caps always, this caps only when someone waits).
+
+``policy="static"`` is the subclass ``StaticScheduler`` (``static_batch.py``, the padded
+static-batching baseline); ``create_scheduler`` (``policy.py``) picks the class from the config.
 """
 from __future__ import annotations
 
@@ -18,8 +25,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from .block_manager import BlockManager
+from .outputs import RequestOutput
 from .request import Request, RequestStatus
-from .static_batch import StaticBatcher
 
 POLICIES = ("continuous", "static")
 
@@ -33,6 +40,8 @@ class SchedulerConfig:
     # KV preallocated to the longest sequence's maximum length per slot (the baseline)
     policy: str = "continuous"
     enable_prefix_caching: bool = True
+    # tokens one prompt chunk may take in a step while other requests wait; 0: no cap
+    long_prefill_token_threshold: int = 0
 
 
 @dataclass
@@ -51,18 +60,6 @@ class SchedulerOutput:
         return sum(self.num_scheduled_tokens.values())
 
 
-@dataclass
-class RequestOutput:
-    """New tokens of one request after a step; ``finish_reason`` is set on its last output."""
-
-    request_id: str
-    new_token_ids: list[int]
-    finish_reason: str | None = None
-    num_prompt_tokens: int = 0
-    num_output_tokens: int = 0
-    logprobs: list | None = None  # per new token, when the request asked for logprobs
-
-
 class Scheduler:
     """Decides, each step, which requests run and how many tokens each computes.
 
@@ -70,18 +67,28 @@ class Scheduler:
     sequence that reaches it finishes with "length" instead of preempting itself forever.
     Counters (cumulative): ``num_preemptions``; ``prefix_cache_queries`` tokens looked up at
     admission and ``prefix_cache_hits`` of them found in the prefix cache.
+
+    Raises ``ValueError`` naming ``policy`` when the config asks for another class's policy
+    (build schedulers with ``policy.create_scheduler``).
     """
+
+    policy = "continuous"
 
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
         if config.policy not in POLICIES:
             raise ValueError(f"policy: {config.policy!r} is not one of {POLICIES}")
+        if config.policy != self.policy:
+            raise ValueError(f"policy: {config.policy!r} needs its own scheduler class "
+                             f"(use create_scheduler), not {type(self).__name__}")
+        if config.long_prefill_token_threshold < 0:
+            raise ValueError("long_prefill_token_threshold: must be >= 0, got "
+                             f"{config.long_prefill_token_threshold}")
         capacity = block_manager.num_blocks * block_manager.block_size
         self.config = dataclasses.replace(config, max_model_len=min(config.max_model_len, capacity))
         self.block_manager = block_manager
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}  # every unfinished request, and held ones
-        self.static = StaticBatcher(self) if config.policy == "static" else None
         self.num_preemptions = 0
         self.prefix_cache_queries = 0  # tokens
         self.prefix_cache_hits = 0  # tokens
@@ -139,21 +146,28 @@ class Scheduler:
     # -- one step ----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        if self.static is not None:
-            self.static.admit()
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
-        if self.static is not None:
-            self.static.schedule_padding(out, budget)
-        elif not out.preempted:
-            self._schedule_waiting(out, budget)
+        self._schedule_new(out, budget)
         return out
+
+    def _schedule_new(self, out: SchedulerOutput, budget: int) -> None:
+        """Spend the budget left after the running requests (no admission after a preemption)."""
+        if not out.preempted:
+            self._schedule_waiting(out, budget)
+
+    def _chunk(self, remaining: int, budget: int, others_waiting: bool) -> int:
+        """Tokens to compute for a request with ``remaining`` uncomputed tokens."""
+        num_new = min(remaining, budget)
+        cap = self.config.long_prefill_token_threshold
+        return min(num_new, cap) if cap and others_waiting else num_new
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         """Schedule running requests in order; returns the token budget left."""
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = self._chunk(request.num_tokens - request.num_computed_tokens, budget,
+                                  bool(self.waiting))
             if not self._allocate_or_preempt(request, num_new, out):
                 continue  # ``request`` itself was preempted: running[i] is now another request
             out.scheduled.append(request)
@@ -168,7 +182,8 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             hits = self.prefix_hit(request)
-            num_new = min(request.num_tokens - request.num_computed_tokens - len(hits) * bs, budget)
+            num_new = self._chunk(request.num_tokens - request.num_computed_tokens - len(hits) * bs,
+                                  budget, len(self.waiting) > 1)
             if not self.block_manager.allocate_slots(request, num_new, hits):
                 break
             self.start_running(request, hits)
@@ -201,9 +216,6 @@ class Scheduler:
         ``out.scheduled[i]`` and is None for a prompt chunk that is not the prompt's last."""
         outputs = []
         for request, token_id in zip(out.scheduled, sampled_token_ids):
-            if request.is_padding:
-                self.static.advance_padding(request, token_id)
-                continue
             if request.is_finished():  # aborted while the step ran
                 continue
             request.num_computed_tokens += out.num_scheduled_tokens[request.request_id]
@@ -213,8 +225,6 @@ class Scheduler:
                 outputs.append(self._append_token(request, token_id))
         if any(r.is_finished() for r in self.running):
             self.running = [r for r in self.running if not r.is_finished()]
-            if self.static is not None and not self.running:
-                self.static.release_slots()  # the batch drained
         return outputs
 
     def _append_token(self, request: Request, token_id: int) -> RequestOutput:
@@ -232,14 +242,9 @@ class Scheduler:
 
     # -- finishing ---------------------------------------------------------------------------
     def _finish(self, request: Request, status: RequestStatus) -> None:
-        was_running = request.status == RequestStatus.RUNNING
         request.status = status
         if request.hold_kv_on_finish and status != RequestStatus.FINISHED_ABORTED:
             return  # the prefill worker frees it with release() once the KV was sent
-        if self.static is not None and was_running:
-            self.requests.pop(request.request_id, None)
-            self.static.hold_slot(request)  # a padding row until the whole batch has drained
-            return
         self.release(request.request_id)
 
     def release(self, request_id: str) -> None:
@@ -257,8 +262,6 @@ class Scheduler:
             self.waiting.remove(request)
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
-            if self.static is not None and not self.running:
-                self.static.release_slots()
         request.status = RequestStatus.FINISHED_ABORTED
         self.release(request_id)
         return True

@@ -19,6 +19,7 @@ import logging
 import time
 
 from services.api import worker_pb2, worker_pb2_grpc
+from services.engine import commands
 from services.kv_transfer import KVLeaseRefusedError, KVTransferError
 from services.prefill.faults import Faults
 from services.rpc import Aborted
@@ -101,7 +102,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         held, write = False, None
         keeper = asyncio.ensure_future(self._keep_lease(dest, lease))
         try:
-            req = await self.rt.call(lambda e: e.make_request(
+            req = await self.rt.call(commands.MakeRequest(
                 rid, list(request.prompt_token_ids), params, hold_kv=True))
             n_blocks = self.rt.engine.block_manager.blocks_needed(req.num_prompt_tokens)
             if len(dest.block_ids) != n_blocks:
@@ -109,9 +110,10 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
                                  f"{req.num_prompt_tokens} prompt tokens, expected {n_blocks}")
             await asyncio.sleep(faults.queue_delay_s)
             held = True  # before the await: cancelled after the engine added it, it is still freed
-            await self.rt.call(lambda e: e.add_request(req))
+            await self.rt.call(commands.AddRequest(req))
             out = await _first_output(queue, lease)
             keeper.cancel()  # NOTE: a grant being written is not renewed; the write ends in time
+            self.rt.check_output(out)  # failed alone, or the engine died: an error
             t_first = time.monotonic()
             note = json.dumps({"request_id": rid, "status": "landed",
                                "first_token_id": out.new_token_ids[0],

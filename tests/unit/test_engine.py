@@ -7,6 +7,7 @@ import threading
 
 import pytest
 
+from services.engine.commands import AddRequest, MakeRequest
 from services.engine.engine import EngineConfig, LLMEngine
 from services.engine.engine_loop import EngineLoop
 from services.engine.loader import load_model
@@ -108,8 +109,8 @@ def test_engine_loop_runs_on_its_own_thread(prompts):
     loop = EngineLoop(engine, on_outputs)
     loop.start()
     try:
-        req = loop.call(lambda e: e.make_request("t", prompts[0], GREEDY)).result(timeout=10)
-        loop.call(lambda e: e.add_request(req)).result(timeout=10)
+        req = loop.submit(MakeRequest("t", prompts[0], GREEDY)).result(timeout=10)
+        loop.submit(AddRequest(req)).result(timeout=10)
         assert done.wait(timeout=120)
     finally:
         loop.stop()

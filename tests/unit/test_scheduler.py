@@ -7,6 +7,7 @@ import pytest
 from services.engine.block_manager import BlockManager
 from services.engine.request import Request, RequestStatus
 from services.engine.sampling_params import SamplingParams
+from services.engine.policy import create_scheduler as scheduler_for
 from services.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 
 EOS = 2
@@ -15,8 +16,8 @@ TOKEN = 7  # what the fake runner samples unless told otherwise
 
 def create_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=64,
                      max_model_len=1024, **config) -> Scheduler:
-    return Scheduler(SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len, **config),
-                     BlockManager(num_blocks, block_size))
+    return scheduler_for(SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len, **config),
+                         BlockManager(num_blocks, block_size))
 
 
 def create_requests(n, prompt_len=6, max_tokens=4, **params) -> list[Request]:

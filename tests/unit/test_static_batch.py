@@ -58,7 +58,7 @@ def run_static_batch(reqs: list[Request], budget: int) -> list[list[str]]:
     assert {k: len(v) for k, v in tokens.items()} == expected
     longest = max(r.num_prompt_tokens for r in reqs) + max(expected.values())
     assert set(slot_blocks.values()) == {-(-longest // 4)}  # a left-padded batch's shape
-    assert not s.static.padding
+    assert not s.padding
     assert_pool_full(s)
     return shapes
 
