@@ -78,6 +78,9 @@ ENGINE_HELP = {
     "max_model_len": "longest sequence in tokens (default: the model's context length)",
     "scheduling_policy": "continuous (iteration-level) or static batching",
     "enable_prefix_caching": "reuse the KV blocks of a shared prompt prefix",
+    "long_prefill_token_threshold": "most prompt tokens one request computes per step while "
+                                    "others wait (0: no cap; default: prefill workers a quarter "
+                                    "of max_num_batched_tokens, others no cap)",
 }
 ENGINE_NAMES = {"kv_cache_memory_gib": ("TANDEM_KV_CACHE_GIB", "--kv-cache-gib")}
 
