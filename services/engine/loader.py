@@ -116,39 +116,42 @@ def load_gguf(path: str | os.PathLike) -> tuple[ModelConfig, StateDict]:
 
 
 def _gguf_config(reader: Any, tensor_names: set[str]) -> ModelConfig:
-    """ModelConfig from the ``llama.*`` and ``tokenizer.ggml.*`` metadata of a GGUF file."""
-    arch = gguf_field(reader, "general.architecture")
+    """ModelConfig from the ``llama.*`` and ``tokenizer.ggml.*`` metadata of a GGUF file:
+    ``reader`` is a ``gguf.GGUFReader`` or a ``gguf_file.GGUFFile``."""
+    field = getattr(reader, "field", None) or (lambda key, default=None: gguf_field(reader, key, default))
+    arch = field("general.architecture")
     if arch != "llama":
         raise ValueError(f"unsupported GGUF architecture {arch!r}: only 'llama' is supported")
-    rope_scaling = gguf_field(reader, "llama.rope.scaling.type", "none")
+    rope_scaling = field("llama.rope.scaling.type", "none")
     if rope_scaling != "none":
         raise ValueError(f"unsupported llama.rope.scaling.type {rope_scaling!r}")
 
     def required(key: str) -> Any:
-        value = gguf_field(reader, f"llama.{key}")
+        value = field(f"llama.{key}")
         if value is None:
             raise ValueError(f"GGUF metadata llama.{key} is missing")
         return value
 
     hidden = required("embedding_length")
     num_heads = required("attention.head_count")
-    vocab = gguf_field(reader, "llama.vocab_size")
+    vocab = field("llama.vocab_size")
     if vocab is None:
-        vocab = len(gguf_field(reader, "tokenizer.ggml.tokens", []))
+        tokens = field("tokenizer.ggml.tokens", [])
+        vocab = tokens if isinstance(tokens, int) else len(tokens)  # GGUFFile keeps a count
     return ModelConfig(
         vocab_size=vocab,
         hidden_size=hidden,
         intermediate_size=required("feed_forward_length"),
         num_hidden_layers=required("block_count"),
         num_attention_heads=num_heads,
-        num_key_value_heads=gguf_field(reader, "llama.attention.head_count_kv", num_heads),
-        head_dim=gguf_field(reader, "llama.attention.key_length", hidden // num_heads),
-        rope_theta=float(gguf_field(reader, "llama.rope.freq_base", 10000.0)),
+        num_key_value_heads=field("llama.attention.head_count_kv", num_heads),
+        head_dim=field("llama.attention.key_length", hidden // num_heads),
+        rope_theta=float(field("llama.rope.freq_base", 10000.0)),
         rms_norm_eps=float(required("attention.layer_norm_rms_epsilon")),
         max_position_embeddings=required("context_length"),
         tie_word_embeddings="output.weight" not in tensor_names,
-        bos_token_id=gguf_field(reader, "tokenizer.ggml.bos_token_id"),
-        eos_token_id=gguf_field(reader, "tokenizer.ggml.eos_token_id"),
+        bos_token_id=field("tokenizer.ggml.bos_token_id"),
+        eos_token_id=field("tokenizer.ggml.eos_token_id"),
     )
 
 
@@ -294,7 +297,7 @@ def load_config(path: str | os.PathLike) -> ModelConfig:
         return _hf_config(json.loads(config_file.read_text()))
     if not path.is_file():
         raise FileNotFoundError(f"model path {path} does not exist")
-    from gguf import GGUFReader
+    from .gguf_file import GGUFFile  # NOTE: skips the vocabulary: ~100x faster than GGUFReader
 
-    reader = GGUFReader(path)
+    reader = GGUFFile(path)
     return _gguf_config(reader, {t.name for t in reader.tensors})
