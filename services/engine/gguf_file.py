@@ -118,3 +118,15 @@ class GGUFFile:
 
     def field(self, key: str, default: Any = None) -> Any:
         return self.fields.get(key, default)
+
+
+def dequantized(tensor: GGUFTensor) -> np.ndarray:
+    """A tensor of the file as float32 in its numpy shape (gguf-py's dequantizers)."""
+    if tensor.type_name in ("f32", "f16"):
+        flat = tensor.data.view(np.float32 if tensor.type_name == "f32" else np.float16)
+        return flat.reshape(tensor.shape).astype(np.float32, copy=False)
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    kind = GGMLQuantizationType[tensor.type_name.upper()]
+    return dequantize(tensor.data, kind).reshape(tensor.shape).astype(np.float32, copy=False)

@@ -81,36 +81,33 @@ def gguf_field(reader: Any, key: str, default: Any = None) -> Any:
 def load_gguf(path: str | os.PathLike) -> tuple[ModelConfig, StateDict]:
     """Load a llama.cpp GGUF file of architecture ``llama``, dequantized to float32.
 
-    Every tensor goes through ``gguf.quants.dequantize`` once; Q and K rows are put back from
-    llama.cpp's rotary order to Hugging Face's (see ``_unpermute_rotary``), after which the
-    tensors are bit-identical to what transformers' own GGUF loader produces.
+    Read with ``gguf_file.GGUFFile``, every tensor through ``gguf.quants.dequantize`` once; Q/K
+    rows are put back from llama.cpp's rotary order to Hugging Face's (``_unpermute_rotary``):
+    then bit-identical to what transformers' own GGUF loader produces.
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
         ValueError: the architecture is not ``llama``, rope scaling is set, or a tensor is
             unexpected or missing.
     """
-    from gguf import GGUFReader
-    from gguf.quants import dequantize
+    from .gguf_file import GGUFFile, dequantized
 
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file {path} does not exist")
-    reader = GGUFReader(path)
+    reader = GGUFFile(path)
     config = _gguf_config(reader, {t.name for t in reader.tensors})
     heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}
     state_dict: StateDict = {}
     for tensor in reader.tensors:
-        name = _hf_name(tensor.name)
-        weights = dequantize(tensor.data, tensor.tensor_type)
+        weights = dequantized(tensor)
         kind = tensor.name.split(".")[-2]
         if kind in heads:
             weights = _unpermute_rotary(weights, heads[kind])
-        if weights.dtype != np.float32 or not weights.flags.writeable:
-            # NOTE: F32 tensors come back as read-only views of the file's memory map; copy them
-            # so the state dict owns writable memory. Dequantized tensors are fresh: no copy.
-            weights = weights.astype(np.float32)
-        state_dict[name] = torch.from_numpy(weights)
+        if not weights.flags.writeable or not weights.flags.owndata:
+            # NOTE: F32 tensors are read-only views of the memory map: copied to own them
+            weights = np.array(weights, dtype=np.float32)
+        state_dict[_hf_name(tensor.name)] = torch.from_numpy(weights)
     _check_keys(config, state_dict, source=str(path))
     return config, state_dict
 

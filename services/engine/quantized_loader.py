@@ -18,7 +18,7 @@ from kernels import quant
 from kernels.quant import QuantizedWeight
 
 from .config import ModelConfig
-from .gguf_file import GGUFFile, GGUFTensor
+from .gguf_file import GGUFFile, dequantized
 from .loader import _check_keys, _gguf_config, _hf_name
 
 _EMBEDDINGS = ("model.embed_tokens.weight", "lm_head.weight")
@@ -96,18 +96,6 @@ def load_gguf_quantized(path: str | os.PathLike, fmt: str,
             dense[name] = torch.from_numpy(np.array(dequantized(t), dtype=np.float32))
     _check_keys(config, {**dense, **blocks}, source=str(path))
     return config, dense, blocks
-
-
-def dequantized(tensor: GGUFTensor) -> np.ndarray:
-    """A tensor of the file as float32 in its numpy shape (gguf-py's dequantizers)."""
-    if tensor.type_name in ("f32", "f16"):
-        flat = tensor.data.view(np.float32 if tensor.type_name == "f32" else np.float16)
-        return flat.reshape(tensor.shape).astype(np.float32, copy=False)
-    from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize
-
-    kind = GGMLQuantizationType[tensor.type_name.upper()]
-    return dequantize(tensor.data, kind).reshape(tensor.shape).astype(np.float32, copy=False)
 
 
 def quantize_state_dict(config: ModelConfig, state_dict: dict[str, torch.Tensor], fmt: str,
