@@ -25,10 +25,20 @@ class Device(str, Enum):
 
 
 class DType(str, Enum):
-    """Model and KV cache dtype (float32 on CPU: the exact oracle mode; bfloat16 on GPUs)."""
+    """Model and KV cache dtype (float32: the exact oracle mode; bfloat16 on GPUs and on CPUs
+    that compute it natively; auto: the fastest the machine supports)."""
     float32 = "float32"
     bfloat16 = "bfloat16"
-    float16 = "float16"
+    auto = "auto"
+
+
+class Quantization(str, Enum):
+    """Linear layers: dense (none), or run on a GGUF block format as stored (auto: the file's)."""
+    none = "none"
+    auto = "auto"
+    q4_0 = "q4_0"
+    q4_1 = "q4_1"
+    q8_0 = "q8_0"
 
 
 class KVTransportKind(str, Enum):
@@ -68,7 +78,10 @@ _SECTION = ConfigDict(extra="forbid", frozen=True, use_enum_values=False)
 # Help for the engine's own knobs; their defaults live in EngineConfig (helper "engine"'s file).
 ENGINE_HELP = {
     "model": "GGUF file or Hugging Face directory (default: built-in SmolLM2-135M-Instruct)",
-    "dtype": "model and KV cache dtype (float32 on CPU, bfloat16 on GPU)",
+    "dtype": "model and KV cache dtype (float32: exact oracle mode; auto: bfloat16 where the "
+             "CPU computes it natively, else float32)",
+    "quantization": "linear layers on a GGUF block format as stored in the file (none: dense "
+                    "in dtype; auto: the file's format when the CPU kernel builds)",
     "device": "torch device of a worker's model and KV cache",
     "block_size": "tokens per KV block",
     "num_kv_blocks": "KV blocks per worker; overrides kv_cache_memory_gib",
@@ -90,6 +103,7 @@ class EngineSection(EngineConfig):
 
     dtype: DType = DType(EngineConfig.model_fields["dtype"].default)
     device: Device = Device(EngineConfig.model_fields["device"].default)
+    quantization: Quantization = Quantization(EngineConfig.model_fields["quantization"].default)
 
     def engine_config(self) -> EngineConfig:
         """The plain ``EngineConfig`` the engine takes."""

@@ -29,13 +29,12 @@ from pydantic import BaseModel, ConfigDict, Field
 from .block_manager import BlockManager
 from .config import KVCacheLayout, ModelConfig
 from .faults import EngineFaults
-from .loader import load_model
 from .metrics import EngineMetrics
-from .model import LlamaForCausalLM
 from .model_files import default_model_path
 from .model_runner import ModelRunner
 from .outputs import EngineDeadError, RequestOutput
 from .policy import create_scheduler
+from .quantized import build_model, resident_weight_bytes
 from .request import Request, RequestStatus
 from .sampler import TokenLogprobs
 from .sampling_params import SamplingParams
@@ -52,7 +51,8 @@ class EngineConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     model: str = Field(default_factory=lambda: str(default_model_path()))  # .gguf or HF dir
-    dtype: str = "float32"
+    dtype: str = "float32"  # float32 | bfloat16 | auto
+    quantization: str = "none"  # none | auto | q4_0 | q4_1 | q8_0 (see engine.quantized)
     device: str = "cpu"
     block_size: int = Field(default=16, gt=0)  # tokens per KV block
     num_kv_blocks: int | None = Field(default=None, gt=0)  # overrides kv_cache_memory_gib
@@ -78,12 +78,11 @@ class LLMEngine:
                  fault_injection: bool = False) -> None:
         self.config = config = config or EngineConfig()
         t0 = time.perf_counter()
-        model_config, state_dict = weights if weights is not None else load_model(config.model)
-        self.model_config: ModelConfig = model_config
-        dtype = getattr(torch, config.dtype)
-        model = LlamaForCausalLM(model_config)
-        _load_weights(model, state_dict)
-        model = model.to(device=config.device, dtype=dtype).eval()
+        model, self.precision = build_model(config.model, config.dtype, config.quantization,
+                                            config.device, weights)
+        self.model_config: ModelConfig = (model_config := model.config)
+        self.weight_bytes = resident_weight_bytes(model)
+        dtype = getattr(torch, self.precision.dtype)
         self.layout = KVCacheLayout.of(model_config, config.block_size, dtype)
         per_block = self.layout.block_bytes * 2 * self.layout.num_layers  # bytes, K and V
         num_blocks = config.num_kv_blocks or max(1, int(config.kv_cache_memory_gib * 2**30) // per_block)
@@ -283,14 +282,3 @@ class LLMEngine:
         return {"free_kv_blocks": bm.num_free_blocks, "total_kv_blocks": bm.num_blocks,
                 "num_running": len(s.running), "num_waiting": s.num_waiting}
 
-
-def _load_weights(model: LlamaForCausalLM, state_dict: dict[str, torch.Tensor]) -> None:
-    """Load Hugging Face-named weights; raises ``ValueError`` listing missing/unexpected names."""
-    result = model.load_state_dict(state_dict, strict=False, assign=True)
-    tied = model.config.tie_word_embeddings
-    missing = [k for k in result.missing_keys if not (tied and k == "lm_head.weight")]
-    if missing or result.unexpected_keys:
-        raise ValueError(f"checkpoint does not match the model: missing {missing[:5]}, "
-                         f"unexpected {result.unexpected_keys[:5]}")
-    if tied:  # assign=True replaced the embedding Parameter: tie the head to the new one
-        model.lm_head.weight = model.model.embed_tokens.weight

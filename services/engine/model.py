@@ -58,6 +58,18 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=False)
         self.rope = rope
+        self.qkv_proj: nn.Module | None = None  # fused q/k/v (quantized path), see fuse_qkv
+
+    def fuse_qkv(self, qkv_proj: nn.Module) -> None:
+        """Replace q/k/v_proj by one module whose output rows are q's, then k's, then v's."""
+        del self.q_proj, self.k_proj, self.v_proj
+        self.qkv_proj = qkv_proj
+
+    def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self.qkv_proj is None:
+            return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        kv = self.num_kv_heads * self.head_dim
+        return self.qkv_proj(x).split([self.num_heads * self.head_dim, kv, kv], dim=-1)
 
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
@@ -65,9 +77,10 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """x: ``[num_tokens, hidden]``; kv_cache: ``[2, num_blocks, block_size, kv_heads, head_dim]``."""
         t = x.shape[0]
-        q = self.rope(positions, self.q_proj(x).view(t, self.num_heads, self.head_dim))
-        k = self.rope(positions, self.k_proj(x).view(t, self.num_kv_heads, self.head_dim))
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        q, k, v = self._qkv(x)
+        q = self.rope(positions, q.reshape(t, self.num_heads, self.head_dim))
+        k = self.rope(positions, k.reshape(t, self.num_kv_heads, self.head_dim))
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)
         write_kv_cache(k, v, kv_cache[0], kv_cache[1], meta.slot_mapping)
         o = paged_attention(q, kv_cache[0], kv_cache[1], meta, self.scale)
         return self.o_proj(o.reshape(t, -1))
@@ -79,9 +92,18 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj: nn.Module | None = None  # fused gate/up (quantized path)
+
+    def fuse_gate_up(self, gate_up_proj: nn.Module) -> None:
+        """Replace gate/up_proj by one module whose output rows are gate's, then up's."""
+        del self.gate_proj, self.up_proj
+        self.gate_up_proj = gate_up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_proj is None:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):

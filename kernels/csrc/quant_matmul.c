@@ -1,0 +1,353 @@
+/*
+ * Matrix products with weights in llama.cpp's GGUF block formats, read in place (never expanded
+ * to float32 in memory). Built and called by kernels/quant.py, which documents the contract.
+ *
+ * out[m, n] = sum_k x[m, k] * w[n, k], x float32 [M, K], w stored as K/32 blocks per row:
+ *   Q4_0 (18 bytes): fp16 d, 16 bytes of nibbles;      w = d * (q - 8)
+ *   Q4_1 (20 bytes): fp16 d, fp16 m, 16 bytes nibbles; w = d * q + m
+ *   Q8_0 (34 bytes): fp16 d, 32 int8;                  w = d * q
+ * Nibble j of a Q4 block (byte j & 15) is element j, byte j >> 4 is element j + 16.
+ *
+ * Method (llama.cpp's, ggml-cpu quants.c): each 32-element block of every activation row is
+ * quantized to int8 with its own scale dx = max|x| / 127; the block dot product is an integer
+ * sum of u8 weight x s8 activation products, scaled in float. Every format is unpacked to
+ * unsigned 8-bit u with w = dw * u + cw (Q4_0: u = q, cw = -8 dw; Q4_1: u = q, cw = m;
+ * Q8_0: u = q + 128, cw = -128 dw), so one integer kernel serves all three:
+ *   dot(w_b, x_b) = dw dx sum(u q_x) + cw dx sum(q_x).
+ * Work: tiles of TILE_N weight rows spread over OpenMP threads; a thread unpacks its tile once
+ * (L1-resident) and runs every activation row against it, so a batch of M rows reads the
+ * weights from memory once. Paths: AVX512-VNNI (vpdpbusd, two blocks per register), AVX2
+ * (widen to 16 bits, vpmaddwd), scalar; chosen at compile time (-march=native, the build is
+ * keyed by the CPU's flags).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#define QK 32
+#define LANES 8 /* a block's scale is repeated over 8 float lanes (one ymm of block sums) */
+#define TILE_N 16
+#define FMT_Q4_0 0
+#define FMT_Q4_1 1
+#define FMT_Q8_0 2
+#define TANDEM_OK 0
+#define TANDEM_BAD_FORMAT 1
+#define TANDEM_BAD_SHAPE 2
+#define TANDEM_NO_MEMORY 3
+
+static float fp16_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+    if (exp == 0x1f) {
+        bits = sign | 0x7f800000u | (man << 13);
+    } else if (exp == 0) {
+        float f = (float)man * (1.0f / 16777216.0f); /* subnormal: man * 2^-24 */
+        return sign ? -f : f;
+    } else {
+        bits = sign | ((exp + 112) << 23) | (man << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+int tandem_quant_block_bytes(int fmt) {
+    return fmt == FMT_Q4_0 ? 18 : fmt == FMT_Q4_1 ? 20 : fmt == FMT_Q8_0 ? 34 : 0;
+}
+
+const char *tandem_quant_isa(void) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    return "avx512_vnni";
+#elif defined(__AVX2__)
+    return "avx2";
+#else
+    return "scalar";
+#endif
+}
+
+static inline float half_at(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    return fp16_to_f32(h);
+#endif
+}
+
+/* One weight row (nb blocks at src) -> u[K] unsigned, dw[nb * LANES], cw[b * cw_stride]. */
+static void unpack_row(int fmt, const uint8_t *src, int64_t nb, uint8_t *u, float *dw, float *cw,
+                       int64_t cw_stride) {
+    const int bytes = tandem_quant_block_bytes(fmt);
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = src + b * bytes;
+        const float d = half_at(blk);
+        uint8_t *ub = u + b * QK;
+        if (fmt == FMT_Q8_0) {
+#if defined(__AVX2__)
+            __m256i q = _mm256_loadu_si256((const __m256i *)(blk + 2));
+            _mm256_storeu_si256((__m256i *)ub, _mm256_xor_si256(q, _mm256_set1_epi8((char)0x80)));
+#else
+            for (int j = 0; j < QK; j++) ub[j] = (uint8_t)(blk[2 + j] ^ 0x80);
+#endif
+            cw[b * cw_stride] = -128.0f * d;
+        } else {
+            const uint8_t *qs = blk + (fmt == FMT_Q4_1 ? 4 : 2);
+#if defined(__AVX2__)
+            __m128i q = _mm_loadu_si128((const __m128i *)qs), mask = _mm_set1_epi8(0x0f);
+            _mm_storeu_si128((__m128i *)ub, _mm_and_si128(q, mask));
+            _mm_storeu_si128((__m128i *)(ub + QK / 2), _mm_and_si128(_mm_srli_epi16(q, 4), mask));
+#else
+            for (int j = 0; j < QK / 2; j++) {
+                ub[j] = qs[j] & 0x0f;
+                ub[j + QK / 2] = qs[j] >> 4;
+            }
+#endif
+            cw[b * cw_stride] = fmt == FMT_Q4_1 ? half_at(blk + 2) : -8.0f * d;
+        }
+#if defined(__AVX2__)
+        _mm256_storeu_ps(dw + b * LANES, _mm256_set1_ps(d));
+#else
+        for (int l = 0; l < LANES; l++) dw[b * LANES + l] = d;
+#endif
+    }
+}
+
+/* One activation row x[K] -> q[K] int8, dx[nb * LANES], sx[nb] = dx * sum(q) per block. */
+static void quantize_row(const float *x, int64_t nb, int8_t *q, float *dx, float *sx) {
+    for (int64_t b = 0; b < nb; b++) {
+        const float *xb = x + b * QK;
+        float amax = 0.0f;
+        for (int j = 0; j < QK; j++) amax = fmaxf(amax, fabsf(xb[j]));
+        const float d = amax / 127.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
+        int sum = 0;
+        for (int j = 0; j < QK; j++) {
+            int v = (int)lrintf(xb[j] * inv);
+            q[b * QK + j] = (int8_t)v;
+            sum += v;
+        }
+        for (int l = 0; l < LANES; l++) dx[b * LANES + l] = d;
+        sx[b] = d * (float)sum;
+    }
+}
+
+/* sum_b dw_b dx_b sum(u_b q_b): the integer part of one (weight row, activation row) dot. */
+static float dot_blocks(const uint8_t *u, const float *dw, const int8_t *q, const float *dx,
+                        int64_t nb) {
+    int64_t b = 0;
+    float total = 0.0f;
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    __m512 acc = _mm512_setzero_ps();
+    for (; b + 2 <= nb; b += 2) {
+        __m512i wi = _mm512_loadu_si512((const void *)(u + b * QK));
+        __m512i xi = _mm512_loadu_si512((const void *)(q + b * QK));
+        __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wi, xi);
+        __m512 scale = _mm512_mul_ps(_mm512_loadu_ps(dw + b * LANES), _mm512_loadu_ps(dx + b * LANES));
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), scale, acc);
+    }
+    total = _mm512_reduce_add_ps(acc);
+#endif
+#if defined(__AVX2__)
+    __m256 acc8 = _mm256_setzero_ps();
+    for (; b < nb; b++) {
+        __m256i wi = _mm256_loadu_si256((const __m256i *)(u + b * QK));
+        __m256i xi = _mm256_loadu_si256((const __m256i *)(q + b * QK));
+        __m256i w_lo = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(wi));
+        __m256i w_hi = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(wi, 1));
+        __m256i x_lo = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(xi));
+        __m256i x_hi = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(xi, 1));
+        __m256i s = _mm256_add_epi32(_mm256_madd_epi16(w_lo, x_lo), _mm256_madd_epi16(w_hi, x_hi));
+        __m256 scale = _mm256_mul_ps(_mm256_loadu_ps(dw + b * LANES), _mm256_loadu_ps(dx + b * LANES));
+        acc8 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, acc8);
+    }
+    __m128 r = _mm_add_ps(_mm256_castps256_ps128(acc8), _mm256_extractf128_ps(acc8, 1));
+    r = _mm_add_ps(r, _mm_movehl_ps(r, r));
+    r = _mm_add_ss(r, _mm_movehdup_ps(r));
+    total += _mm_cvtss_f32(r);
+#endif
+    for (; b < nb; b++) {
+        int32_t s = 0;
+        for (int j = 0; j < QK; j++) s += (int32_t)u[b * QK + j] * (int32_t)q[b * QK + j];
+        total += dw[b * LANES] * dx[b * LANES] * (float)s;
+    }
+    return total;
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define HAVE_MICROKERNEL 1
+/* Sum of each of 4 float vectors -> one __m128 {sum a, sum b, sum c, sum d}. */
+static inline __m128 hsum4(__m512 a, __m512 b, __m512 c, __m512 d) {
+    __m256 a8 = _mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1));
+    __m256 b8 = _mm256_add_ps(_mm512_castps512_ps256(b), _mm512_extractf32x8_ps(b, 1));
+    __m256 c8 = _mm256_add_ps(_mm512_castps512_ps256(c), _mm512_extractf32x8_ps(c, 1));
+    __m256 d8 = _mm256_add_ps(_mm512_castps512_ps256(d), _mm512_extractf32x8_ps(d, 1));
+    __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a8, b8), _mm256_hadd_ps(c8, d8));
+    return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+}
+
+/*
+ * 4 weight rows (u, dw with row strides K and nb * LANES) x MR activation rows (MR = 1 or 2):
+ * out[i][r] = sum_b dw_rb dx_ib sum(u_rb q_ib). Two blocks per 512-bit register; an odd last
+ * block is read with masks (zero upper half).
+ */
+#define MICRO(MR)                                                                              \
+    static void micro_4x##MR(const uint8_t *u, const float *dw, int64_t K, const int8_t *q,    \
+                             const float *dx, int64_t nb, float *out, int64_t ldo) {           \
+        const int64_t ldw = nb * LANES;                                                        \
+        __m512 acc[MR][4];                                                                     \
+        for (int i = 0; i < MR; i++)                                                           \
+            for (int r = 0; r < 4; r++) acc[i][r] = _mm512_setzero_ps();                       \
+        for (int64_t b = 0; b < nb; b += 2) {                                                  \
+            const __mmask64 bm = b + 2 <= nb ? ~(__mmask64)0 : (__mmask64)0xffffffffu;         \
+            const __mmask16 fm = b + 2 <= nb ? (__mmask16)0xffff : (__mmask16)0x00ff;          \
+            __m512i wv[4];                                                                     \
+            __m512 ws[4];                                                                      \
+            for (int r = 0; r < 4; r++) {                                                      \
+                wv[r] = _mm512_maskz_loadu_epi8(bm, u + r * K + b * QK);                       \
+                ws[r] = _mm512_maskz_loadu_ps(fm, dw + r * ldw + b * LANES);                   \
+            }                                                                                  \
+            for (int i = 0; i < MR; i++) {                                                     \
+                __m512i xv = _mm512_maskz_loadu_epi8(bm, q + i * K + b * QK);                  \
+                __m512 xs = _mm512_maskz_loadu_ps(fm, dx + i * ldw + b * LANES);               \
+                for (int r = 0; r < 4; r++) {                                                  \
+                    __m512i sv = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv[r], xv);       \
+                    __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(sv), xs);                      \
+                    acc[i][r] = _mm512_fmadd_ps(f, ws[r], acc[i][r]);                          \
+                }                                                                              \
+            }                                                                                  \
+        }                                                                                      \
+        for (int i = 0; i < MR; i++)                                                           \
+            _mm_storeu_ps(out + i * ldo, hsum4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]));   \
+    }
+MICRO(1)
+MICRO(2)
+#endif
+
+/* out[m, r] for the tile's rows (u, dw, cw: row strides K, nb * LANES, nb), every m. */
+static void run_tile(const uint8_t *u, const float *dw, const float *cw, int64_t rows,
+                     const int8_t *xq, const float *dx, const float *sx, int64_t M, int64_t K,
+                     int64_t nb, float *out, int64_t ldo) {
+    int64_t r0 = 0;
+#ifdef HAVE_MICROKERNEL
+    float tmp[2 * 4];
+    for (; r0 + 4 <= rows; r0 += 4) {
+        const uint8_t *ur = u + r0 * K;
+        const float *dwr = dw + r0 * nb * LANES;
+        int64_t m = 0;
+        for (; m + 2 <= M; m += 2) {
+            micro_4x2(ur, dwr, K, xq + m * K, dx + m * nb * LANES, nb, tmp, 4);
+            for (int i = 0; i < 2; i++)
+                for (int r = 0; r < 4; r++) out[(m + i) * ldo + r0 + r] = tmp[i * 4 + r];
+        }
+        for (; m < M; m++) {
+            micro_4x1(ur, dwr, K, xq + m * K, dx + m * nb * LANES, nb, tmp, 4);
+            for (int r = 0; r < 4; r++) out[m * ldo + r0 + r] = tmp[r];
+        }
+    }
+#endif
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t r = r0; r < rows; r++)
+            out[m * ldo + r] = dot_blocks(u + r * K, dw + r * nb * LANES, xq + m * K,
+                                          dx + m * nb * LANES, nb);
+    for (int64_t m = 0; m < M; m++) { /* cw is [nb, TILE_N]: this loop runs across rows */
+        float acc[TILE_N] = {0};
+        for (int64_t b = 0; b < nb; b++)
+            for (int r = 0; r < TILE_N; r++) acc[r] += sx[m * nb + b] * cw[b * TILE_N + r];
+        for (int64_t r = 0; r < rows; r++) out[m * ldo + r] += acc[r];
+    }
+}
+
+#define MAX_PARTS 8
+
+/*
+ * out [M, N] (row stride ldo) = x [M, K] @ w^T, where w is num_parts matrices stacked along N
+ * (part p: part_rows[p] rows of K / 32 blocks of format fmt at parts[p]; fused q/k/v or
+ * gate/up without copying them together). Returns TANDEM_OK, or an error code before writing
+ * anything.
+ */
+int tandem_quant_matmul_f32(const float *x, const uint8_t *const *parts, const int64_t *part_rows,
+                            int num_parts, float *out, int64_t M, int64_t K, int64_t ldo, int fmt,
+                            int num_threads) {
+    const int bytes = tandem_quant_block_bytes(fmt);
+    if (bytes == 0) return TANDEM_BAD_FORMAT;
+    if (num_parts < 1 || num_parts > MAX_PARTS) return TANDEM_BAD_SHAPE;
+    int64_t tile_end[MAX_PARTS], row_start[MAX_PARTS], N = 0, tiles = 0;
+    for (int p = 0; p < num_parts; p++) {
+        if (part_rows[p] < 0) return TANDEM_BAD_SHAPE;
+        row_start[p] = N;
+        N += part_rows[p];
+        tiles += (part_rows[p] + TILE_N - 1) / TILE_N;
+        tile_end[p] = tiles;
+    }
+    if (K <= 0 || K % QK != 0 || M < 0 || ldo < N) return TANDEM_BAD_SHAPE;
+    if (M == 0 || N == 0) return TANDEM_OK;
+    const int64_t nb = K / QK, row_bytes = nb * bytes;
+    int8_t *xq = malloc((size_t)(M * K));
+    float *dx = malloc(sizeof(float) * (size_t)(M * nb * LANES));
+    float *sx = malloc(sizeof(float) * (size_t)(M * nb));
+    int failed = !xq || !dx || !sx;
+    if (failed) goto done;
+#pragma omp parallel num_threads(num_threads) reduction(| : failed)
+    {
+#pragma omp for schedule(static)
+        for (int64_t m = 0; m < M; m++)
+            quantize_row(x + m * K, nb, xq + m * K, dx + m * nb * LANES, sx + m * nb);
+        uint8_t *u = malloc((size_t)(TILE_N * K));
+        float *dw = malloc(sizeof(float) * (size_t)(TILE_N * nb * LANES));
+        float *cw = malloc(sizeof(float) * (size_t)(TILE_N * nb));
+        if (!u || !dw || !cw) failed = 1;
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < tiles; t++) {
+            if (!u || !dw || !cw) continue;
+            int p = 0;
+            while (t >= tile_end[p]) p++;
+            const int64_t first = p ? tile_end[p - 1] : 0, r0 = (t - first) * TILE_N;
+            const int64_t rows = part_rows[p] - r0 < TILE_N ? part_rows[p] - r0 : TILE_N;
+            const uint8_t *src = parts[p] + r0 * row_bytes;
+            if (rows < TILE_N) memset(cw, 0, sizeof(float) * (size_t)(TILE_N * nb));
+            for (int64_t r = 0; r < rows; r++)
+                unpack_row(fmt, src + r * row_bytes, nb, u + r * K, dw + r * nb * LANES, cw + r,
+                           TILE_N);
+            run_tile(u, dw, cw, rows, xq, dx, sx, M, K, nb, out + row_start[p] + r0, ldo);
+        }
+        free(u);
+        free(dw);
+        free(cw);
+    }
+done:
+    free(xq);
+    free(dx);
+    free(sx);
+    return failed ? TANDEM_NO_MEMORY : TANDEM_OK;
+}
+
+/* out [R, K] float32 = rows ids[R] of w [N, K] dequantized (embedding lookup, tests). */
+int tandem_quant_dequantize_rows(const uint8_t *w, const int64_t *ids, float *out, int64_t R,
+                                 int64_t N, int64_t K, int fmt) {
+    const int bytes = tandem_quant_block_bytes(fmt);
+    if (bytes == 0) return TANDEM_BAD_FORMAT;
+    if (K <= 0 || K % QK != 0) return TANDEM_BAD_SHAPE;
+    for (int64_t r = 0; r < R; r++)
+        if (ids[r] < 0 || ids[r] >= N) return TANDEM_BAD_SHAPE;
+    const int64_t nb = K / QK;
+    uint8_t u[QK];
+    float dw[LANES], cw;
+    for (int64_t r = 0; r < R; r++) {
+        const uint8_t *row = w + ids[r] * nb * bytes;
+        for (int64_t b = 0; b < nb; b++) {
+            unpack_row(fmt, row + b * bytes, 1, u, dw, &cw, 1);
+            /* the file's own arithmetic (as gguf-py dequantizes), not dw * u + cw */
+            const int zero = fmt == FMT_Q8_0 ? 128 : fmt == FMT_Q4_0 ? 8 : 0;
+            const float add = fmt == FMT_Q4_1 ? cw : 0.0f;
+            for (int j = 0; j < QK; j++)
+                out[r * K + b * QK + j] = dw[0] * (float)((int)u[j] - zero) + add;
+        }
+    }
+    return TANDEM_OK;
+}

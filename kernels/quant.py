@@ -1,0 +1,242 @@
+"""Matrix products on llama.cpp's quantized weight blocks (Q4_0, Q4_1, Q8_0), read in place.
+
+A ``QuantizedWeight`` holds a ``[out_features, in_features]`` matrix as the GGUF file stores
+it: per row, ``in_features / 32`` blocks of 18 (Q4_0), 20 (Q4_1) or 34 (Q8_0) bytes; nothing is
+expanded to float32. ``quant_matmul`` runs the C kernel ``csrc/quant_matmul.c`` (OpenMP;
+AVX512-VNNI, AVX2 or scalar, picked by the build for the CPU it runs on): activations are
+quantized to int8 per 32-element block and multiplied with integer dot products, llama.cpp's
+method (ggml-cpu ``quants.c``, ``ggml_vec_dot_q4_1_q8_1`` and friends). The error against
+dequantize-then-matmul in float32 is the activation rounding: at most ``dx / 2`` per element,
+``dx = max|x_block| / 127`` (see ``activation_error_bound``).
+
+The kernel is built on first use like ``kernels.cpu_attention`` (same compiler, flags and
+cache directory, keyed by source, flags and CPU). Without a compiler the functions fall back to
+dequantize-then-``torch.mm`` (correct, slow, logged once). This module imports nothing from
+``services``.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from kernels.cpu_attention import CFLAGS, LDFLAGS, _cpu_id, cache_dir
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("csrc") / "quant_matmul.c"
+BLOCK = 32  # elements per block in every supported format
+# format name -> (kernel code, bytes per block of 32 elements)
+FORMATS = {"q4_0": (0, 18), "q4_1": (1, 20), "q8_0": (2, 34)}
+_ERRORS = {1: "unknown block format", 2: "bad shape (in_features must be a positive multiple "
+           "of 32; row ids inside the matrix)", 3: "out of memory for the kernel's scratch"}
+_I64, _PTR, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+
+
+@dataclass(frozen=True)
+class QuantizedWeight:
+    """A ``[out_features, in_features]`` weight in a GGUF block format.
+
+    ``data``: uint8 ``[out_features, in_features // 32 * block_bytes]``, each row the file's
+    blocks in order (may be a view of a memory-mapped file). Raises ``ValueError`` naming the
+    field when the format is unknown, ``in_features`` is not a positive multiple of 32, or
+    ``data``'s shape does not match.
+    """
+
+    data: torch.Tensor
+    fmt: str
+    out_features: int
+    in_features: int
+
+    def __post_init__(self) -> None:
+        if self.fmt not in FORMATS:
+            raise ValueError(f"fmt: unsupported block format {self.fmt!r}; "
+                             f"supported: {', '.join(FORMATS)}")
+        if self.in_features <= 0 or self.in_features % BLOCK:
+            raise ValueError(f"in_features: {self.in_features} is not a positive multiple of "
+                             f"{BLOCK} (the {self.fmt} block size)")
+        shape = (self.out_features, self.in_features // BLOCK * FORMATS[self.fmt][1])
+        if (self.data.dtype != torch.uint8 or tuple(self.data.shape) != shape
+                or not self.data.is_contiguous()):
+            raise ValueError(f"data: expected contiguous uint8 {list(shape)} for {self.fmt} "
+                             f"[{self.out_features}, {self.in_features}], got "
+                             f"{self.data.dtype} {list(self.data.shape)}")
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+    def rows(self, index: torch.Tensor | np.ndarray) -> QuantizedWeight:
+        """The rows ``index`` (a permutation or selection), copied; still quantized."""
+        data = self.data[torch.as_tensor(index, dtype=torch.int64)].contiguous()
+        return QuantizedWeight(data, self.fmt, data.shape[0], self.in_features)
+
+
+def build(compiler: str | None = None) -> Path:
+    """Compile ``csrc/quant_matmul.c`` (unless cached) and return the shared library's path.
+
+    Raises ``RuntimeError`` with the compiler's output when no compiler exists or the build fails.
+    """
+    cc = compiler or os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not cc:
+        raise RuntimeError("no C compiler found (set $CC, or install gcc)")
+    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), " ".join((cc, *CFLAGS, *LDFLAGS)).encode(),
+                                     _cpu_id().encode()])).hexdigest()[:16]
+    target = cache_dir() / f"quant_matmul-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        obj, lib = Path(tmp) / "kernel.o", Path(tmp) / target.name
+        for cmd in ([cc, *CFLAGS, "-c", str(SOURCE), "-o", str(obj)],
+                    [cc, *LDFLAGS, str(obj), "-o", str(lib), "-lm"]):
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            if proc.returncode != 0:
+                raise RuntimeError(f"building {SOURCE.name} failed: {' '.join(cmd)}\n"
+                                   f"{proc.stderr.strip()}")
+        os.replace(lib, target)
+    return target
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    try:
+        lib = ctypes.CDLL(str(build()))
+    except (RuntimeError, OSError) as e:
+        log.warning("quantized matmul kernel unavailable, dequantizing to float32 instead: %s", e)
+        return None
+    lib.tandem_quant_matmul_f32.argtypes = [_PTR] * 3 + [_INT, _PTR] + [_I64] * 3 + [_INT, _INT]
+    lib.tandem_quant_dequantize_rows.argtypes = [_PTR] * 3 + [_I64] * 3 + [_INT]
+    lib.tandem_quant_isa.restype = ctypes.c_char_p
+    return lib
+
+
+def available() -> bool:
+    """Whether the C kernel is built and loaded (building it if needed)."""
+    return _library() is not None
+
+
+def isa() -> str:
+    """The instruction set the kernel was built for: ``avx512_vnni``, ``avx2``, ``scalar``,
+    or ``none`` (no kernel: the float32 fallback runs)."""
+    lib = _library()
+    return lib.tandem_quant_isa().decode() if lib is not None else "none"
+
+
+def _check(rc: int, what: str) -> None:
+    if rc != 0:
+        raise ValueError(f"{what}: {_ERRORS.get(rc, f'error {rc}')}")
+
+
+def dequantize_rows(weight: QuantizedWeight, ids: torch.Tensor) -> torch.Tensor:
+    """Rows ``ids`` (int ``[R]``) of ``weight`` as float32 ``[R, in_features]``, exactly as
+    ``gguf.quants.dequantize`` computes them. Raises ``ValueError`` for an id outside the rows."""
+    ids = ids.to(torch.int64).contiguous()
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= weight.out_features):
+        raise ValueError(f"ids: row ids must lie in [0, {weight.out_features})")
+    out = torch.empty(ids.numel(), weight.in_features, dtype=torch.float32)
+    lib = _library()
+    if lib is None:
+        return torch.from_numpy(_numpy_dequantize(weight.data[ids].numpy(), weight.fmt))
+    data = weight.data.contiguous()
+    _check(lib.tandem_quant_dequantize_rows(data.data_ptr(), ids.data_ptr(), out.data_ptr(),
+                                            ids.numel(), weight.out_features,
+                                            weight.in_features, FORMATS[weight.fmt][0]),
+           "dequantize_rows")
+    return out
+
+
+def dequantize(weight: QuantizedWeight) -> torch.Tensor:
+    """The whole weight as float32 ``[out_features, in_features]`` (tests, fallbacks)."""
+    return dequantize_rows(weight, torch.arange(weight.out_features))
+
+
+def _numpy_dequantize(data: np.ndarray, fmt: str) -> np.ndarray:
+    """Fallback without the C kernel: gguf-py's dequantizer on ``[rows, row_bytes]`` bytes."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize as gguf_dequantize
+
+    return gguf_dequantize(data, GGMLQuantizationType[fmt.upper()]).astype(np.float32)
+
+
+def quant_matmul(x: torch.Tensor, weight: QuantizedWeight | Sequence[QuantizedWeight],
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ W^T`` with ``W`` in its block format: x ``[..., in_features]`` -> float32
+    ``[..., out_features]`` (into ``out`` when given: float32, contiguous, ``[M, out_features]``).
+    ``weight`` may be a list of parts (same format and ``in_features``) stacked along
+    ``out_features`` without copying them together: fused q/k/v or gate/up in one call.
+    Non-float32 activations are computed in float32 and the result cast back to their dtype.
+
+    Raises ``ValueError`` when ``x``'s last dimension is not ``in_features``, the parts differ
+    in format or ``in_features``, or there are more than 8 parts.
+    """
+    parts = [weight] if isinstance(weight, QuantizedWeight) else list(weight)
+    fmt, k = parts[0].fmt, parts[0].in_features
+    if any(p.fmt != fmt or p.in_features != k for p in parts) or not 1 <= len(parts) <= 8:
+        raise ValueError("weight: 1 to 8 parts of one format and in_features are required")
+    if x.shape[-1] != k:
+        raise ValueError(f"x: last dimension {x.shape[-1]} != in_features {k}")
+    lead, dtype = x.shape[:-1], x.dtype
+    n = sum(p.out_features for p in parts)
+    x2 = x.reshape(-1, k).to(torch.float32).contiguous()
+    lib = _library()
+    if lib is None:
+        y = x2 @ torch.cat([dequantize(p) for p in parts]).T
+        return (y if out is None else out.copy_(y)).reshape(*lead, n).to(dtype)
+    if out is None:
+        out = torch.empty(x2.shape[0], n, dtype=torch.float32)
+    ptrs = (_PTR * len(parts))(*[p.data.data_ptr() for p in parts])
+    rows = (_I64 * len(parts))(*[p.out_features for p in parts])
+    _check(lib.tandem_quant_matmul_f32(x2.data_ptr(), ptrs, rows, len(parts), out.data_ptr(),
+                                       x2.shape[0], k, n, FORMATS[fmt][0], torch.get_num_threads()),
+           "quant_matmul")
+    return out.reshape(*lead, n).to(dtype)
+
+
+def block_scales(weight: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per block ``(d, c)`` float32 ``[out_features, in_features // 32]`` with
+    ``w = d * u + c`` for the kernel's unsigned ``u`` (Q4: 0..15, Q8_0: 0..255), read from the
+    blocks' fp16 fields."""
+    nb, nbytes = weight.in_features // BLOCK, FORMATS[weight.fmt][1]
+    raw = weight.data.reshape(weight.out_features, nb, nbytes)
+    d = raw[..., 0:2].contiguous().view(torch.float16).squeeze(-1).float()
+    if weight.fmt == "q4_1":
+        c = raw[..., 2:4].contiguous().view(torch.float16).squeeze(-1).float()
+    else:
+        c = d * (-8.0 if weight.fmt == "q4_0" else -128.0)
+    return d, c
+
+
+def activation_error_bound(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
+    """Largest possible ``|quant_matmul(x, W) - x @ dequantize(W)^T|``, float32 ``[M, N]``.
+
+    Two sources, both derived from the method, neither tuned: (1) each activation is rounded to
+    the nearest multiple of its block's ``dx = max|x_b| / 127``, so the product errs by at most
+    ``sum_k dx_k / 2 * |W[n, k]|``; (2) float32 arithmetic on the per-block terms
+    ``d_w dx sum(u q)`` and ``c_w dx sum(q)``: at most ``gamma * sum_b |terms|`` with
+    ``gamma = (K / 32 + 4) * 2 * 2^-24`` (Higham, Accuracy and Stability of Numerical
+    Algorithms, 2nd ed., section 3.1: a sum of n products errs by at most gamma_n sum |terms|).
+    """
+    x = x.reshape(-1, x.shape[-1]).float()
+    m, k = x.shape
+    nb = k // BLOCK
+    dx = x.abs().reshape(m, nb, BLOCK).amax(-1) / 127.0  # [M, nb]
+    w = dequantize(weight)
+    rounding = (dx / 2).repeat_interleave(BLOCK, dim=1) @ w.abs().T
+    d, c = block_scales(weight)
+    umax = 255.0 if weight.fmt == "q8_0" else 15.0
+    x_abs = (x.abs() + dx.repeat_interleave(BLOCK, dim=1) / 2).reshape(m, nb, BLOCK).sum(-1)
+    terms = x_abs @ (d.abs() * umax).T + x_abs @ c.abs().T  # [M, N]
+    gamma = (nb + 4) * 2 * 2.0**-24
+    return rounding + gamma * terms

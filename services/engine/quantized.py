@@ -1,0 +1,226 @@
+"""Serving a GGUF's quantized weights as they are: precision choice, module swap, byte count.
+
+``build_model`` is the engine's one entry: it resolves the ``dtype`` / ``quantization`` settings
+for this machine and file, loads the weights (float32 for ``none``; blocks kept as stored, never
+expanded to float32, otherwise), and returns the model ready to run.
+
+- ``none``: every weight dense in ``dtype`` (float32 is the token-exact oracle mode).
+- ``q4_0`` / ``q4_1`` / ``q8_0``: every linear layer in that block format, run by
+  ``kernels.quant.quant_matmul``; tensors already in that format are used in place, others are
+  quantized once at load (``gguf.quants.quantize``, llama.cpp's reference quantizers). The
+  embedding / tied LM head stays in its file format when that is supported (the default
+  model's is Q8_0), else dense.
+- ``auto``: the file's own formats when the C kernel is available and the file's linear
+  weights are all in supported formats, else ``none``; the choice is logged.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels import quant
+from kernels.quant import QuantizedWeight
+
+from .config import ModelConfig
+from .loader import load_model
+from .model import LlamaForCausalLM
+
+log = logging.getLogger(__name__)
+
+DTYPES = ("float32", "bfloat16", "auto")
+QUANTIZATIONS = ("none", "auto", *quant.FORMATS)
+_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+
+
+@dataclass(frozen=True)
+class Precision:
+    """What a model runs in: activations/KV ``dtype``; ``quantization`` of the linear layers."""
+
+    dtype: str  # "float32" or "bfloat16"
+    quantization: str  # "none" or a format of kernels.quant.FORMATS
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU computes bf16 natively (AVX512-BF16 or AMX-BF16), read from
+    ``/proc/cpuinfo``; False where it cannot be read."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_precision(dtype: str, quantization: str, file_formats: set[str], device: str,
+                      ) -> Precision:
+    """The concrete precision for the settings, this machine and the file's linear-weight
+    formats (``file_formats``: names like ``"q4_1"``, ``"f32"``).
+
+    Raises ``ValueError`` naming ``dtype`` or ``quantization`` for an unknown value, or
+    ``quantization`` when a format is asked for on a non-CPU device.
+    """
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype: {dtype!r} is not one of {', '.join(DTYPES)}")
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization: {quantization!r} is not one of {', '.join(QUANTIZATIONS)}")
+    if quantization not in ("none", "auto") and device != "cpu":
+        raise ValueError(f"quantization: {quantization!r} runs on CPU only (device {device!r})")
+    if quantization == "auto":
+        supported = len(file_formats) == 1 and file_formats <= quant.FORMATS.keys()
+        quantization = (next(iter(file_formats)) if supported and device == "cpu"
+                        and quant.available() else "none")
+    if dtype == "auto":
+        # NOTE: quantized layers compute in int8 whatever the activation dtype; bf16 elsewhere
+        # only pays where the CPU has bf16 instructions (measured 5x slower without them).
+        native = device != "cpu" or cpu_has_native_bf16()
+        dtype = "bfloat16" if native and quantization == "none" else "float32"
+    return Precision(dtype, quantization)
+
+
+class QuantLinear(nn.Module):
+    """``y = x @ W^T`` with ``W`` kept in a GGUF block format (``kernels.quant``).
+
+    x: ``[..., in_features]`` any float dtype; returns x's dtype ``[..., out_features]``.
+    """
+
+    def __init__(self, *parts: QuantizedWeight) -> None:
+        super().__init__()
+        self.parts = parts  # stacked along out_features (fused q/k/v, gate/up), never copied
+        self.in_features = parts[0].in_features
+        self.out_features = sum(p.out_features for p in parts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return quant.quant_matmul(x, self.parts)
+
+    def extra_repr(self) -> str:
+        return f"{self.in_features}, {self.out_features}, fmt={self.parts[0].fmt}"
+
+
+class QuantEmbedding(nn.Module):
+    """Token embedding rows dequantized on lookup: ids ``[num_tokens]`` int64 ->
+    ``[num_tokens, hidden]`` in ``dtype``."""
+
+    def __init__(self, weight: QuantizedWeight, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.qweight, self.dtype = weight, dtype
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return quant.dequantize_rows(self.qweight, ids).to(self.dtype)
+
+
+class DenseLinear(nn.Module):
+    """A dense linear layer over a given weight tensor (an embedding reused as the LM head)."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.weight = weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+def build_model(path: str | None, dtype: str, quantization: str, device: str,
+                weights: tuple[ModelConfig, dict[str, torch.Tensor]] | None = None,
+                ) -> tuple[LlamaForCausalLM, Precision]:
+    """Load ``path`` (or use pre-loaded float32 ``weights``) in the resolved precision.
+
+    Returns the model (eval mode, on ``device``) and the precision chosen (logged). Raises what
+    ``load_model`` / ``load_gguf_quantized`` raise, and ``ValueError`` for bad settings.
+    """
+    from .quantized_loader import file_weight_formats, load_gguf_quantized
+
+    is_gguf = weights is None and path is not None and str(path).lower().endswith(".gguf")
+    formats = file_weight_formats(path) if is_gguf else {"f32"}
+    precision = resolve_precision(dtype, quantization, formats, device)
+    torch_dtype = getattr(torch, precision.dtype)
+    if precision.quantization == "none":
+        model_config, state_dict = weights if weights is not None else load_model(path)
+        model = LlamaForCausalLM(model_config)
+        load_dense(model, state_dict)
+        model = model.to(device=device, dtype=torch_dtype).eval()
+    else:
+        if weights is not None:
+            from .quantized_loader import quantize_state_dict
+            model_config, dense, blocks = quantize_state_dict(*weights, precision.quantization)
+        else:
+            model_config, dense, blocks = load_gguf_quantized(path, precision.quantization)
+        model = assemble_quantized(model_config, dense, blocks, torch_dtype)
+    log.info("model precision: dtype=%s quantization=%s (asked dtype=%s quantization=%s; file "
+             "linear formats %s; kernel %s); resident weights %.1f MB", precision.dtype,
+             precision.quantization, dtype, quantization, sorted(formats), quant.isa()
+             if precision.quantization != "none" else "-", resident_weight_bytes(model) / 1e6)
+    return model, precision
+
+
+def load_dense(model: LlamaForCausalLM, state_dict: dict[str, torch.Tensor]) -> None:
+    """Load Hugging Face-named weights; raises ``ValueError`` listing missing/unexpected names."""
+    result = model.load_state_dict(state_dict, strict=False, assign=True)
+    tied = model.config.tie_word_embeddings
+    missing = [k for k in result.missing_keys if not (tied and k == "lm_head.weight")]
+    if missing or result.unexpected_keys:
+        raise ValueError(f"checkpoint does not match the model: missing {missing[:5]}, "
+                         f"unexpected {result.unexpected_keys[:5]}")
+    if tied:  # assign=True replaced the embedding Parameter: tie the head to the new one
+        model.lm_head.weight = model.model.embed_tokens.weight
+
+
+def assemble_quantized(cfg: ModelConfig, dense: dict[str, torch.Tensor],
+                       blocks: dict[str, QuantizedWeight], dtype: torch.dtype) -> LlamaForCausalLM:
+    """A model whose linear layers (and, when quantized, embedding and LM head) read ``blocks``.
+
+    ``dense``: the norms (and a dense embedding / LM head when not quantized); ``blocks``:
+    Hugging Face names -> quantized weights. q/k/v and gate/up are fused into one matmul each.
+    """
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    for i, layer in enumerate(model.model.layers):
+        p = f"model.layers.{i}."
+        attn, mlp = layer.self_attn, layer.mlp
+        attn.fuse_qkv(QuantLinear(*[blocks[p + f"self_attn.{n}_proj.weight"] for n in "qkv"]))
+        attn.o_proj = QuantLinear(blocks[p + "self_attn.o_proj.weight"])
+        mlp.fuse_gate_up(QuantLinear(blocks[p + "mlp.gate_proj.weight"],
+                                     blocks[p + "mlp.up_proj.weight"]))
+        mlp.down_proj = QuantLinear(blocks[p + "mlp.down_proj.weight"])
+    embed = blocks.get("model.embed_tokens.weight")
+    if embed is not None:
+        model.model.embed_tokens = QuantEmbedding(embed, dtype)
+    head = blocks.get("lm_head.weight", embed if cfg.tie_word_embeddings else None)
+    if head is not None:
+        model.lm_head = QuantLinear(head)
+    rest = {k: v.to(dtype) for k, v in dense.items()}
+    if "lm_head.weight" not in rest and head is None:
+        rest["lm_head.weight"] = rest["model.embed_tokens.weight"]
+    model.load_state_dict(rest, strict=False, assign=True)
+    if head is None and cfg.tie_word_embeddings:
+        model.lm_head = DenseLinear(model.model.embed_tokens.weight)
+    _materialize(model, dtype)
+    return model.eval()
+
+
+def _materialize(model: LlamaForCausalLM, dtype: torch.dtype) -> None:
+    """Rebuild the rotary tables (buffers built on the meta device) and check nothing is left
+    on it; raises ``ValueError`` naming a weight the checkpoint did not provide."""
+    cfg = model.config
+    from .model import RotaryEmbedding
+
+    rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)
+    for layer in model.model.layers:
+        layer.self_attn.rope = rope
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        if t.is_meta:
+            raise ValueError(f"checkpoint does not provide {name}")
+
+
+def resident_weight_bytes(model: nn.Module) -> int:
+    """Bytes of weights the model holds: dense parameters plus quantized blocks, each tensor
+    counted once (a tied LM head is not counted twice); the rotary tables are not weights."""
+    tensors = [*model.parameters()]
+    tensors += [p.data for m in model.modules() for p in getattr(m, "parts", ())]
+    tensors += [m.qweight.data for m in model.modules() if isinstance(m, QuantEmbedding)]
+    unique = {(t.data_ptr(), t.numel() * t.element_size()) for t in tensors}
+    return sum(nbytes for _, nbytes in unique)

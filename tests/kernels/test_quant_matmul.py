@@ -1,0 +1,145 @@
+"""The quantized-weight matmul (``kernels.quant``, C kernel ``csrc/quant_matmul.c``) against
+dequantize-then-matmul in float32, over a grid of shapes and block-format edge cases.
+
+Weights are quantized with gguf-py's reference quantizers (llama.cpp's algorithms), so the
+blocks are what a GGUF file holds. The tolerance is ``activation_error_bound``: the int8
+rounding of each activation block plus float32 accumulation, derived in its docstring.
+"""
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from kernels import quant
+from kernels.quant import QuantizedWeight
+
+pytestmark = pytest.mark.skipif(
+    not (shutil.which("cc") or shutil.which("gcc")), reason="no C compiler on this machine")
+
+
+def make_weight(fmt: str, n: int, k: int, seed: int = 0, scale: float = 0.05) -> QuantizedWeight:
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    rng = np.random.default_rng(seed)
+    w = (rng.standard_normal((n, k)) * scale).astype(np.float32)
+    data = quantize(w, GGMLQuantizationType[fmt.upper()])
+    return QuantizedWeight(torch.from_numpy(data), fmt, n, k)
+
+
+def check_close(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
+    y = quant.quant_matmul(x, w)
+    ref = x.float() @ quant.dequantize(w).T
+    bound = quant.activation_error_bound(x, w)
+    err = (y - ref).abs()
+    assert torch.isfinite(y).all()
+    assert (err <= bound).all(), f"max excess {(err - bound).max().item()}"
+    return err
+
+
+def test_kernel_is_built_and_loaded():
+    assert quant.available()
+    assert quant.isa() in ("avx512_vnni", "avx2", "scalar")
+
+
+@pytest.mark.parametrize("fmt", list(quant.FORMATS))
+def test_dequantize_equals_gguf(fmt):
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    w = make_weight(fmt, 37, 96)
+    expected = dequantize(w.data.numpy(), GGMLQuantizationType[fmt.upper()])
+    assert torch.equal(quant.dequantize(w), torch.from_numpy(expected))
+    ids = torch.tensor([36, 0, 5, 5])
+    assert torch.equal(quant.dequantize_rows(w, ids), torch.from_numpy(expected)[ids])
+
+
+@pytest.mark.parametrize("fmt", list(quant.FORMATS))
+@pytest.mark.parametrize("n,k", [(1, 32), (37, 96), (64, 576), (576, 1536), (1536, 576), (17, 64)])
+@pytest.mark.parametrize("m", [1, 2, 5, 16, 64])
+def test_matches_dequantized_matmul(fmt, n, k, m):
+    w = make_weight(fmt, n, k, seed=n * k + m)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+    err = check_close(x, w)
+    # the bound must be informative: far below the size of the products it bounds
+    scale = x.abs() @ quant.dequantize(w).abs().T
+    assert (quant.activation_error_bound(x, w) <= 0.05 * scale + 1e-6).all()
+    assert err.max() > 0  # activations really were quantized (a float path would be exact)
+
+
+def test_outlier_activations_stay_within_bound():
+    """One huge activation per block (the residual stream's massive activations) coarsens that
+    block's int8 grid; the bound follows it."""
+    w = make_weight("q4_1", 64, 256)
+    x = torch.randn(8, 256)
+    x[:, ::32] = 3000.0
+    check_close(x, w)
+
+
+def test_parts_equal_concatenated_weight():
+    parts = [make_weight("q4_1", n, 576, seed=n) for n in (576, 192, 192)]
+    whole = QuantizedWeight(torch.cat([p.data for p in parts]), "q4_1", 960, 576)
+    x = torch.randn(5, 576)
+    assert torch.equal(quant.quant_matmul(x, parts), quant.quant_matmul(x, whole))
+
+
+def test_thread_count_does_not_change_results():
+    w, x = make_weight("q8_0", 300, 576), torch.randn(7, 576)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = quant.quant_matmul(x, w)
+        torch.set_num_threads(2)
+        two = quant.quant_matmul(x, w)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)
+
+
+@pytest.mark.parametrize("fmt", list(quant.FORMATS))
+def test_all_zero_blocks_and_zero_activations_give_exact_zeros(fmt):
+    n, k = 20, 64
+    zero = QuantizedWeight(torch.zeros(n, k // 32 * quant.FORMATS[fmt][1], dtype=torch.uint8),
+                           fmt, n, k)
+    assert torch.equal(quant.quant_matmul(torch.randn(3, k), zero), torch.zeros(3, n))
+    w = make_weight(fmt, n, k)
+    assert torch.equal(quant.quant_matmul(torch.zeros(3, k), w), torch.zeros(3, n))
+
+
+@pytest.mark.parametrize("fmt", list(quant.FORMATS))
+@pytest.mark.parametrize("d", [65504.0, 6e-8, -1.0])  # fp16 max, smallest subnormal, negative
+def test_extreme_scales(fmt, d):
+    w = make_weight(fmt, 16, 64)
+    raw = w.data.reshape(16, 2, quant.FORMATS[fmt][1]).clone()
+    raw[..., 0:2] = torch.tensor([d], dtype=torch.float16).view(torch.uint8)
+    w = QuantizedWeight(raw.reshape(16, -1), fmt, 16, 64)
+    x = torch.randn(4, 64) * (1e-3 if d > 1 else 1.0)
+    check_close(x, w)
+
+
+def test_bad_shapes_are_rejected_with_the_field_named():
+    data = torch.zeros(4, 2 * 20, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="in_features"):
+        QuantizedWeight(torch.zeros(4, 20, dtype=torch.uint8), "q4_1", 4, 48)
+    with pytest.raises(ValueError, match="data"):
+        QuantizedWeight(data[:, :30], "q4_1", 4, 64)
+    with pytest.raises(ValueError, match="fmt"):
+        QuantizedWeight(data, "q5_k", 4, 64)
+    w = QuantizedWeight(data, "q4_1", 4, 64)
+    with pytest.raises(ValueError, match="x"):
+        quant.quant_matmul(torch.zeros(2, 63), w)
+    with pytest.raises(ValueError, match="ids"):
+        quant.dequantize_rows(w, torch.tensor([4]))
+    with pytest.raises(ValueError, match="weight"):
+        quant.quant_matmul(torch.zeros(2, 64), [w, make_weight("q8_0", 4, 64)])
+
+
+def test_other_activation_dtypes_come_back_in_their_dtype():
+    w = make_weight("q4_0", 32, 64)
+    x = torch.randn(3, 64).to(torch.bfloat16)
+    y = quant.quant_matmul(x, w)
+    assert y.dtype == torch.bfloat16
+    assert torch.equal(y, quant.quant_matmul(x.float(), w).to(torch.bfloat16))

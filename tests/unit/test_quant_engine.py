@@ -1,0 +1,106 @@
+"""The engine's ``dtype`` / ``quantization`` settings: precision choice, GGUF blocks kept as
+stored, resident weight bytes, and a quantized engine that generates and frees its blocks."""
+from __future__ import annotations
+
+import functools
+import os
+
+import pytest
+import torch
+
+from kernels import quant
+from services.engine.engine import EngineConfig, LLMEngine
+from services.engine.gguf_file import GGUFFile
+from services.engine.loader import load_model
+from services.engine.model_files import default_model_path
+from services.engine.quantized import (QuantLinear, cpu_has_native_bf16, resolve_precision,
+                                       resident_weight_bytes)
+from services.engine.quantized_loader import file_weight_formats, load_gguf_quantized
+from services.engine.sampling_params import SamplingParams
+
+
+@functools.cache
+def dense_weights():
+    return load_model(default_model_path())
+
+
+@pytest.mark.parametrize("field,kw", [("dtype", {"dtype": "float16"}),
+                                      ("quantization", {"quantization": "q5_k"})])
+def test_bad_settings_name_the_field(field, kw):
+    args = {"dtype": "float32", "quantization": "none", **kw}
+    with pytest.raises(ValueError, match=field):
+        resolve_precision(args["dtype"], args["quantization"], {"q4_1"}, "cpu")
+
+
+def test_auto_serves_the_files_format_and_none_stays_float32():
+    assert file_weight_formats(default_model_path()) == {"q4_1"}
+    auto = resolve_precision("auto", "auto", {"q4_1"}, "cpu")
+    assert auto.quantization == ("q4_1" if quant.available() else "none")
+    assert auto.dtype == "float32"  # quantized layers compute in int8 whatever the dtype
+    dense = resolve_precision("auto", "none", {"q4_1"}, "cpu")
+    assert dense.dtype == ("bfloat16" if cpu_has_native_bf16() else "float32")
+    assert resolve_precision("float32", "none", {"q4_1"}, "cpu").quantization == "none"
+    # a float checkpoint has nothing to serve in place: auto does not invent a format
+    assert resolve_precision("float32", "auto", {"f32"}, "cpu").quantization == "none"
+
+
+def test_gguf_file_reads_what_gguf_reader_reads():
+    from gguf import GGUFReader
+
+    path = default_model_path()
+    ours, theirs = GGUFFile(path), GGUFReader(path)
+    assert [t.name for t in ours.tensors] == [t.name for t in theirs.tensors]
+    for a, b in zip(ours.tensors, theirs.tensors):
+        assert a.type_name == b.tensor_type.name.lower()
+        assert a.data.tobytes() == b.data.tobytes()
+    assert ours.field("llama.block_count") == 30
+    assert ours.field("tokenizer.ggml.tokens") == 49152  # a string array: its count only
+
+
+def test_quantized_load_keeps_blocks_and_dequantizes_to_the_float_loader():
+    config, dense, blocks = load_gguf_quantized(default_model_path(), "q4_1")
+    ref_config, ref = dense_weights()
+    assert config == ref_config
+    assert all(t.dtype == torch.float32 and t.dim() == 1 for t in dense.values())  # norms only
+    assert blocks["model.embed_tokens.weight"].fmt == "q8_0"
+    for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.7.self_attn.k_proj.weight",
+                 "model.layers.29.mlp.down_proj.weight", "model.embed_tokens.weight"):
+        assert torch.equal(quant.dequantize(blocks[name]), ref[name]), name
+
+
+def test_requantized_format_is_close_to_the_file():
+    _, _, blocks = load_gguf_quantized(default_model_path(), "q8_0")
+    w = blocks["model.layers.3.mlp.up_proj.weight"]
+    assert w.fmt == "q8_0"
+    ref = dense_weights()[1]["model.layers.3.mlp.up_proj.weight"]
+    # Q8_0 rounds each weight to within half a step d = max|w| / 127 of its block; the codes are
+    # chosen with d in float32 but stored with d in fp16 (relative error <= 2^-11), which moves
+    # a code of up to 127 by at most 127 * 2^-11 * d more
+    step = ref.abs().reshape(ref.shape[0], -1, 32).amax(-1, keepdim=True) / 127
+    err = (quant.dequantize(w) - ref).reshape(step.shape[0], -1, 32).abs()
+    assert (err <= step * (0.5 + 127 * 2**-11) + 1e-7).all()
+
+
+def test_quantized_engine_generates_frees_blocks_and_reports_bytes():
+    engine = LLMEngine(EngineConfig(quantization="q4_1", num_kv_blocks=64))
+    assert engine.precision.quantization == "q4_1"
+    linears = [m for m in engine.runner.model.modules() if isinstance(m, nn_linear())]
+    assert linears == []  # no dense linear layer left: nothing expanded to float32
+    assert sum(isinstance(m, QuantLinear) for m in engine.runner.model.modules()) == 30 * 4 + 1
+    file_bytes = os.path.getsize(default_model_path())
+    fp32_embedding = 49152 * 576 * 4
+    assert engine.weight_bytes == resident_weight_bytes(engine.runner.model)
+    assert engine.weight_bytes <= file_bytes + fp32_embedding
+    assert engine.weight_bytes < file_bytes  # blocks as stored, plus the float32 norms
+    ids = list(range(20, 60))
+    engine.add_request(engine.make_request("q", ids, SamplingParams(temperature=0, max_tokens=8)))
+    tokens = []
+    while engine.has_work():
+        for out in engine.step():
+            tokens += out.new_token_ids
+    assert len(tokens) == 8
+    assert engine.block_manager.num_free_blocks == 64
+
+
+def nn_linear():
+    return torch.nn.Linear
