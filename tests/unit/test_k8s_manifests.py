@@ -274,3 +274,194 @@ def test_secrets_are_referenced_never_inlined(rendered, target):
                     pytest.fail(f"{o['metadata']['name']}: {e['name']} is a literal, not a secretKeyRef")
                 if "@" in e.get("value", ""):  # a URL with credentials
                     assert "$(REDIS_PASSWORD)" in e["value"], f"{e['name']} inlines a password"
+
+
+# ------------------------------------------------------------------------------- wiring
+def pods(objs: list[dict]) -> list[tuple[dict, dict]]:
+    """(workload, pod labels) of every long-running workload."""
+    return [(o, pod_labels(o)) for o in of_kind(objs, "Deployment", "StatefulSet")]
+
+
+def service_port(objs: list[dict], host: str, port: int) -> None:
+    """Assert that ``host:port`` names a rendered Service port."""
+    svc = [s for s in of_kind(objs, "Service") if s["metadata"]["name"] == host]
+    assert svc, f"{host}: no such Service"
+    assert port in [p["port"] for p in svc[0]["spec"]["ports"]], f"{host}:{port}: no such port"
+
+
+@pytest.mark.parametrize("target", OVERLAYS + list(COMBOS))
+def test_services_select_pods_whose_ports_agree_with_the_config(rendered, target):
+    objs = rendered[target]
+    for svc in of_kind(objs, "Service"):
+        selected = [o for o, labels in pods(objs) if selects({"matchLabels": svc["spec"]["selector"]}, labels)]
+        assert selected, f"Service {svc['metadata']['name']} selects no pod"
+        for o in selected:
+            c = pod_spec(o)["containers"][0]
+            for p in svc["spec"]["ports"]:
+                target_port = p["targetPort"]
+                numbers = ports_of(c)
+                assert (numbers.get(target_port) if isinstance(target_port, str) else target_port) \
+                    == p["port"], f"{svc['metadata']['name']}:{p['name']} -> {o['metadata']['name']}"
+    for o in tandem_workloads(objs):
+        c, cfg = pod_spec(o)["containers"][0], config_of(objs, o)
+        if role(o) == "gateway":
+            assert ports_of(c) == {"grpc": cfg["gateway"]["port"],
+                                   "http": int(env_value(c, "TANDEM_HTTP_PORT"))}
+        else:
+            assert ports_of(c) == {"grpc": cfg["worker"]["port"], "kv": cfg["worker"]["kv_port"],
+                                   "metrics": int(env_value(c, "TANDEM_METRICS_PORT"))}
+        url = env_of(c)["REDIS_URL"]
+        if "value" in url:  # in-cluster Redis; otherwise a secretKeyRef (external-redis)
+            host, port = re.fullmatch(r"redis://:\$\(REDIS_PASSWORD\)@([\w-]+):(\d+)/\d+", url["value"]).groups()
+            service_port(objs, host, int(port))
+        else:
+            assert not of_kind(objs, "StatefulSet"), "external Redis but the StatefulSet is rendered"
+
+
+def test_load_test_job_targets_the_gateway_service(rendered):
+    (job,) = of_kind(rendered["loadtest"], "Job")
+    args = pod_spec(job)["containers"][0]["args"]
+    assert args[:2] == ["bench", "serve"] and pod_spec(job)["restartPolicy"] == "Never"
+    host, port = re.fullmatch(r"http://([\w-]+):(\d+)/v1", args[args.index("--target") + 1]).groups()
+    service_port(rendered["cpu"], host, int(port))
+    gateway = next(s for s in of_kind(rendered["cpu"], "Service") if s["metadata"]["name"] == host)
+    assert next(p for p in gateway["spec"]["ports"] if p["port"] == int(port))["name"] == "http"
+    assert job["spec"]["activeDeadlineSeconds"] > 0 and job["spec"]["backoffLimit"] == 0
+
+
+def allowed_peers(policies: list[dict], labels: dict, port: int) -> list[dict]:
+    """The ``from`` peers of every ingress rule that admits traffic to ``labels``'s pod on
+    ``port``; a rule without ``from`` admits everyone (``{"anyone": True}``)."""
+    peers = []
+    for np in policies:
+        if not selects(np["spec"]["podSelector"], labels):
+            continue
+        for rule in np["spec"].get("ingress", []):
+            rule_ports = [p["port"] for p in rule.get("ports", [])]
+            if rule_ports and port not in rule_ports:
+                continue
+            peers += rule.get("from", [{"anyone": True}])
+    return peers
+
+
+def probe_only_ports(objs: list[dict], workload: dict) -> set[str]:
+    """Named container ports that no Service exposes and only probes use."""
+    c = pod_spec(workload)["containers"][0]
+    exposed = {p["targetPort"] for s in of_kind(objs, "Service")
+               if selects({"matchLabels": s["spec"]["selector"]}, pod_labels(workload))
+               for p in s["spec"]["ports"]}
+    probed = {c[p][k]["port"] for p in ("startupProbe", "readinessProbe", "livenessProbe")
+              for k in ("httpGet", "tcpSocket") if k in c.get(p, {})}
+    return {n for n in ports_of(c) if n in probed and n not in exposed}
+
+
+@pytest.mark.parametrize("target", ["production", "gpu+production+observability"])
+def test_network_policies_expose_only_the_gateway(rendered, target):
+    objs = rendered[target]
+    policies = of_kind(objs, "NetworkPolicy")
+    all_pods = pods(objs)
+    for np in policies:
+        assert any(selects(np["spec"]["podSelector"], labels) for _, labels in all_pods), \
+            f"NetworkPolicy {np['metadata']['name']} selects no pod"
+        for rule in np["spec"].get("ingress", []):
+            for peer in rule.get("from", []):
+                if "podSelector" in peer:
+                    assert any(selects(peer["podSelector"], labels) for _, labels in all_pods), \
+                        f"NetworkPolicy {np['metadata']['name']}: a peer selector matches no pod"
+    for o, labels in all_pods:
+        assert any(selects(np["spec"]["podSelector"], labels) and not np["spec"].get("ingress")
+                   for np in policies), f"{o['metadata']['name']}: no default-deny policy"
+        for name, port in ports_of(pod_spec(o)["containers"][0]).items():
+            peers = allowed_peers(policies, labels, port)
+            if role(o) == "gateway":
+                assert {"anyone": True} in peers, f"gateway port {name} is not reachable"
+                continue
+            if name == "metrics":
+                continue  # Prometheus, from its own namespace
+            if name in probe_only_ports(objs, o):
+                continue  # the kubelet's probes; NetworkPolicy does not apply to them
+            assert peers, f"{o['metadata']['name']}:{name} admits nobody"
+            for peer in peers:
+                assert set(peer) == {"podSelector"}, f"{o['metadata']['name']}:{name} open to {peer}"
+                admitted = [w for w, lb in all_pods if selects(peer["podSelector"], lb)]
+                assert admitted and all(role(w) in ROLES for w in admitted), \
+                    f"{o['metadata']['name']}:{name} admits {[w['metadata']['name'] for w in admitted]}"
+    gateway_labels = next(lb for o, lb in all_pods if role(o) == "gateway")
+    decode = next(o for o, _ in all_pods if role(o) == "decode")
+    grpc_peers = allowed_peers(policies, pod_labels(decode), ports_of(pod_spec(decode)["containers"][0])["grpc"])
+    assert any(selects(p["podSelector"], gateway_labels) for p in grpc_peers), "gateway cannot reach decode"
+
+
+# ------------------------------------------------------------------------------- overlays
+def test_gpu_overlay_runs_workers_on_cuda_with_nixl(rendered):
+    objs = rendered["gpu"]
+    for o in tandem_workloads(objs):
+        cfg, c = config_of(objs, o), pod_spec(o)["containers"][0]
+        assert (cfg["engine"]["device"], cfg["engine"]["dtype"]) == ("cuda", "bfloat16")
+        assert cfg["transport"]["kv_transport"] == "nixl"
+        assert c["image"].endswith("-cuda")
+        if role(o) != "gateway":
+            assert "UCX_TLS" in env_of(c)
+            assert any(t["key"] == "nvidia.com/gpu" for t in pod_spec(o)["tolerations"])
+    cpu_cfg = config_of(rendered["cpu"], tandem_workloads(rendered["cpu"])[0])
+    assert (cpu_cfg["engine"]["device"], cpu_cfg["transport"]["kv_transport"]) == ("cpu", "tcp")
+    for key in ("host", "worker", "gateway"):  # same ports and listen address as the base
+        assert cfg[key] == cpu_cfg[key]
+
+
+def scale_target(objs: list[dict], ref: dict) -> dict:
+    (target,) = [o for o in of_kind(objs, ref["kind"]) if o["metadata"]["name"] == ref["name"]]
+    return target
+
+
+@pytest.mark.parametrize("target", ["production", "gpu+production+observability"])
+def test_production_budgets_and_autoscalers_target_the_pools(rendered, target):
+    objs = rendered[target]
+    budgeted = set()
+    for pdb in of_kind(objs, "PodDisruptionBudget"):
+        matched = [o for o in tandem_workloads(objs) if selects(pdb["spec"]["selector"], pod_labels(o))]
+        assert len(matched) == 1, f"PDB {pdb['metadata']['name']} selects {len(matched)} pools"
+        budgeted.add(role(matched[0]))
+    assert budgeted == set(ROLES)
+    (hpa,) = of_kind(objs, "HorizontalPodAutoscaler")
+    gateway = scale_target(objs, hpa["spec"]["scaleTargetRef"])
+    assert role(gateway) == "gateway" and hpa["spec"]["metrics"][0]["resource"]["name"] == "cpu"
+    assert gateway["spec"]["replicas"] >= hpa["spec"]["minReplicas"] >= 2
+    queries = {}
+    for so in of_kind(objs, "ScaledObject"):
+        pool = role(scale_target(objs, so["spec"]["scaleTargetRef"]))
+        assert so["spec"]["minReplicaCount"] >= 1  # never to zero: a pool of none fails requests
+        queries[pool] = [t["metadata"]["query"] for t in so["spec"]["triggers"]]
+        assert all(f'role="{pool}"' in q for q in queries[pool])
+    assert any("tandem:num_requests_waiting" in q for q in queries["prefill"])
+    assert {m for q in queries["decode"] for m in re.findall(r"tandem:\w+", q)} == {
+        "tandem:num_requests_waiting", "tandem:kv_cache_usage_perc"}
+
+
+@pytest.mark.parametrize("target", ["observability", "gpu+production+observability"])
+def test_observability_wiring(rendered, target):
+    objs = rendered[target]
+    for o in tandem_workloads(objs):
+        c = pod_spec(o)["containers"][0]
+        endpoint = env_value(c, "OTEL_EXPORTER_OTLP_ENDPOINT")
+        host, port = re.fullmatch(r"http://([\w-]+):(\d+)", endpoint).groups()
+        service_port(objs, host, int(port))
+        ann = o["spec"]["template"]["metadata"]["annotations"]
+        assert ann["prometheus.io/path"] == "/metrics"
+        assert int(ann["prometheus.io/port"]) == ports_of(c)["http" if role(o) == "gateway" else "metrics"]
+    (sm,) = of_kind(objs, "ServiceMonitor")
+    scraped = [s for s in of_kind(objs, "Service") if selects(sm["spec"]["selector"], s["metadata"]["labels"])]
+    assert {s["metadata"]["labels"]["app.kubernetes.io/component"] for s in scraped} == set(ROLES)
+    names = {p["name"] for s in scraped for p in s["spec"]["ports"]}
+    assert {e["port"] for e in sm["spec"]["endpoints"]} <= names
+    (dash,) = [cm for cm in of_kind(objs, "ConfigMap") if cm["metadata"]["labels"].get("grafana_dashboard") == "1"]
+    dashboard = json.loads(next(iter(dash["data"].values())))
+    exprs = " ".join(t["expr"] for p in dashboard["panels"] for t in p["targets"])
+    for metric in ("tandem:num_requests_waiting", "tandem:num_requests_running", "tandem:kv_cache_usage_perc",
+                   "tandem:time_to_first_token_seconds_bucket", "tandem:inter_token_latency_seconds_bucket"):
+        assert metric in exprs, metric
+    collector_cfg = next(yaml.safe_load(cm["data"]["config.yaml"]) for cm in of_kind(objs, "ConfigMap")
+                         if cm["metadata"]["name"].startswith("tandem-otel-collector-config"))
+    grpc_endpoint = collector_cfg["receivers"]["otlp"]["protocols"]["grpc"]["endpoint"]
+    collector = next(o for o in of_kind(objs, "Deployment") if role(o) == "otel-collector")
+    assert int(grpc_endpoint.rsplit(":", 1)[1]) == ports_of(pod_spec(collector)["containers"][0])["otlp-grpc"]
