@@ -15,7 +15,7 @@ FROM python:3.11-slim AS cpu-build
 ENV PIP_NO_CACHE_DIR=1 PYTHONDONTWRITEBYTECODE=1
 WORKDIR /opt/tandem
 COPY pyproject.toml README.md ./
-COPY scripts/python_packages.sh scripts/
+COPY scripts/python_packages.sh scripts/bench_kv_transfer.py scripts/
 COPY proto proto
 COPY services services
 COPY kernels kernels
@@ -53,7 +53,7 @@ FROM cuda-base AS cuda-build
 ENV PIP_NO_CACHE_DIR=1 PYTHONDONTWRITEBYTECODE=1
 WORKDIR /opt/tandem
 COPY pyproject.toml README.md ./
-COPY scripts/python_packages.sh scripts/
+COPY scripts/python_packages.sh scripts/bench_kv_transfer.py scripts/
 COPY proto proto
 COPY services services
 COPY kernels kernels
