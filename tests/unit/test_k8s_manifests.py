@@ -465,3 +465,40 @@ def test_observability_wiring(rendered, target):
     grpc_endpoint = collector_cfg["receivers"]["otlp"]["protocols"]["grpc"]["endpoint"]
     collector = next(o for o in of_kind(objs, "Deployment") if role(o) == "otel-collector")
     assert int(grpc_endpoint.rsplit(":", 1)[1]) == ports_of(pod_spec(collector)["containers"][0])["otlp-grpc"]
+
+
+def pod_environ(container: dict, pod_name: str) -> dict[str, str]:
+    """The container's environment as the kubelet builds it: downward-API fields and Secret keys
+    replaced by stand-ins, ``$(VAR)`` references expanded."""
+    fields = {"status.podIP": "10.1.2.3", "metadata.name": pod_name}
+    env: dict[str, str] = {}
+    for e in container.get("env", []):
+        if "value" in e:
+            env[e["name"]] = re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], e["value"])
+        elif "fieldRef" in e["valueFrom"]:
+            env[e["name"]] = fields[e["valueFrom"]["fieldRef"]["fieldPath"]]
+        else:
+            env[e["name"]] = "stand-in-secret"
+    return env
+
+
+@pytest.mark.parametrize("target", ["cpu", "gpu"])
+def test_config_file_and_env_load_into_the_settings_tree(rendered, target, tmp_path):
+    sources = pytest.importorskip("services.settings_sources",
+                                  reason="the pydantic-settings tree (issue 11) is not in this tree")
+    objs = rendered[target]
+    for o in tandem_workloads(objs):
+        c = pod_spec(o)["containers"][0]
+        path = tmp_path / f"{role(o)}.yaml"
+        path.write_text(yaml.safe_dump(config_of(objs, o)))
+        settings = sources.load_settings(config_file=path, environ=pod_environ(c, f"tandem-{role(o)}-0")).settings
+        assert settings.host == "0.0.0.0"
+        assert settings.worker.num_threads == int(c["resources"]["requests"]["cpu"])
+        assert settings.state.redis_url.startswith("redis://:stand-in-secret@tandem-redis:6379/")
+        if role(o) == "gateway":
+            assert settings.gateway.port == ports_of(c)["grpc"]
+        else:
+            assert (settings.worker.port, settings.worker.kv_port) == (ports_of(c)["grpc"], ports_of(c)["kv"])
+            assert settings.worker.advertise_host == "10.1.2.3"
+            assert settings.worker.worker_id == f"tandem-{role(o)}-0"
+            assert settings.transport.internal_secret_file == "/etc/tandem/secrets/internal-secret"
