@@ -142,6 +142,13 @@ def test_renders_and_validates_strictly(rendered, target):
         validate_strict(o)
         if o["kind"] != "Namespace":
             assert o["metadata"].get("namespace") == "tandem", f"{o['kind']} {o['metadata']['name']}"
+        assert o["metadata"]["labels"]["app.kubernetes.io/part-of"] == "tandem", o["metadata"]["name"]
+    for o in of_kind(objs, *WORKLOADS):
+        labels = pod_labels(o)
+        assert selects(o["spec"]["selector"], labels) if "selector" in o["spec"] else True
+        assert labels["app.kubernetes.io/name"] == "tandem" and labels["app.kubernetes.io/instance"]
+        if role(o) in ROLES:
+            assert labels["tandem/role"] == role(o)
 
 
 def test_strict_validation_rejects_an_unknown_field(rendered):
@@ -426,7 +433,9 @@ def test_production_budgets_and_autoscalers_target_the_pools(rendered, target):
     (hpa,) = of_kind(objs, "HorizontalPodAutoscaler")
     gateway = scale_target(objs, hpa["spec"]["scaleTargetRef"])
     assert role(gateway) == "gateway" and hpa["spec"]["metrics"][0]["resource"]["name"] == "cpu"
-    assert gateway["spec"]["replicas"] >= hpa["spec"]["minReplicas"] >= 2
+    assert hpa["spec"]["minReplicas"] >= 2
+    for o in tandem_workloads(objs):  # the autoscalers own it: `kubectl apply` must not reset it
+        assert "replicas" not in o["spec"], f"{o['metadata']['name']}: replicas set beside an autoscaler"
     queries = {}
     for so in of_kind(objs, "ScaledObject"):
         pool = role(scale_target(objs, so["spec"]["scaleTargetRef"]))
