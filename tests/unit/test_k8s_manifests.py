@@ -16,6 +16,7 @@ import pytest
 import yaml
 
 kubernetes_validate = pytest.importorskip("kubernetes_validate", reason="pip install kubernetes-validate")
+import jsonschema  # noqa: E402  (kubernetes-validate's own dependency)
 pytestmark = pytest.mark.skipif(shutil.which("kubectl") is None,
                                 reason="kubectl not on PATH: cannot render k8s/ with `kubectl kustomize`")
 
@@ -27,7 +28,36 @@ OVERLAYS = ["cpu", "gpu", "production", "observability"]
 COMBOS = {"gpu+production+observability": ("overlays/gpu", ["production", "observability"]),
           "cpu+external-redis": ("overlays/cpu", ["external-redis"])}
 TARGETS = [*OVERLAYS, "loadtest", *COMBOS]
-CRDS = {("keda.sh/v1alpha1", "ScaledObject"), ("monitoring.coreos.com/v1", "ServiceMonitor")}
+_OBJ = {"type": "object"}
+# The custom resources' specs, field names from KEDA's and the Prometheus Operator's CRDs (only
+# the fields these manifests may use; an unknown or misspelt field fails like strict mode).
+CRDS = {
+    ("keda.sh/v1alpha1", "ScaledObject"): {
+        "type": "object", "additionalProperties": False,
+        "required": ["scaleTargetRef", "triggers"],
+        "properties": {
+            "scaleTargetRef": {"type": "object", "additionalProperties": False, "required": ["name"],
+                               "properties": {"apiVersion": {"type": "string"}, "kind": {"type": "string"},
+                                              "name": {"type": "string"}}},
+            "pollingInterval": {"type": "integer"}, "cooldownPeriod": {"type": "integer"},
+            "minReplicaCount": {"type": "integer"}, "maxReplicaCount": {"type": "integer"},
+            "fallback": _OBJ, "advanced": _OBJ,
+            "triggers": {"type": "array", "minItems": 1, "items": {
+                "type": "object", "additionalProperties": False, "required": ["type", "metadata"],
+                "properties": {"type": {"enum": ["prometheus", "cpu", "memory"]},
+                               "name": {"type": "string"}, "metricType": {"enum": ["AverageValue", "Value", "Utilization"]},
+                               "metadata": {"type": "object", "additionalProperties": {"type": "string"}},
+                               "authenticationRef": _OBJ}}}}},
+    ("monitoring.coreos.com/v1", "ServiceMonitor"): {
+        "type": "object", "additionalProperties": False, "required": ["selector", "endpoints"],
+        "properties": {
+            "selector": _OBJ, "namespaceSelector": _OBJ, "jobLabel": {"type": "string"},
+            "endpoints": {"type": "array", "minItems": 1, "items": {
+                "type": "object", "additionalProperties": False, "required": ["port"],
+                "properties": {"port": {"type": "string"}, "path": {"type": "string"},
+                               "interval": {"type": "string"}, "scheme": {"enum": ["http", "https"]},
+                               "relabelings": {"type": "array"}, "metricRelabelings": {"type": "array"}}}}}},
+}
 WORKLOADS = ("Deployment", "StatefulSet", "Job")
 ROLES = ("gateway", "prefill", "decode")
 SECRET = "tandem-secrets"
@@ -137,9 +167,9 @@ def test_renders_and_validates_strictly(rendered, target):
     assert len(ids) == len(set(ids)), f"duplicate objects: {ids}"
     for o in objs:
         if (o["apiVersion"], o["kind"]) in CRDS:
-            assert o["spec"], f"{o['kind']} {o['metadata']['name']}: empty spec"
-            continue
-        validate_strict(o)
+            jsonschema.validate(o["spec"], CRDS[o["apiVersion"], o["kind"]])
+        else:
+            validate_strict(o)
         if o["kind"] != "Namespace":
             assert o["metadata"].get("namespace") == "tandem", f"{o['kind']} {o['metadata']['name']}"
         assert o["metadata"]["labels"]["app.kubernetes.io/part-of"] == "tandem", o["metadata"]["name"]
