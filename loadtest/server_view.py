@@ -1,6 +1,8 @@
 """The server's own view of a run on Tandem: every worker's load over the run, sampled by
 calling each worker's ``GetLoad`` (workers found in the Redis registry,
-``services.state.registry``) every ``interval_s`` seconds.
+``services.state.registry``) every ``interval_s`` seconds. Workers' internal ports require the
+stack's internal secret: it is read as the services read it (``TANDEM_INTERNAL_SECRET`` or the
+file named by ``TANDEM_INTERNAL_SECRET_FILE``; ``services.auth``).
 
 Per worker the report gives the mean and max running batch (sequences), mean waiting
 sequences and mean / max KV-cache usage (1 - free / total blocks, 0-1, vLLM's
@@ -22,6 +24,7 @@ import redis
 import redis.asyncio as aioredis
 
 from services.api import worker_pb2, worker_pb2_grpc
+from services.auth import internal_channel, read_internal_secret
 from services.state.registry import ROLES, WorkerRegistry
 
 logger = logging.getLogger(__name__)
@@ -56,10 +59,12 @@ class ServerView:
     samples: list[LoadSample] = field(default_factory=list)
     _task: asyncio.Task | None = None
     _warned: set[str] = field(default_factory=set)
+    _secret: str | None = None
 
     def __post_init__(self) -> None:
         if self.interval_s <= 0:
             raise ValueError(f"server_poll_s must be > 0 seconds, got {self.interval_s}")
+        self._secret = read_internal_secret()
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run(), name="server-view")
@@ -96,7 +101,7 @@ class ServerView:
 
     async def _sample(self, channels: dict, role: str, worker_id: str, endpoint: str) -> None:
         if endpoint not in channels:
-            channels[endpoint] = grpc.aio.insecure_channel(endpoint)
+            channels[endpoint] = internal_channel(endpoint, self._secret)
         stub = _STUBS[role](channels[endpoint])
         try:
             load = await stub.GetLoad(worker_pb2.GetLoadRequest(), timeout=self.interval_s * 4)

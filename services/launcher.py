@@ -136,6 +136,12 @@ class Stack:
         self.child_env["TANDEM_INTERNAL_SECRET"] = secret
         self.child_env.update(self.opts.env or {})
 
+    @property
+    def internal_secret(self) -> str:
+        """The secret the children prove on their internal ports (for clients of this
+        process, e.g. tests reading a worker's GetLoad through ``services.auth.internal_channel``)."""
+        return self.child_env["TANDEM_INTERNAL_SECRET"]
+
     def add_worker(self, role: str, worker_id: str, extra_args: list[str] = ()) -> subprocess.Popen:
         """Start one more worker (it joins through the registry; nothing else restarts)."""
         return self._add(worker_id, [*self._serve(role), "--worker-id", worker_id,

@@ -12,6 +12,7 @@ import grpc
 import pytest
 import redis.asyncio as aioredis
 
+from services.auth import internal_channel
 from services.api import worker_pb2, worker_pb2_grpc
 from services.launcher import Stack, UpOptions
 from services.state.registry import WorkerInfo, WorkerRegistry
@@ -88,7 +89,7 @@ async def worker_loads(stack: Stack) -> dict[str, worker_pb2.WorkerLoad]:
     assert live <= registered.keys(), f"live workers missing from the registry: {live - registered.keys()}"
     out = {}
     for worker_id in sorted(live):
-        async with grpc.aio.insecure_channel(registered[worker_id].endpoint) as ch:
+        async with internal_channel(registered[worker_id].endpoint, stack.internal_secret) as ch:
             out[worker_id] = await worker_stub(registered[worker_id], ch).GetLoad(
                 worker_pb2.GetLoadRequest(), timeout=GET_LOAD_TIMEOUT_S)
     return out

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -43,7 +44,8 @@ def serve_run(stack, redis_server, tmp_path_factory):
             "--redis-url", redis_server.url, "--server-poll-s", "0.2", "--save-detailed",
             "--disable-progress", "--time-limit", "60", "--request-timeout", "120",
             "--result-dir", str(out), "--result-name", "run"]
-    proc = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=400)
+    env = {**os.environ, "TANDEM_INTERNAL_SECRET": stack.internal_secret}  # the workers' GetLoad
+    proc = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=400, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out, json.loads((out / "run.json").read_text()), proc.stdout
 

@@ -24,6 +24,7 @@ import pytest
 import redis.asyncio as aioredis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.auth import internal_channel
 from services.api import gateway_pb2, gateway_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services.launcher import Stack, UpOptions
 from services.state.redis_server import RedisServer, start_redis_server
@@ -210,8 +211,8 @@ def test_unused_reservation_is_held_until_its_lease_ends_or_it_is_released_unuse
 
     async def run():
         decode = await workers(fs, "decode")
-        async with grpc.aio.insecure_channel(decode[0].endpoint) as c0, \
-                grpc.aio.insecure_channel(decode[1].endpoint) as c1:
+        async with internal_channel(decode[0].endpoint, fs.stack.internal_secret) as c0, \
+                internal_channel(decode[1].endpoint, fs.stack.internal_secret) as c1:
             t0 = time.monotonic()
             await asyncio.gather(orphan(decode[0], c0, "disconnect"), orphan(decode[1], c1, "abort"))
 
@@ -258,7 +259,7 @@ def test_lease_end_on_a_waiting_stream_applies_the_failure_policy(fs, greedy):
 
     async def run():
         d0, d1 = await workers(fs, "decode")
-        async with grpc.aio.insecure_channel(d0.endpoint) as c0, grpc.aio.insecure_channel(d1.endpoint) as c1:
+        async with internal_channel(d0.endpoint, fs.stack.internal_secret) as c0, internal_channel(d1.endpoint, fs.stack.internal_secret) as c1:
             await asyncio.gather(fail(c0, d0), recompute(c1, d1))
         await assert_all_blocks_freed(fs)
 
@@ -456,7 +457,7 @@ def test_overload_burst_is_bounded_and_every_admitted_request_finishes(fs, greed
 
         # a worker's own bound: reservations beyond max_waiting are refused
         d = (await workers(fs, "decode"))[0]
-        async with grpc.aio.insecure_channel(d.endpoint) as ch:
+        async with internal_channel(d.endpoint, fs.stack.internal_secret) as ch:
             opened = await asyncio.gather(*(
                 open_reservation(d, ch, f"flood-{i}", worker_pb2.KV_FAILURE_POLICY_FAIL)
                 for i in range(MAX_WAITING + 4)), return_exceptions=True)

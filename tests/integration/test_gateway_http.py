@@ -16,6 +16,7 @@ import httpx
 import pytest
 import redis.asyncio as aioredis
 
+from services.auth import internal_channel
 from services.api import gateway_pb2, gateway_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services.engine.model_files import default_model_path
 from services.gateway.app import GatewayOptions, run_gateway
@@ -30,8 +31,8 @@ DEADLINE_S = 60.0
 
 
 class HttpGateway:
-    def __init__(self, redis_url: str) -> None:
-        self.redis_url = redis_url
+    def __init__(self, redis_url: str, internal_secret: str) -> None:
+        self.redis_url, self.internal_secret = redis_url, internal_secret
         self.http_port = free_port()
         self.url = f"http://127.0.0.1:{self.http_port}"
         self._loop = asyncio.new_event_loop()
@@ -42,7 +43,8 @@ class HttpGateway:
     async def _main(self) -> None:
         self._stop = asyncio.Event()
         opts = GatewayOptions("127.0.0.1", 0, self.redis_url, str(default_model_path()),
-                              rpc_timeout_s=120.0, heartbeat_s=0.5, http_port=self.http_port)
+                              rpc_timeout_s=120.0, heartbeat_s=0.5, http_port=self.http_port,
+                              internal_secret=self.internal_secret)
         await run_gateway(opts, self._stop.wait())
 
     def wait_ready(self) -> None:
@@ -65,7 +67,7 @@ class HttpGateway:
 
 @pytest.fixture(scope="module")
 def http(stack) -> Iterator[HttpGateway]:
-    g = HttpGateway(stack.redis_url)
+    g = HttpGateway(stack.redis_url, stack.internal_secret)
     try:
         g.wait_ready()
         yield g
@@ -181,7 +183,7 @@ def test_client_disconnect_mid_stream_aborts_and_frees_blocks(http, stack):
                 loads = []
                 for role, cls in (("decode", worker_pb2_grpc.DecodeWorkerStub), ("prefill", worker_pb2_grpc.PrefillWorkerStub)):
                     for w in await WorkerRegistry(client).list(role):
-                        async with grpc.aio.insecure_channel(w.endpoint) as ch:
+                        async with internal_channel(w.endpoint, stack.internal_secret) as ch:
                             loads.append(await cls(ch).GetLoad(worker_pb2.GetLoadRequest(), timeout=10))
                 freed = loads and all(l.free_kv_blocks == l.total_kv_blocks and l.num_running == 0 for l in loads)
                 if record and str(record["status"]) == "aborted" and freed:
