@@ -121,7 +121,8 @@ class WorkerSection(BaseModel):
         None, help="address peers use to reach this worker (default: host)")
     num_threads: int = setting(1, help="torch threads per worker process", gt=0)
     kv_lease_s: float = setting(
-        30.0, help="decode: seconds a KV reservation waits for its KV before it is freed", gt=0)
+        30.0, help="decode: seconds a KV reservation waits for its KV, and ready tokens for "
+             "their reader, before the request's blocks are freed", gt=0)
     max_waiting: int = setting(256, help="requests held outside the running batch before new "
                                "ones get RESOURCE_EXHAUSTED", gt=0)
     fault_injection: bool = setting(

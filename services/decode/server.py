@@ -5,6 +5,10 @@ A reservation's blocks are freed only when no KV write into them can be in fligh
 ``reservations.py``). If the KV does not arrive (the prefill worker reports that it was not
 written, or the lease ends) the request's ``kv_failure_policy`` decides: ``recompute`` computes
 the prompt here in the reserved blocks, ``fail`` frees them and ends the stream with ABORTED.
+
+Every stream also holds a lease on the blocks of its running request (``local_prefill`` ones
+included): a consumer that leaves ready tokens unread for ``kv_lease_s`` has its request released,
+so no caller can pin blocks by not reading (``_StreamLease``).
 """
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ import asyncio
 import functools
 import json
 import logging
+import time
 
 from services.api import worker_pb2, worker_pb2_grpc
 from services.decode.reservations import Outcome, Reservations
@@ -75,6 +80,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             raise ValueError(f"request_id: {rid!r} still holds a reservation on this worker")
         queue = self.rt.open_stream(rid)
         owned = finished = False  # owned: the engine may hold a request of ours under rid
+        lease = _StreamLease(self.rt, rid, queue, self.rt.options.kv_lease_s)
         try:
             req = await self.rt.call(
                 commands.MakeRequest(rid, list(request.prompt_token_ids), params))
@@ -101,9 +107,11 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                     token_ids=[t for o in outs for t in o.new_token_ids],
                     finish_reason=last.finish_reason or "", num_output_tokens=last.num_output_tokens,
                     logprobs=[logprobs_to_proto(lp) for o in outs for lp in o.logprobs or ()])
+                lease.renew()
                 if finished:
                     return
         finally:  # client gone, abort or error: free what the request holds, unless a KV write
+            lease.close()
             self.rt.streams.pop(rid, None)  # may still land in it (quarantined until closed)
             if owned and not finished and not self.reservations.detach(rid):
                 self.rt.release(rid)
@@ -145,6 +153,43 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         else:
             found = await self.rt.call(commands.Abort(rid))
         return worker_pb2.WorkerAbortResponse(found=found)
+
+
+class _StreamLease:
+    """A decode stream's lease on its running request's blocks: tokens ready for the consumer
+    must be taken within ``lease_s`` seconds; after that the request is released (aborted,
+    blocks freed), as an unused reservation's blocks are at its lease's end. Checked every third
+    of the lease on the event loop: unread tokens seen at one check with no message taken before
+    a check ``lease_s`` later. ``renew()`` after each message the consumer took."""
+
+    def __init__(self, rt: WorkerRuntime, rid: str, queue: asyncio.Queue, lease_s: float) -> None:
+        self.rt, self.rid, self.queue, self.lease_s = rt, rid, queue, lease_s
+        self.read_at = time.monotonic()
+        self._task = asyncio.ensure_future(self._watch())
+
+    def renew(self) -> None:
+        self.read_at = time.monotonic()
+
+    def close(self) -> None:
+        self._task.cancel()
+
+    async def _watch(self) -> None:
+        unread_since: float | None = None  # first check that saw tokens waiting, none taken since
+        while True:
+            await asyncio.sleep(self.lease_s / 3)
+            now = time.monotonic()
+            if self.queue.empty() or (unread_since is not None and self.read_at > unread_since):
+                unread_since = None
+            if self.queue.empty():
+                continue
+            if unread_since is None:
+                unread_since = now
+            elif now - unread_since >= self.lease_s:
+                log.warning("request %s: ready tokens left unread for %.1fs (lease %.1fs): "
+                            "released", self.rid, now - unread_since, self.lease_s)
+                self.rt.release(self.rid)
+                self.queue.put_nowait(RequestOutput(self.rid, [], "abort"))  # a late reader's end
+                return
 
 
 async def _batches(queue: asyncio.Queue[RequestOutput]):
