@@ -63,25 +63,33 @@ def build(compiler: str | None = None) -> Path:
     """Compile the kernel (unless already cached) and return the shared library's path.
 
     Raises ``RuntimeError`` (with the compiler's output) when no compiler is found or the build
+    fails."""
+    return build_shared_library(SOURCE, compiler)
+
+
+def build_shared_library(source: Path, compiler: str | None = None) -> Path:
+    """Compile the C file ``source`` with ``CFLAGS``/``LDFLAGS`` into a shared library cached in
+    ``cache_dir()`` under a hash of the source, the flags and this CPU; returns its path.
+
+    Raises ``RuntimeError`` (with the compiler's output) when no compiler is found or the build
     fails. Safe under concurrent builds: each compiles to a temporary file and renames it.
     """
     cc = compiler or os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not cc:
         raise RuntimeError("no C compiler found (set $CC, or install gcc)")
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(b"\0".join([source, " ".join((cc, *CFLAGS, *LDFLAGS)).encode(),
+    key = hashlib.sha256(b"\0".join([source.read_bytes(), " ".join((cc, *CFLAGS, *LDFLAGS)).encode(),
                                      _cpu_id().encode()])).hexdigest()[:16]
-    target = cache_dir() / f"paged_decode_attention-{key}.so"
+    target = cache_dir() / f"{source.stem}-{key}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         obj, lib = Path(tmp) / "kernel.o", Path(tmp) / target.name
-        for cmd in ([cc, *CFLAGS, "-c", str(SOURCE), "-o", str(obj)],
+        for cmd in ([cc, *CFLAGS, "-c", str(source), "-o", str(obj)],
                     [cc, *LDFLAGS, str(obj), "-o", str(lib), "-lm"]):
             proc = subprocess.run(cmd, capture_output=True, text=True)
             if proc.returncode != 0:
-                raise RuntimeError(f"building {SOURCE.name} failed: {' '.join(cmd)}\n"
+                raise RuntimeError(f"building {source.name} failed: {' '.join(cmd)}\n"
                                    f"{proc.stderr.strip()}")
         os.replace(lib, target)
     return target

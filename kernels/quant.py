@@ -18,12 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
-import os
-import shutil
-import subprocess
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -31,7 +26,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from kernels.cpu_attention import CFLAGS, LDFLAGS, _cpu_id, cache_dir
+from kernels.cpu_attention import build_shared_library
 
 log = logging.getLogger(__name__)
 
@@ -88,25 +83,7 @@ def build(compiler: str | None = None) -> Path:
 
     Raises ``RuntimeError`` with the compiler's output when no compiler exists or the build fails.
     """
-    cc = compiler or os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if not cc:
-        raise RuntimeError("no C compiler found (set $CC, or install gcc)")
-    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), " ".join((cc, *CFLAGS, *LDFLAGS)).encode(),
-                                     _cpu_id().encode()])).hexdigest()[:16]
-    target = cache_dir() / f"quant_matmul-{key}.so"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        obj, lib = Path(tmp) / "kernel.o", Path(tmp) / target.name
-        for cmd in ([cc, *CFLAGS, "-c", str(SOURCE), "-o", str(obj)],
-                    [cc, *LDFLAGS, str(obj), "-o", str(lib), "-lm"]):
-            proc = subprocess.run(cmd, capture_output=True, text=True)
-            if proc.returncode != 0:
-                raise RuntimeError(f"building {SOURCE.name} failed: {' '.join(cmd)}\n"
-                                   f"{proc.stderr.strip()}")
-        os.replace(lib, target)
-    return target
+    return build_shared_library(SOURCE, compiler)
 
 
 @functools.cache

@@ -63,23 +63,6 @@ def write_kv_cache(
         reference.write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
 
 
-def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
-    """Blocks ``block_ids`` (``[n]`` int64, on ``cache``'s device) of ``cache``
-    (``[..., num_blocks, block_size, num_kv_heads, head_dim]``) as a new contiguous
-    ``[..., n, block_size, num_kv_heads, head_dim]`` tensor. Triton on CUDA, torch elsewhere."""
-    if cache.is_cuda:
-        return _cache_ops().gather_blocks(cache, block_ids)
-    return reference.gather_blocks(cache, block_ids)
-
-
-def scatter_blocks(buffer: torch.Tensor, cache: torch.Tensor, block_ids: torch.Tensor) -> None:
-    """Inverse of ``gather_blocks``, in place (``buffer`` on ``cache``'s device)."""
-    if cache.is_cuda:
-        _cache_ops().scatter_blocks(buffer, cache, block_ids)
-    else:
-        reference.scatter_blocks(buffer, cache, block_ids)
-
-
 def paged_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
     scale: float,

@@ -108,6 +108,9 @@ def reachable(graph: dict[str, set[str]], start: str) -> set[str]:
 def test_no_import_circle_in_the_tree():
     graph = import_graph()
     assert "services.gateway.pipeline" in graph and "kernels.quant" in graph
+    # static batching extends the continuous scheduler, never the reverse
+    assert "services.engine.scheduler" in graph["services.engine.static_batch"]
+    assert "services.engine.static_batch" not in graph["services.engine.scheduler"]
     assert find_circle(graph) is None
 
 
