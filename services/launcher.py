@@ -25,6 +25,7 @@ from pathlib import Path
 
 import grpc
 import redis.asyncio as aioredis
+import redis.exceptions as redis_errors
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pydantic import SecretStr
 
@@ -199,6 +200,8 @@ class Stack:
                 return False
             if len(await registry.list("decode")) < self.opts.num_decode:
                 return False
+        except (redis_errors.RedisError, OSError):  # Redis slow or restarting: not ready yet
+            return False
         finally:
             await redis.aclose()
         async with grpc.aio.insecure_channel(f"{self.opts.host}:{self.opts.port}") as channel:
