@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
 
@@ -119,3 +120,27 @@ class _Busy(dict):
 
     def __bool__(self) -> bool:
         return False
+
+
+class GatewayThread:
+    """``run_gateway(opts)`` on its own thread and event loop, in this process, until ``close()``
+    (the gateway drains as on a signal)."""
+
+    def __init__(self, opts) -> None:
+        from services.gateway.app import run_gateway
+
+        self._loop = asyncio.new_event_loop()
+        self._stop = asyncio.Event()
+        self._thread = threading.Thread(target=self._loop.run_until_complete,
+                                        args=(run_gateway(opts, self._wait()),))
+        self._thread.start()
+
+    async def _wait(self) -> None:
+        await self._stop.wait()
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def close(self) -> None:
+        self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(timeout=60)

@@ -9,7 +9,6 @@ epsilon is greedy) is tests/integration/test_gateway_stack_inputs.py.
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 from collections.abc import Iterator
 
@@ -20,10 +19,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.api import gateway_pb2, gateway_pb2_grpc
 from services.engine.model_files import default_model_path
-from services.gateway.app import GatewayOptions, run_gateway
+from services.gateway.app import GatewayOptions
 from services.state.redis_server import RedisServer, start_redis_server
 from services.state.registry import WorkerInfo, WorkerRegistry
-from tests.integration.conftest import free_port
+from tests.integration.conftest import GatewayThread, free_port
 
 pytestmark = pytest.mark.integration
 
@@ -40,24 +39,15 @@ class InProcessGateway:
         self.redis: RedisServer = start_redis_server()
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
-        self._loop = asyncio.new_event_loop()
-        self._stop: asyncio.Event | None = None
-        self._thread = threading.Thread(target=self._loop.run_until_complete, args=(self._main(),))
-        self._thread.start()
-
-    async def _main(self) -> None:
-        self._stop = asyncio.Event()
-        opts = GatewayOptions("127.0.0.1", self.port, self.redis.url, str(default_model_path()),
-                              rpc_timeout_s=30.0, heartbeat_s=HEARTBEAT_S)
-        await run_gateway(opts, self._stop.wait())
+        self._gateway = GatewayThread(GatewayOptions(
+            "127.0.0.1", self.port, self.redis.url, str(default_model_path()),
+            rpc_timeout_s=30.0, heartbeat_s=HEARTBEAT_S))
 
     def is_alive(self) -> bool:
-        return self._thread.is_alive()
+        return self._gateway.is_alive()
 
     def close(self) -> None:
-        if self._stop is not None:
-            self._loop.call_soon_threadsafe(self._stop.set)
-        self._thread.join(timeout=60)
+        self._gateway.close()
         self.redis.stop()
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -19,10 +18,10 @@ import redis.asyncio as aioredis
 from services.auth import internal_channel
 from services.api import gateway_pb2, gateway_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services.engine.model_files import default_model_path
-from services.gateway.app import GatewayOptions, run_gateway
+from services.gateway.app import GatewayOptions
 from services.state.registry import WorkerRegistry
 from services.state.store import RequestStateStore
-from tests.integration.conftest import free_port
+from tests.integration.conftest import GatewayThread, free_port
 
 pytestmark = pytest.mark.integration
 
@@ -35,22 +34,14 @@ class HttpGateway:
         self.redis_url, self.internal_secret = redis_url, internal_secret
         self.http_port = free_port()
         self.url = f"http://127.0.0.1:{self.http_port}"
-        self._loop = asyncio.new_event_loop()
-        self._stop: asyncio.Event | None = None
-        self._thread = threading.Thread(target=self._loop.run_until_complete, args=(self._main(),))
-        self._thread.start()
-
-    async def _main(self) -> None:
-        self._stop = asyncio.Event()
-        opts = GatewayOptions("127.0.0.1", 0, self.redis_url, str(default_model_path()),
-                              rpc_timeout_s=120.0, heartbeat_s=0.5, http_port=self.http_port,
-                              internal_secret=self.internal_secret)
-        await run_gateway(opts, self._stop.wait())
+        self._gateway = GatewayThread(GatewayOptions(
+            "127.0.0.1", 0, self.redis_url, str(default_model_path()), rpc_timeout_s=120.0,
+            heartbeat_s=0.5, http_port=self.http_port, internal_secret=self.internal_secret))
 
     def wait_ready(self) -> None:
         deadline = time.monotonic() + 300
         while True:
-            assert self._thread.is_alive(), "the HTTP gateway stopped"
+            assert self._gateway.is_alive(), "the HTTP gateway stopped"
             try:
                 if httpx.get(f"{self.url}/ready", timeout=2).status_code == 200:
                     return
@@ -60,9 +51,7 @@ class HttpGateway:
             time.sleep(0.2)
 
     def close(self) -> None:
-        if self._stop is not None:
-            self._loop.call_soon_threadsafe(self._stop.set)
-        self._thread.join(timeout=60)
+        self._gateway.close()
 
 
 @pytest.fixture(scope="module")
