@@ -9,11 +9,11 @@ from typing import TYPE_CHECKING
 
 from services.api import worker_pb2, worker_pb2_grpc
 from services.auth import read_internal_secret, warn_if_open
-from services.gateway.model_card import served_model_name  # noqa: F401  (its old home)
 from services.rpc import bind, create_server, mark_not_serving, mark_serving
 from services.state.redis_server import check_redis
 
 if TYPE_CHECKING:
+    from services.engine.engine import EngineConfig
     from services.gateway.app import GatewayOptions
     from services.worker import WorkerOptions
 

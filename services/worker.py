@@ -17,7 +17,6 @@ from typing import Any
 
 
 from services.api import worker_pb2
-from services.api.convert import logprobs_to_proto, params_from_proto, params_to_proto  # noqa: F401
 from services.engine import commands
 from services.engine.engine import EngineConfig, LLMEngine
 from services.engine.engine_loop import EngineLoop
@@ -25,7 +24,7 @@ from services.engine.outputs import EngineDeadError, RequestOutput
 from services.engine.request import Request, RequestStatus
 from services.kv_transfer import KVTransport, create_transport
 from services.rpc import RequestFailed, ResourceExhausted, Unavailable
-from services.state.client import REDIS_TIMEOUT_S, redis_client  # noqa: F401
+from services.state.client import redis_client
 from services.state.registry import Heartbeater, WorkerInfo, WorkerRegistry
 
 log = logging.getLogger(__name__)

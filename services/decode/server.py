@@ -25,7 +25,8 @@ from services.engine.outputs import RequestOutput
 from services.engine.sampler import TokenLogprobs
 from services.kv_transfer.grants import new_token
 from services.rpc import Aborted, ResourceExhausted
-from services.worker import WorkerRuntime, logprobs_to_proto, params_from_proto
+from services.api.convert import logprobs_to_proto, params_from_proto
+from services.worker import WorkerRuntime
 
 log = logging.getLogger(__name__)
 

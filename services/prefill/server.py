@@ -23,7 +23,8 @@ from services.engine import commands
 from services.kv_transfer import KVLeaseRefusedError, KVTransferError
 from services.prefill.faults import Faults
 from services.rpc import Aborted
-from services.worker import WorkerRuntime, params_from_proto
+from services.api.convert import params_from_proto
+from services.worker import WorkerRuntime
 
 log = logging.getLogger(__name__)
 
