@@ -1,4 +1,4 @@
-"""One request's way through the gateway, shared by every front end (gRPC today, HTTP next):
+"""One request's way through the gateway, shared by every front end (gRPC and OpenAI HTTP):
 validate → admit → record → relay → detokenize → finish.
 
 ``GatewayCore.generate(request)`` runs the whole way for a ``GenerateRequest`` and yields

@@ -237,8 +237,10 @@ def test_stop_strings_max_completion_tokens_and_vllm_extras(http_stack):
     ({"extra_body": {"top_k": "many"}}, "top_k"),
     ({"extra_body": {"stop_token_ids": [-1]}}, "stop_token_ids.0"),
     ({"seed": -5}, "seed"),
+    ({"messages": [{"role": "user", "content": "hi"}] * 257}, "messages"),
 ], ids=["n over cap", "n zero", "max_tokens over cap", "no messages", "empty content",
-        "top_logprobs without logprobs", "top_k type", "negative stop token", "negative seed"])
+        "top_logprobs without logprobs", "top_k type", "negative stop token", "negative seed",
+        "messages over max_messages"])
 def test_bad_input_is_400_naming_param_and_the_stack_keeps_serving(http_stack, kwargs, param):
     async def over_http():
         client = http_stack.client()
