@@ -22,7 +22,7 @@ from services.api import worker_pb2, worker_pb2_grpc
 from services.engine import commands
 from services.kv_transfer import KVLeaseRefusedError, KVTransferError
 from services.prefill.faults import Faults
-from services.rpc import Aborted
+from services.rpc import Aborted, Unavailable
 from services.api.convert import params_from_proto
 from services.worker import WorkerRuntime
 
@@ -63,6 +63,16 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
 
     def close(self) -> None:
         self.transport.close()
+
+    def busy(self) -> bool:
+        """Whether a handoff is still running (computing, or writing KV)."""
+        return bool(self._handoffs)
+
+    def hand_back(self) -> int:
+        """Drain deadline (services/drain.py): every prompt still queued or computing ends with
+        UNAVAILABLE (after telling its decode worker "not written"), so the gateway retries it
+        on another prefill worker; a write already under way finishes by its deadline."""
+        return self.rt.hand_back_streams()
 
     async def Prefill(self, request: worker_pb2.PrefillRequest, context):
         rid, dest = request.request_id, request.destination
@@ -130,8 +140,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
                 await _wait_out(write)
             if write is None or _failed(write):
                 await self._send_not_written(dest, rid, _reason(exc, write))
-            if isinstance(exc, (ValueError, Aborted)):
-                raise  # argument errors keep their status; ABORTED already
+            if isinstance(exc, (ValueError, Aborted, Unavailable)):
+                raise  # argument errors keep their status; ABORTED already; UNAVAILABLE: retry
             raise Aborted(f"prefill worker: {_reason(exc, write)}") from exc
         finally:
             self.rt.streams.pop(rid, None)
