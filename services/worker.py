@@ -120,7 +120,8 @@ class WorkerRuntime:
         if out.error is None:
             return
         if self.died.is_set() or self.handed_back:
-            raise Unavailable(f"{self.options.role} worker {self.worker_id}: engine stopped "
+            raise Unavailable(f"{self.options.role} worker {self.worker_id}: "
+                              f"{'handed back' if self.handed_back else 'engine stopped'} "
                               f"({out.error})")
         raise RequestFailed(f"request {out.request_id} failed in the engine: {out.error}")
 

@@ -1,0 +1,209 @@
+"""Rolling restarts on a real stack (issue 14): SIGTERM drains a worker or a gateway
+(``services/drain.py``) and no client stream is lost.
+
+- a decode worker with 8 greedy streams running: the streams still running at its (short)
+  drain deadline migrate to the other decode worker; every stream equals transformers' greedy
+  output (``tests/data/hf_greedy.json``);
+- a prefill worker with prompts queued: they are handed back and computed by the other
+  prefill worker; every stream equals the reference;
+- a gateway with a stream open: ``/ready`` answers 503 and new requests UNAVAILABLE at once,
+  the open stream completes (equal to an uninterrupted run of the same request).
+
+Each drained process exits 0 within its bound (drain deadline + KV lease + a margin for
+process exit on a loaded machine), and every remaining worker reports zero used KV blocks.
+
+One stack for the module: 2 prefill + 2 decode workers (drain deadlines 0.5 s, lease 4 s, the
+test-only fault hooks on for ``queue_delay``), its own Redis, a gateway.
+"""
+from __future__ import annotations
+
+import asyncio
+import signal
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+
+import grpc
+import pytest
+
+from services.api import gateway_pb2, gateway_pb2_grpc
+from services.launcher import Stack, UpOptions
+from services.state.redis_server import start_redis_server
+from tests.integration.conftest import (
+    WORKER_ARGS, assert_all_blocks_freed, free_port, registered_workers, wait_until, worker_loads)
+from tests.reference import CHAT_PROMPTS, NUM_TOKENS, hf_greedy_outputs
+
+pytestmark = pytest.mark.integration
+
+LEASE_S = 4.0
+DRAIN_S = 0.5  # both worker roles: short, so that what runs at the deadline is handed back
+HEARTBEAT_S = 0.5
+EXIT_MARGIN_S = 30.0  # process exit after the drain (gRPC stop, engine thread) on 2 busy cores
+
+
+@pytest.fixture(scope="module")
+def stack() -> Iterator[Stack]:
+    redis = start_redis_server()
+    s = Stack(UpOptions(
+        host="127.0.0.1", port=free_port(), num_prefill=2, num_decode=2, redis_url=redis.url,
+        worker_args=[*WORKER_ARGS, "--kv-lease-s", str(LEASE_S), "--decode-drain-s", str(DRAIN_S),
+                     "--prefill-drain-s", str(DRAIN_S)],
+        gateway_args=["--heartbeat-s", str(HEARTBEAT_S)],
+        env={"TANDEM_TEST_FAULT_INJECTION": "1"}, ready_timeout_s=240))
+    try:
+        s.start()
+        s.wait_ready()
+        yield s
+    finally:
+        s.stop()
+        redis.stop()
+
+
+def chat(prompt: str, request_id: str, max_tokens: int = NUM_TOKENS) -> gateway_pb2.GenerateRequest:
+    return gateway_pb2.GenerateRequest(
+        request_id=request_id, messages=[gateway_pb2.ChatMessage(role="user", content=prompt)],
+        max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+async def stream(address: str, request: gateway_pb2.GenerateRequest, progress: list[int]):
+    """Stream ``request``, appending tokens to ``progress``; the last message."""
+    last = None
+    async with grpc.aio.insecure_channel(address) as ch:
+        async for msg in gateway_pb2_grpc.GatewayStub(ch).Generate(request, timeout=180):
+            progress.extend(msg.token_ids)
+            last = msg
+    return last
+
+
+async def record(address: str, request_id: str) -> gateway_pb2.RequestInfo:
+    async with grpc.aio.insecure_channel(address) as ch:
+        return await gateway_pb2_grpc.GatewayStub(ch).GetRequest(
+            gateway_pb2.GetRequestRequest(request_id=request_id), timeout=10)
+
+
+def assert_drained_exit(proc: subprocess.Popen, signalled_at: float, bound_s: float) -> None:
+    """``proc`` exits 0 within ``bound_s`` seconds of ``signalled_at``."""
+    code = proc.wait(timeout=max(1.0, signalled_at + bound_s - time.monotonic()))
+    took = time.monotonic() - signalled_at
+    assert code == 0, f"drained process exited with {code}"
+    assert took <= bound_s, f"drain took {took:.1f}s > {bound_s}s"
+
+
+async def leaves_registry(stack: Stack, worker_id: str) -> None:
+    async def gone():
+        return worker_id not in {w.worker_id for w in await registered_workers(stack.redis_url)}
+    await wait_until(gone, 10, f"{worker_id} gone from the registry")
+
+
+def test_sigterm_decode_worker_migrates_running_streams_and_exits_0(stack):
+    greedy = [list(t) for t in hf_greedy_outputs()]
+    assert len(CHAT_PROMPTS) >= 8
+
+    async def run():
+        progress = {i: [] for i in range(8)}
+        streams = {i: asyncio.ensure_future(stream(stack.address, chat(CHAT_PROMPTS[i], f"dd-{i}"), p))
+                   for i, p in progress.items()}
+
+        async def all_streaming():
+            return min(len(p) for p in progress.values()) >= 2
+        await wait_until(all_streaming, 120, "all 8 streams past 2 tokens", poll_s=0.02)
+        on = {i: (await record(stack.address, f"dd-{i}")).decode_worker for i in progress}
+        victim = max(set(on.values()), key=list(on.values()).count)
+        mine = [i for i, w in on.items() if w == victim]
+        proc = stack.process(victim)
+        proc.send_signal(signal.SIGTERM)
+        signalled_at = time.monotonic()
+        await leaves_registry(stack, victim)
+        lasts = {i: await s for i, s in streams.items()}
+        assert_drained_exit(proc, signalled_at, DRAIN_S + LEASE_S + EXIT_MARGIN_S)
+        for i, last in lasts.items():
+            assert progress[i] == greedy[i], f"stream {i}: not the uninterrupted greedy output"
+            assert last.finish_reason == "length" and last.usage.completion_tokens == NUM_TOKENS
+        moved = [i for i in mine if (await record(stack.address, f"dd-{i}")).decode_worker != victim]
+        assert moved, f"no stream of {victim} was migrated at its drain deadline ({mine})"
+        await assert_all_blocks_freed(stack, LEASE_S + 10)
+
+    asyncio.run(run())
+
+
+def test_sigterm_prefill_worker_hands_back_queued_prompts_and_exits_0(stack):
+    greedy = [list(t) for t in hf_greedy_outputs()]
+    n_tokens = 8
+    rids = [f"pd-{i}+queue_delay=3" for i in range(4)]  # held 3 s on a prefill worker
+
+    async def run():
+        progress = {rid: [] for rid in rids}
+        streams = {rid: asyncio.ensure_future(stream(stack.address, chat(CHAT_PROMPTS[i], rid, n_tokens),
+                                                     progress[rid]))
+                   for i, rid in enumerate(rids)}
+
+        async def queued_on_prefill():  # the workers' own state: held, not computed yet
+            loads = await worker_loads(stack)
+            return sorted({w for w, load in loads.items() if w.startswith("prefill")
+                           for r in load.requests if r.request_id in rids and r.stage == "queued"})
+        victim = (await wait_until(queued_on_prefill, 60, "prompts queued", poll_s=0.02))[0]
+        held = [r.request_id for r in (await worker_loads(stack))[victim].requests]
+        proc = stack.process(victim)
+        proc.send_signal(signal.SIGTERM)
+        signalled_at = time.monotonic()
+        lasts = {rid: await s for rid, s in streams.items()}
+        assert_drained_exit(proc, signalled_at, DRAIN_S + LEASE_S + EXIT_MARGIN_S)
+        for i, rid in enumerate(rids):
+            assert progress[rid] == greedy[i][:n_tokens], rid
+            assert lasts[rid].finish_reason == "length"
+            info = await record(stack.address, rid)
+            assert info.status == "FINISHED", rid
+            if rid in held:  # handed back: computed by the other prefill worker
+                assert info.prefill_worker and info.prefill_worker != victim, (rid, info.prefill_worker)
+        await assert_all_blocks_freed(stack, LEASE_S + 10)
+
+    asyncio.run(run())
+
+
+def http_status(url: str) -> int | None:
+    """The HTTP status of GET ``url``; None when nothing answers."""
+    try:
+        with urllib.request.urlopen(url, timeout=2) as resp:
+            return resp.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+    except OSError:
+        return None
+
+
+def test_sigterm_gateway_fails_readiness_and_finishes_its_open_stream(stack):
+    port, http_port = free_port(), free_port()
+    proc = stack.add_gateway("gateway-drained", port, [
+        "--http-port", str(http_port), "--heartbeat-s", str(HEARTBEAT_S), "--gateway-drain-s", "120"])
+    address, ready_url = f"127.0.0.1:{port}", f"http://127.0.0.1:{http_port}/ready"
+    n_tokens = 160  # longer than the reference: compared with an uninterrupted run here
+
+    async def run():
+        async def ready():
+            return http_status(ready_url) == 200
+        await wait_until(ready, 120, "the new gateway ready", poll_s=0.2)
+        reference: list[int] = []
+        await stream(address, chat(CHAT_PROMPTS[1], "gd-reference", n_tokens), reference)
+        progress: list[int] = []
+        open_stream = asyncio.ensure_future(stream(address, chat(CHAT_PROMPTS[1], "gd-open", n_tokens), progress))
+
+        async def streaming():
+            return len(progress) >= 2
+        await wait_until(streaming, 60, "the stream started", poll_s=0.02)
+        proc.send_signal(signal.SIGTERM)
+        signalled_at = time.monotonic()
+
+        async def not_ready():
+            return http_status(ready_url) == 503
+        await wait_until(not_ready, 10, "/ready 503 while draining", poll_s=0.02)
+        assert not open_stream.done(), "the stream ended before the drain could be observed"
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await stream(address, chat(CHAT_PROMPTS[2], "gd-new", 4), [])
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE, refused.value
+        last = await open_stream
+        assert progress == reference and last.finish_reason == "length"
+        assert_drained_exit(proc, signalled_at, 120 + EXIT_MARGIN_S)
+
+    asyncio.run(run())
