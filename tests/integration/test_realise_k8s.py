@@ -93,8 +93,9 @@ class Pod:
 
     def local(self, text: str, services: dict[str, str]) -> str:
         """``text`` with mount paths, Service DNS names and container ports made local."""
-        for path in sorted(self.mounts, key=len, reverse=True):
-            text = text.replace(path, self.mounts[path])
+        if self.mounts:  # one pass, longest first: a local path is never mapped again
+            paths = "|".join(re.escape(p) for p in sorted(self.mounts, key=len, reverse=True))
+            text = re.sub(rf"(?<![\w.-])({paths})(?=/|$|\s)", lambda m: self.mounts[m.group(1)], text)
         for dns, address in services.items():
             text = text.replace(dns, address)
         return self.ports.get(int(text), text) if text.isdigit() else text
