@@ -38,7 +38,7 @@ from typing import Protocol
 log = logging.getLogger(__name__)
 
 POLL_S = 0.05  # how often a drain looks at what is still held
-STOP_GRACE_S = 1.0  # gRPC server stop after the drain: only idle calls (GetLoad, health) left
+STOP_GRACE_S = 5.0  # gRPC server stop after the drain: lets the last error statuses out
 
 
 class Signals:

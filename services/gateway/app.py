@@ -7,7 +7,7 @@ import logging
 from collections.abc import Awaitable
 from dataclasses import dataclass, field
 
-from services.drain import drain_gateway
+from services.drain import STOP_GRACE_S, drain_gateway
 from services.gateway.health import ReadinessMonitor
 from services.gateway.model_card import load_model_header
 from services.gateway.pipeline import GatewayCore
@@ -94,7 +94,9 @@ async def _start_http(opts: GatewayOptions, core: GatewayCore, readiness: Readin
     from services.gateway.http import HttpServer, create_app
 
     server = HttpServer(uvicorn.Config(create_app(core, readiness), host=opts.host, port=opts.http_port,
-                                       log_level="warning", lifespan="off", access_log=False))
+                                       log_level="warning", lifespan="off", access_log=False,
+                                       # after the drain: streams still open are cut, bounded
+                                       timeout_graceful_shutdown=STOP_GRACE_S))
     task = asyncio.ensure_future(server.serve())
     while not server.started:
         if task.done():  # bind failed: uvicorn logged it and returned

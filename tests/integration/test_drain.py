@@ -207,3 +207,54 @@ def test_sigterm_gateway_fails_readiness_and_finishes_its_open_stream(stack):
         assert_drained_exit(proc, signalled_at, 120 + EXIT_MARGIN_S)
 
     asyncio.run(run())
+
+
+def test_second_sigterm_cuts_a_long_drain_short(stack):
+    """A decode worker with a 10 min drain deadline and a stream running: the first SIGTERM
+    starts the drain (the stream goes on, new requests are refused), a second one hands the
+    stream back at once (UNAVAILABLE: the gateway would migrate it) and the worker exits 0."""
+    from services.auth import internal_channel
+    from services.api import worker_pb2, worker_pb2_grpc
+    from tests.reference import chat_prompt_ids
+
+    proc = stack.add_worker("decode", "decode-slow", ["--decode-drain-s", "600"])
+
+    async def run():
+        async def registered():
+            return {w.worker_id: w for w in await registered_workers(stack.redis_url)}.get("decode-slow")
+        w = await wait_until(registered, 180, "decode-slow registered", poll_s=0.2)
+        params = worker_pb2.SamplingParams(max_tokens=4000, temperature=0.0, top_p=1.0, ignore_eos=True,
+                                           repetition_penalty=1.0)
+        async with internal_channel(w.endpoint, stack.internal_secret) as ch:
+            stub = worker_pb2_grpc.DecodeWorkerStub(ch)
+            call = stub.Decode(worker_pb2.DecodeRequest(
+                request_id="slow-0", prompt_token_ids=chat_prompt_ids(CHAT_PROMPTS[0]),
+                sampling_params=params, local_prefill=True), timeout=600)
+            tokens = []
+            async for msg in call:
+                tokens.extend(msg.token_ids)
+                if len(tokens) >= 4:
+                    break
+            proc.send_signal(signal.SIGTERM)
+            await leaves_registry(stack, "decode-slow")
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await stub.Decode(worker_pb2.DecodeRequest(
+                    request_id="slow-1", prompt_token_ids=chat_prompt_ids(CHAT_PROMPTS[1]),
+                    sampling_params=params, local_prefill=True), timeout=30).read()
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE, refused.value
+            before = len(tokens)
+            async for msg in call:  # still streaming while it drains
+                tokens.extend(msg.token_ids)
+                if len(tokens) >= before + 4:
+                    break
+            assert len(tokens) >= before + 4
+            proc.send_signal(signal.SIGTERM)
+            signalled_at = time.monotonic()
+            with pytest.raises(grpc.aio.AioRpcError) as handed_back:
+                async for msg in call:
+                    tokens.extend(msg.token_ids)
+            assert handed_back.value.code() == grpc.StatusCode.UNAVAILABLE, handed_back.value
+            assert len(tokens) < 4000
+        assert_drained_exit(proc, signalled_at, LEASE_S + EXIT_MARGIN_S)
+
+    asyncio.run(run())
