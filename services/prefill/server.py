@@ -81,6 +81,10 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
                              f"with {self.rt.options.kv_transport!r}")
         if rid in self._handoffs:
             raise ValueError(f"request_id: {rid!r} is already in flight on this worker")
+        if self.rt.draining:  # the decode worker frees the reservation now, not at its lease's end
+            why = f"prefill worker {self.rt.worker_id} is draining (shutting down)"
+            await self._send_not_written(dest, rid, why)
+            raise Unavailable(f"{why}: use another prefill worker")
         task = asyncio.create_task(self._handoff(request, _Lease(dest.lease_s)))
         self._handoffs[rid] = task
         task.add_done_callback(lambda t: (self._handoffs.pop(rid, None),

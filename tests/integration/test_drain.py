@@ -258,3 +258,66 @@ def test_second_sigterm_cuts_a_long_drain_short(stack):
         assert_drained_exit(proc, signalled_at, LEASE_S + EXIT_MARGIN_S)
 
     asyncio.run(run())
+
+
+def test_draining_prefill_worker_refuses_new_prompts_and_frees_their_reservation(stack):
+    """A prefill worker (10 min deadline) draining with a prompt held: a new Prefill gets
+    UNAVAILABLE and its decode worker hears "not written" at once (no block waits for the
+    lease); the held prompt is still computed and its KV lands; then the worker exits 0."""
+    from services.auth import internal_channel
+    from services.api import worker_pb2, worker_pb2_grpc
+    from tests.reference import chat_prompt_ids
+
+    proc = stack.add_worker("prefill", "prefill-slow", ["--prefill-drain-s", "600"])
+    greedy = [list(t) for t in hf_greedy_outputs()]
+    params = worker_pb2.SamplingParams(max_tokens=4, temperature=0.0, top_p=1.0, ignore_eos=True,
+                                       repetition_penalty=1.0)
+
+    async def run():
+        async def registered():
+            by_id = {w.worker_id: w for w in await registered_workers(stack.redis_url)}
+            return by_id.get("prefill-slow") and (by_id["prefill-slow"], [w for w in by_id.values() if w.role == "decode"][0])
+        p, d = await wait_until(registered, 180, "prefill-slow registered", poll_s=0.2)
+        async with internal_channel(p.endpoint, stack.internal_secret) as pch, \
+                internal_channel(d.endpoint, stack.internal_secret) as dch:
+            decode, prefill = worker_pb2_grpc.DecodeWorkerStub(dch), worker_pb2_grpc.PrefillWorkerStub(pch)
+
+            async def reserve(rid: str, i: int):
+                call = decode.Decode(worker_pb2.DecodeRequest(
+                    request_id=rid, prompt_token_ids=chat_prompt_ids(CHAT_PROMPTS[i]), sampling_params=params), timeout=120)
+                return call, (await call.read()).reservation
+
+            def send_prefill(rid: str, i: int, reservation):
+                return prefill.Prefill(worker_pb2.PrefillRequest(
+                    request_id=rid, prompt_token_ids=chat_prompt_ids(CHAT_PROMPTS[i]),
+                    sampling_params=params, destination=reservation), timeout=120)
+
+            held_rid = "ps-held+queue_delay=6"
+            held_call, held_res = await reserve(held_rid, 0)
+            held_prefill = asyncio.ensure_future(send_prefill(held_rid, 0, held_res))
+
+            async def queued():
+                load = (await worker_loads(stack))["prefill-slow"]
+                return any(r.request_id == held_rid and r.stage == "queued" for r in load.requests)
+            await wait_until(queued, 30, "the held prompt queued on prefill-slow", poll_s=0.02)
+            proc.send_signal(signal.SIGTERM)
+            await leaves_registry(stack, "prefill-slow")
+
+            new_call, new_res = await reserve("ps-new", 1)
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await send_prefill("ps-new", 1, new_res)
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE, refused.value
+            load = await decode.GetLoad(worker_pb2.GetLoadRequest(), timeout=20)
+            [closed] = [c for c in load.closed_reservations if c.request_id == "ps-new"]
+            assert closed.outcome == "not_written" and "draining" in closed.reason, closed
+            new_call.cancel()
+
+            await held_prefill
+            tokens = []
+            while (msg := await held_call.read()) is not grpc.aio.EOF:  # read(): no mixing with async for
+                tokens.extend(msg.token_ids)
+            assert tokens == greedy[0][:4]
+        assert_drained_exit(proc, time.monotonic(), LEASE_S + EXIT_MARGIN_S)
+        await assert_all_blocks_freed(stack, LEASE_S + 10)
+
+    asyncio.run(run())
