@@ -74,6 +74,12 @@ class GatewayCore:
         self._tokenize = ThreadPoolExecutor(tokenize_threads, thread_name_prefix="tokenize")
         self._inflight: dict[str, RequestRecord] = {}
         self._closing: set[asyncio.Task] = set()  # requests recording their outcome
+        self.draining = False  # stopping (services/drain.py): new requests get UNAVAILABLE
+
+    @property
+    def num_inflight(self) -> int:
+        """Requests admitted and not finished."""
+        return len(self._inflight)
 
     async def close(self) -> None:
         self._tokenize.shutdown(wait=False, cancel_futures=True)
@@ -105,7 +111,8 @@ class GatewayCore:
     async def admit(self, prepared: Prepared) -> RequestRecord:
         """Take one of ``max_inflight`` places and create the Redis record (QUEUED).
 
-        Raises ResourceExhausted (gateway full), ValueError (id in flight), Unavailable (Redis)."""
+        Raises ResourceExhausted (gateway full), ValueError (id in flight), Unavailable (Redis,
+        or the gateway draining)."""
         rid = prepared.request_id
         self._check_new(rid)
         self._check_room(1)
@@ -193,6 +200,8 @@ class GatewayCore:
         return task
 
     def _check_room(self, count: int) -> None:
+        if self.draining:
+            raise Unavailable("gateway is draining (shutting down); retry on another gateway")
         if len(self._inflight) + count > self.max_inflight:
             raise ResourceExhausted(f"gateway overloaded: {self.max_inflight} requests in flight "
                                     "(--max-inflight); retry later")
