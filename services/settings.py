@@ -99,11 +99,13 @@ ENGINE_NAMES = {"kv_cache_memory_gib": ("TANDEM_KV_CACHE_GIB", "--kv-cache-gib")
 
 
 class EngineSection(EngineConfig):
-    """``EngineConfig`` with closed choices as enums; every default is ``EngineConfig``'s."""
+    """``EngineConfig`` with closed choices as enums. Every default is ``EngineConfig``'s except
+    precision: a served worker defaults to ``auto`` (the fastest exact-enough combination this
+    machine supports, logged at start), the in-process engine to float32/none (the oracle mode)."""
 
-    dtype: DType = DType(EngineConfig.model_fields["dtype"].default)
+    dtype: DType = DType.auto
     device: Device = Device(EngineConfig.model_fields["device"].default)
-    quantization: Quantization = Quantization(EngineConfig.model_fields["quantization"].default)
+    quantization: Quantization = Quantization.auto
 
     def engine_config(self) -> EngineConfig:
         """The plain ``EngineConfig`` the engine takes."""

@@ -18,7 +18,10 @@ What a pod has that this machine does not is mapped, each mapping named where it
 - the image's ENTRYPOINT ``tandem`` -> ``python -m services.cli`` of this checkout (the
   console script points elsewhere); ``redis:7.4-alpine``'s ``redis-server`` -> this machine's;
 - threads: the manifests request 2-4 CPUs per worker; this shared 2-core machine cannot give
-  them, so TANDEM_NUM_THREADS / OMP_NUM_THREADS are capped at 1.
+  them, so TANDEM_NUM_THREADS / OMP_NUM_THREADS are capped at 1;
+- precision: the manifests leave it to ``auto`` (quantized on CPUs); the workers here run the
+  oracle mode (TANDEM_DTYPE=float32, TANDEM_QUANTIZATION=none) so the answer can be checked
+  token for token against transformers' greedy reference.
 """
 from __future__ import annotations
 
@@ -117,6 +120,7 @@ class Pod:
         for name in ("TANDEM_NUM_THREADS", "OMP_NUM_THREADS"):
             if name in env:
                 env[name] = str(min(int(env[name]), MAX_THREADS))
+        env.update(TANDEM_DTYPE="float32", TANDEM_QUANTIZATION="none")
         return env
 
     def argv(self, services: dict[str, str], env: dict[str, str]) -> list[str]:
