@@ -162,11 +162,20 @@ def gateway_options(s):
         s.host, g.port, s.state.redis_url, s.engine.model, s.transport.rpc_timeout_s,
         s.state.heartbeat_s, g.kv_failure_policy.value, g.max_inflight,
         RequestLimits(g.max_request_bytes, g.max_messages), g.tokenize_threads, g.http_port,
-        internal_secret=s.internal_secret())
+        internal_secret=s.internal_secret(), **exposure_options(s))
+
+
+def exposure_options(s) -> dict:
+    """API keys, per-key limits, TLS and internal mutual TLS of the gateway (services.gateway.
+    access/tls). Raises ValueError naming a setting (a keys file that does not parse...)."""
+    from services.gateway.access import exposure_options as build
+
+    return build(s)
 
 
 def worker_options(s, role: str):
     """The settings tree -> one worker's ``WorkerOptions``."""
+    from services.auth import InternalTls
     from services.worker import WorkerOptions
 
     w, t = s.worker, s.transport
@@ -177,7 +186,9 @@ def worker_options(s, role: str):
         heartbeat_s=s.state.heartbeat_s, kv_lease_s=w.kv_lease_s, worker_id=w.worker_id,
         max_waiting=w.max_waiting, rpc_timeout_s=t.rpc_timeout_s,
         kv_transfer_timeout_s=t.kv_transfer_timeout_s, fault_injection=w.fault_injection,
-        internal_secret=s.internal_secret())
+        internal_secret=s.internal_secret(),
+        internal_tls=InternalTls.from_settings(t.internal_tls_cert_file, t.internal_tls_key_file,
+                                               t.internal_tls_ca_file, t.internal_tls_server_name))
 
 
 def cmd_up(args, loaded: LoadedSettings) -> int:
@@ -194,12 +205,18 @@ def cmd_up(args, loaded: LoadedSettings) -> int:
                                          stack.address, args.num_prefill, args.num_decode)
         if args.chat:
             print(f">>> {args.chat}")
-            print_chat(stack.address, [{"role": "user", "content": args.chat}], **_sampling_options(args))
+            print_chat(stack.address, [{"role": "user", "content": args.chat}],
+                       api_key=_api_key(s), **_sampling_options(args))
         else:
             run_until_interrupted(stack)
     finally:
         stack.stop()
     return 0
+
+
+def _api_key(s) -> str | None:
+    """The key ``tandem chat`` / ``up --chat`` send (gateway.api_key: TANDEM_API_KEY)."""
+    return s.gateway.api_key.get_secret_value() if s.gateway.api_key else None
 
 
 def cmd_chat(args, loaded: LoadedSettings) -> int:
@@ -208,9 +225,10 @@ def cmd_chat(args, loaded: LoadedSettings) -> int:
     s = loaded.settings
     address = args.address or f"{s.host}:{s.gateway.port}"
     if args.message:
-        print_chat(address, [{"role": "user", "content": args.message}], **_sampling_options(args))
+        print_chat(address, [{"role": "user", "content": args.message}], api_key=_api_key(s),
+                   **_sampling_options(args))
     else:
-        chat_repl(address, **_sampling_options(args))
+        chat_repl(address, api_key=_api_key(s), **_sampling_options(args))
     return 0
 
 

@@ -25,7 +25,9 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from services.gateway.access import Access
 from services.gateway.health import ReadinessMonitor
+from services.gateway.http_auth import ApiKeyMiddleware, request_identity
 from services.gateway.openai_api import ChatCompletionRequest, Chunker, CompletionRequest, error_body
 from services.gateway.pipeline import GatewayCore
 from services.rpc import ResourceExhausted, Unavailable
@@ -39,9 +41,12 @@ class BodyTooLarge(Exception):
     pass
 
 
-def create_app(core: GatewayCore, readiness: ReadinessMonitor) -> FastAPI:
-    """The FastAPI application over ``core``; ``readiness`` answers ``/ready``."""
+def create_app(core: GatewayCore, readiness: ReadinessMonitor, access: Access | None = None) -> FastAPI:
+    """The FastAPI application over ``core``; ``readiness`` answers ``/ready``; ``access``: API
+    keys (every ``/v1/*`` route) and per-key limits (default: open, unlimited)."""
     app = FastAPI(title="Tandem", docs_url=None, redoc_url=None, openapi_url=None)
+    access = access or Access()
+    app.add_middleware(ApiKeyMiddleware, access=access)
 
     @app.get("/health")
     async def health() -> dict:
@@ -60,22 +65,24 @@ def create_app(core: GatewayCore, readiness: ReadinessMonitor) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        return await _complete(core, request, ChatCompletionRequest, "chat")
+        return await _complete(core, request, ChatCompletionRequest, "chat", access)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await _complete(core, request, CompletionRequest, "completion")
+        return await _complete(core, request, CompletionRequest, "completion", access)
 
     return app
 
 
-async def _complete(core: GatewayCore, request: Request, body_cls, kind: str):
+async def _complete(core: GatewayCore, request: Request, body_cls, kind: str, access: Access):
     rid = request.headers.get("x-request-id") or uuid.uuid4().hex
     headers = {"X-Request-Id": rid}
+    identity = request_identity(request)
     try:
+        access.check_request(identity)
         body = body_cls.model_validate_json(await _read_body(request, core.limits.max_request_bytes))
         prepared = await core.prepare(body.to_proto(rid))
-        record = await core.admit(prepared)
+        record = await access.admit(core, prepared, identity)
     except Exception as exc:  # noqa: BLE001 — every failure becomes OpenAI's error JSON
         return _error_response(exc, headers)
     chunker = Chunker(kind, rid, core.model.name)
@@ -157,8 +164,8 @@ def _status(exc: Exception) -> tuple[int, str, str | None]:
 
 def _error_response(exc: Exception, headers: dict) -> JSONResponse:
     status, message, code = _status(exc)
-    if status == 429:
-        headers = {**headers, "Retry-After": str(RETRY_AFTER_S)}
+    if status == 429:  # a per-key limit knows when it passes (services/gateway/limits.py)
+        headers = {**headers, "Retry-After": str(getattr(exc, "retry_after_s", RETRY_AFTER_S))}
     return JSONResponse(error_body(message, status, code), status_code=status, headers=headers)
 
 

@@ -10,9 +10,9 @@ Redis: a new request needs its record (UNAVAILABLE naming Redis otherwise); once
 request never fails because of Redis: its state writes run in order off the request path and
 become logged warnings while Redis is away.
 
-Abort and GetRequest act on any request id given: there are no API keys yet, so anyone who can
-reach the gateway can cancel or read any request whose id they know (ids the gateway assigns are
-random UUIDs). Until keys exist (issue 12), expose the gateway only to trusted clients.
+Abort and GetRequest act only on requests the caller's API key created (the record holds the
+key's id, ``services/gateway/access.py``); without API keys every client is the same anonymous
+key, so anyone who can reach the gateway can cancel or read any request whose id they know.
 """
 from __future__ import annotations
 
@@ -101,8 +101,9 @@ class GatewayCore:
             self.model.max_model_len)
         return Prepared(rid, prompt, validation.sampling_params(request, len(prompt), self.model))
 
-    async def admit(self, prepared: Prepared) -> RequestRecord:
-        """Take one of ``max_inflight`` places and create the Redis record (QUEUED).
+    async def admit(self, prepared: Prepared, key_id: str = "") -> RequestRecord:
+        """Take one of ``max_inflight`` places and create the Redis record (QUEUED), owned by
+        the API key ``key_id`` (``services/gateway/access.py``).
 
         Raises ResourceExhausted (gateway full), ValueError (id in flight), Unavailable (Redis)."""
         rid = prepared.request_id
@@ -110,10 +111,10 @@ class GatewayCore:
         if len(self._inflight) >= self.max_inflight:
             raise ResourceExhausted(f"gateway overloaded: {self.max_inflight} requests in flight "
                                     "(--max-inflight); retry later")
-        record = self._inflight[rid] = RequestRecord(self.store, rid)
+        record = self._inflight[rid] = RequestRecord(self.store, rid, key_id)
         try:
             await redis_call(self.store.create(rid, prompt_tokens=len(prepared.prompt),
-                                               model=self.model.name))
+                                               model=self.model.name, key_id=key_id))
         except BaseException:
             del self._inflight[rid]
             raise
@@ -157,10 +158,11 @@ class GatewayCore:
         self._inflight.pop(rid, None)
         await record.finish()
 
-    def abort(self, request_id: str) -> bool:
-        """Cancel a request in flight on this gateway; False when there is none by that id."""
+    def abort(self, request_id: str, key_id: str | None = None) -> bool:
+        """Cancel a request in flight on this gateway; False when there is none by that id
+        (or, with ``key_id``, none that API key created: others' requests look unknown)."""
         record = self._inflight.get(request_id)
-        if record is None:
+        if record is None or (key_id is not None and record.key_id != key_id):
             return False
         record.abort()
         return True
