@@ -137,9 +137,9 @@ def mtls_stack(redis_server, certs) -> Iterator[tuple[Stack, InternalTls]]:
     d, ca, *_ = certs
     cert, key, _ = make_leaf(ca, d, "internal")
     internal = InternalTls(str(cert), str(key), str(ca.cert_file))
-    settings = load_settings({"transport.internal_tls_cert_file": str(cert),
-                              "transport.internal_tls_key_file": str(key),
-                              "transport.internal_tls_ca_file": str(ca.cert_file)}).settings
+    files = {"cert": cert, "key": key, "ca": ca.cert_file}
+    settings = load_settings({f"transport.internal_tls_{k}_file": (str(v), "test")
+                              for k, v in files.items()}).settings
     s = Stack(UpOptions(host="127.0.0.1", port=free_port(), num_prefill=1, num_decode=1,
                         redis_url=redis_server.url, worker_args=WORKER_ARGS,
                         gateway_args=["--heartbeat-s", "0.5"], ready_timeout_s=300, settings=settings))
