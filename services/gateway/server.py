@@ -10,6 +10,7 @@ import grpc
 
 from services.api import gateway_pb2
 from services.gateway.access import Access, current_identity
+from services.gateway.limits import RateLimited
 from services.gateway.pipeline import GatewayCore
 from services.gateway.wire import raw_handlers
 
@@ -27,9 +28,13 @@ class GatewayServicer:
 
     async def Generate(self, request: gateway_pb2.GenerateRequest, context):
         identity = current_identity()
-        self.access.check_request(identity)
-        prepared = await self.core.prepare(request)
-        record = await self.access.admit(self.core, prepared, identity)
+        try:
+            self.access.check_request(identity)
+            prepared = await self.core.prepare(request)
+            record = await self.access.admit(self.core, prepared, identity)
+        except RateLimited as exc:  # RESOURCE_EXHAUSTED, with when to retry (as HTTP's header)
+            context.set_trailing_metadata((("retry-after", str(exc.retry_after_s)),))
+            raise
         async with aclosing(self.core.relay(prepared, record)) as responses:
             async for response in responses:
                 yield response

@@ -208,6 +208,7 @@ def test_streams_cap_refuses_the_next_until_one_ends(capped, stack):
             grpc_generate(capped.address, None)
         assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "max_streams_per_key" in info.value.details()
+        assert ("retry-after", "1") in tuple(info.value.trailing_metadata())
         lines.close()
     # the client left: the stream is aborted and its place freed; then a request is accepted
     deadline = time.monotonic() + DEADLINE_S

@@ -164,3 +164,39 @@ def test_api_key_reaches_tandem_up_children_and_is_never_shown(tmp_path):
     write_settings_file(loaded.settings, tmp_path / "s.json")
     again = load_settings(None, tmp_path / "s.json", {})
     assert again.settings.gateway.api_key.get_secret_value() == "k-abc-123"
+
+
+def test_gateway_options_carry_keys_limits_and_tls(tmp_path):
+    from services.cli import gateway_options
+    from services.settings_sources import load_settings
+
+    keys = tmp_path / "api-keys"
+    keys.write_text(f"{key_digest('filed')} f\n")
+    env = {"REDIS_URL": "redis://h:1/0", "TANDEM_API_KEY": "flag", "TANDEM_API_KEYS_FILE": str(keys),
+           "TANDEM_RATE_LIMIT_REQUESTS_PER_S": "2", "TANDEM_MAX_STREAMS_PER_KEY": "3",
+           "TANDEM_TLS_CERT_FILE": "c.pem", "TANDEM_TLS_KEY_FILE": "k.pem"}
+    opts = gateway_options(load_settings(environ=env).settings)
+    assert opts.access.keys.authenticate("filed").name == "f"
+    assert opts.access.keys.authenticate("flag").name == "api-key"
+    assert opts.access.limiter.limits.requests_per_s == 2
+    assert opts.access.limiter.limits.max_streams == 3
+    assert (opts.tls.cert_file, opts.tls.key_file, opts.tls.client_ca_file) == ("c.pem", "k.pem", None)
+    assert opts.internal_tls is None
+    open_opts = gateway_options(load_settings(environ={"REDIS_URL": "redis://h:1/0"}).settings)
+    assert not open_opts.access.keys.enabled and open_opts.tls is None
+
+
+@pytest.mark.parametrize("env,setting", [
+    ({"TANDEM_TLS_CERT_FILE": "c.pem"}, "gateway.tls_key_file"),
+    ({"TANDEM_TLS_CLIENT_CA_FILE": "ca.pem"}, "gateway.tls_client_ca_file"),
+    ({"TANDEM_INTERNAL_TLS_CERT_FILE": "c.pem", "TANDEM_INTERNAL_TLS_KEY_FILE": "k.pem"},
+     "transport.internal_tls_ca_file"),
+    ({"TANDEM_API_KEYS_FILE": "/nonexistent/api-keys"}, "gateway.api_keys_file"),
+])
+def test_incomplete_exposure_settings_name_the_setting(env, setting):
+    from services.cli import gateway_options
+    from services.settings_sources import load_settings
+
+    s = load_settings(environ={"REDIS_URL": "redis://h:1/0", **env}).settings
+    with pytest.raises(ValueError, match=f"^{setting}:"):
+        gateway_options(s)
