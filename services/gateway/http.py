@@ -152,8 +152,8 @@ def _status(exc: Exception) -> tuple[int, str, str | None]:
         over_context = "do not fit the model's context" in message or "exceed the model's context" in message
         code = "context_length_exceeded" if over_context else None
         return 400, message, code
-    if isinstance(exc, ResourceExhausted):
-        return 429, str(exc), None
+    if isinstance(exc, ResourceExhausted):  # a per-key limit: OpenAI's rate_limit_exceeded
+        return 429, str(exc), getattr(exc, "openai_code", None)
     if isinstance(exc, Unavailable):
         return 503, str(exc), None
     if isinstance(exc, TimeoutError):

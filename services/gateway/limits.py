@@ -32,6 +32,8 @@ from services.rpc import ResourceExhausted
 class RateLimited(ResourceExhausted):
     """A key is over one of its limits; ``retry_after_s``: whole seconds until it may pass."""
 
+    openai_code = "rate_limit_exceeded"  # the error code OpenAI's API answers a 429 with
+
     def __init__(self, message: str, retry_after_s: int) -> None:
         super().__init__(message)
         self.retry_after_s = retry_after_s

@@ -3,6 +3,8 @@ token buckets with Retry-After, reconciliation with the tokens used, the streams
 kept apart, and everything off at 0."""
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from services.gateway.limits import KeyLimiter, KeyLimits, RateLimited, TokenBucket
@@ -111,3 +113,13 @@ def test_everything_off_by_default():
 def test_bad_limits_name_the_field(field, value):
     with pytest.raises(ValueError, match=f"^{field}:"):
         KeyLimits(**{field: value})
+
+
+def test_http_answer_of_a_rate_limit_is_openai_429_with_retry_after():
+    from services.gateway.http import _error_response
+
+    response = _error_response(RateLimited("gateway.rate_limit_tokens_per_min: over", 7), {})
+    assert response.status_code == 429
+    assert response.headers["retry-after"] == "7"
+    error = json.loads(response.body)["error"]
+    assert (error["type"], error["code"]) == ("rate_limit_error", "rate_limit_exceeded")
