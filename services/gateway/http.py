@@ -6,8 +6,9 @@ worker are live). It translates formats and errors only; every request goes thro
 
 Errors use OpenAI's JSON ``{"error": {"message", "type", "param", "code"}}``: 400 bad input
 (``param`` names the field; a prompt over the context has code ``context_length_exceeded``),
-413 body over ``max_request_bytes`` (refused from Content-Length, or while reading, never read
-whole), 429 overload (``Retry-After``), 503 no worker or Redis. An error after a stream started
+401 no or wrong API key on ``/v1/*`` (``http_auth.py``, before the body is read), 413 body over
+``max_request_bytes`` (refused from Content-Length, or while reading, never read whole), 429
+overload or a per-key limit (``Retry-After``; ``limits.py``), 503 no worker or Redis. An error after a stream started
 is an SSE ``data: {"error": ...}`` event, then ``data: [DONE]``. ``X-Request-Id`` is honoured,
 used as the request's id (Redis, logs) and returned on every response. A client gone from a
 stream aborts the request; one gone from a non-streaming request does not (not yet).
