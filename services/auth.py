@@ -21,6 +21,7 @@ import hmac
 import logging
 import os
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import grpc
 
@@ -130,9 +131,65 @@ class _StreamSecret(grpc.aio.UnaryStreamClientInterceptor):
         return await continuation(_with_secret(details, self._pair), request)
 
 
-def internal_channel(endpoint: str, secret: str | None) -> grpc.aio.Channel:
-    """A channel to a worker at ``endpoint`` whose calls carry ``secret`` (none: plain)."""
-    if secret is None:
-        return grpc.aio.insecure_channel(endpoint)
-    return grpc.aio.insecure_channel(
-        endpoint, interceptors=[_UnarySecret(secret), _StreamSecret(secret)])
+def internal_channel(endpoint: str, secret: str | None,
+                     tls: InternalTls | None = None) -> grpc.aio.Channel:
+    """A channel to a worker at ``endpoint`` whose calls carry ``secret`` (none: plain),
+    over mutual TLS with ``tls`` (none: plaintext). Raises ValueError (a TLS file unreadable)."""
+    interceptors = [] if secret is None else [_UnarySecret(secret), _StreamSecret(secret)]
+    if tls is None:
+        return grpc.aio.insecure_channel(endpoint, interceptors=interceptors or None)
+    return grpc.aio.secure_channel(endpoint, tls.channel_credentials(),
+                                   options=tls.channel_options(), interceptors=interceptors or None)
+
+
+# -- mutual TLS on internal gRPC (gateway -> workers) ----------------------------------------
+@dataclass(frozen=True)
+class InternalTls:
+    """PEM files of one process's internal mutual TLS: its certificate and key, and the CA that
+    signed every internal certificate. Workers serve TLS and require a client certificate the
+    CA signed; the gateway verifies the worker's certificate against the CA (for the name
+    ``server_name``, default: the endpoint's host) and presents its own. Files are read when a
+    server starts or a channel opens, so a rotated certificate applies to new channels."""
+    cert_file: str
+    key_file: str
+    ca_file: str
+    server_name: str | None = None
+
+    @classmethod
+    def from_settings(cls, cert: str | None, key: str | None, ca: str | None,
+                      server_name: str | None = None) -> InternalTls | None:
+        """None when no file is set. Raises ValueError naming the missing setting."""
+        given = {"transport.internal_tls_cert_file": cert, "transport.internal_tls_key_file": key,
+                 "transport.internal_tls_ca_file": ca}
+        if not any(given.values()):
+            return None
+        missing = [name for name, value in given.items() if not value]
+        if missing:
+            raise ValueError(f"{missing[0]}: required with the other internal TLS files")
+        return cls(cert, key, ca, server_name)
+
+    def server_credentials(self) -> grpc.ServerCredentials:
+        """TLS that requires a client certificate signed by the CA. Raises ValueError."""
+        return grpc.ssl_server_credentials(
+            [(read_pem(self.key_file, "transport.internal_tls_key_file"),
+              read_pem(self.cert_file, "transport.internal_tls_cert_file"))],
+            root_certificates=read_pem(self.ca_file, "transport.internal_tls_ca_file"),
+            require_client_auth=True)
+
+    def channel_credentials(self) -> grpc.ChannelCredentials:
+        return grpc.ssl_channel_credentials(
+            root_certificates=read_pem(self.ca_file, "transport.internal_tls_ca_file"),
+            private_key=read_pem(self.key_file, "transport.internal_tls_key_file"),
+            certificate_chain=read_pem(self.cert_file, "transport.internal_tls_cert_file"))
+
+    def channel_options(self) -> list[tuple[str, str]]:
+        return [("grpc.ssl_target_name_override", self.server_name)] if self.server_name else []
+
+
+def read_pem(path: str, setting: str) -> bytes:
+    """The bytes of a PEM file. Raises ValueError naming ``setting`` when it cannot be read."""
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as exc:
+        raise ValueError(f"{setting}: cannot read {path!r}: {exc.strerror}") from None

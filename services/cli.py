@@ -163,11 +163,20 @@ def gateway_options(s):
         s.state.heartbeat_s, g.kv_failure_policy.value, g.max_inflight,
         RequestLimits(g.max_request_bytes, g.max_messages, g.max_tokens_cap, g.max_n),
         g.tokenize_threads, g.http_port or None,
-        internal_secret=s.internal_secret(), drain_s=g.drain_s)
+        internal_secret=s.internal_secret(), drain_s=g.drain_s, **exposure_options(s))
+
+
+def exposure_options(s) -> dict:
+    """API keys, per-key limits, TLS and internal mutual TLS of the gateway (services.gateway.
+    access/tls). Raises ValueError naming a setting (a keys file that does not parse...)."""
+    from services.gateway.access import exposure_options as build
+
+    return build(s)
 
 
 def worker_options(s, role: str):
     """The settings tree -> one worker's ``WorkerOptions``."""
+    from services.auth import InternalTls
     from services.worker import WorkerOptions
 
     w, t = s.worker, s.transport
@@ -179,7 +188,9 @@ def worker_options(s, role: str):
         max_waiting=w.max_waiting, rpc_timeout_s=t.rpc_timeout_s,
         kv_transfer_timeout_s=t.kv_transfer_timeout_s, fault_injection=w.fault_injection,
         internal_secret=s.internal_secret(),
-        drain_s=w.decode_drain_s if role == "decode" else w.prefill_drain_s)
+        drain_s=w.decode_drain_s if role == "decode" else w.prefill_drain_s,
+        internal_tls=InternalTls.from_settings(t.internal_tls_cert_file, t.internal_tls_key_file,
+                                               t.internal_tls_ca_file, t.internal_tls_server_name))
 
 
 def cmd_up(args, loaded: LoadedSettings) -> int:
@@ -199,12 +210,18 @@ def cmd_up(args, loaded: LoadedSettings) -> int:
             args.num_prefill, args.num_decode)
         if args.chat:
             print(f">>> {args.chat}")
-            print_chat(stack.address, [{"role": "user", "content": args.chat}], **_sampling_options(args))
+            print_chat(stack.address, [{"role": "user", "content": args.chat}],
+                       api_key=_api_key(s), **_sampling_options(args))
         else:
             run_until_interrupted(stack)
     finally:
         stack.stop()
     return 0
+
+
+def _api_key(s) -> str | None:
+    """The key ``tandem chat`` / ``up --chat`` send (gateway.api_key: TANDEM_API_KEY)."""
+    return s.gateway.api_key.get_secret_value() if s.gateway.api_key else None
 
 
 def cmd_chat(args, loaded: LoadedSettings) -> int:
@@ -213,9 +230,10 @@ def cmd_chat(args, loaded: LoadedSettings) -> int:
     s = loaded.settings
     address = args.address or f"{s.host}:{s.gateway.port}"
     if args.message:
-        print_chat(address, [{"role": "user", "content": args.message}], **_sampling_options(args))
+        print_chat(address, [{"role": "user", "content": args.message}], api_key=_api_key(s),
+                   **_sampling_options(args))
     else:
-        chat_repl(address, **_sampling_options(args))
+        chat_repl(address, api_key=_api_key(s), **_sampling_options(args))
     return 0
 
 

@@ -10,17 +10,19 @@ from services.api import gateway_pb2, gateway_pb2_grpc
 
 
 def stream_chat(address: str, messages: list[dict[str, str]], timeout_s: float = 600.0,
-                **options) -> Iterator[gateway_pb2.GenerateResponse]:
-    """Stream a chat completion from the gateway at ``address`` (host:port).
+                api_key: str | None = None, **options) -> Iterator[gateway_pb2.GenerateResponse]:
+    """Stream a chat completion from the gateway at ``address`` (host:port), sending
+    ``api_key`` (if any) as ``authorization: Bearer`` metadata.
 
     ``options`` are GenerateRequest fields (``max_tokens``, ``temperature``, ...).
     Raises ``grpc.RpcError`` with the server's status on failure.
     """
+    metadata = [("authorization", f"Bearer {api_key}")] if api_key else None
     with grpc.insecure_channel(address) as channel:
         stub = gateway_pb2_grpc.GatewayStub(channel)
         request = gateway_pb2.GenerateRequest(
             messages=[gateway_pb2.ChatMessage(**m) for m in messages], **options)
-        yield from stub.Generate(request, timeout=timeout_s)
+        yield from stub.Generate(request, timeout=timeout_s, metadata=metadata)
 
 
 def print_chat(address: str, messages: list[dict[str, str]], out=sys.stdout, **options) -> str:

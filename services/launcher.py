@@ -191,7 +191,8 @@ class Stack:
                 raise RuntimeError(f"{unit.name} exited with code {unit.exit_code()}")
 
     def wait_ready(self) -> None:
-        """Block until every worker is registered and the gateway reports SERVING."""
+        """Block until every worker is registered and the gateway reports SERVING (with TLS on
+        the gateway: accepts connections)."""
         deadline = time.monotonic() + self.opts.ready_timeout_s
         while not asyncio.run(self._ready()):
             self.check_alive()
@@ -211,6 +212,8 @@ class Stack:
             return False
         finally:
             await redis.aclose()
+        if self.settings.gateway.tls_cert_file:  # NOTE: TLS: this process may not trust its CA
+            return await _listening(self.opts.host, self.opts.port)
         async with grpc.aio.insecure_channel(f"{self.opts.host}:{self.opts.port}") as channel:
             try:
                 resp = await health_pb2_grpc.HealthStub(channel).Check(
@@ -267,6 +270,16 @@ def _terminate(procs: list[tuple[str, subprocess.Popen]], timeout_s: float) -> N
             log.warning("%s did not stop within %.0fs: killing it", name, timeout_s)
             proc.kill()
             proc.wait()
+
+
+async def _listening(host: str, port: int) -> bool:
+    """True when something accepts TCP connections on ``host:port``."""
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout=1.0)
+    except (OSError, asyncio.TimeoutError):
+        return False
+    writer.close()
+    return True
 
 
 def run_until_interrupted(stack: Stack) -> None:

@@ -109,15 +109,16 @@ async def _abort(context: grpc.aio.ServicerContext, exc: Exception, method: str)
 
 def create_server(
     service_names: Iterable[str], internal_secret: str | None = None,
-    options: Sequence[tuple[str, Any]] = (),
+    options: Sequence[tuple[str, Any]] = (), first: Sequence[grpc.aio.ServerInterceptor] = (),
 ) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
     """A ``grpc.aio`` server with the status interceptor, ``grpc.health.v1`` (every service
     reported SERVING) and server reflection; ``options`` are gRPC channel arguments. Add
     servicers, then ``add_insecure_port``.
 
     With ``internal_secret`` (workers), every call but health and reflection must carry it
-    (``services.auth``), or gets UNAUTHENTICATED before its handler runs."""
-    interceptors: list[grpc.aio.ServerInterceptor] = [StatusInterceptor()]
+    (``services.auth``), or gets UNAUTHENTICATED before its handler runs. ``first``: interceptors
+    that run before those (the gateway's API keys)."""
+    interceptors: list[grpc.aio.ServerInterceptor] = [*first, StatusInterceptor()]
     if internal_secret is not None:
         interceptors.insert(0, InternalAuthInterceptor(internal_secret))
     server = grpc.aio.server(interceptors=interceptors, options=list(options))
@@ -139,9 +140,13 @@ async def mark_not_serving(health_servicer, service_names: Iterable[str]) -> Non
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
 
 
-def bind(server: grpc.aio.Server, host: str, port: int) -> int:
-    """Listen on ``host:port`` (0: a free port); returns the bound port. Raises OSError."""
-    bound = server.add_insecure_port(f"{host}:{port}")
+def bind(server: grpc.aio.Server, host: str, port: int,
+         credentials: grpc.ServerCredentials | None = None) -> int:
+    """Listen on ``host:port`` (0: a free port), with TLS when ``credentials`` are given;
+    returns the bound port. Raises OSError."""
+    address = f"{host}:{port}"
+    bound = (server.add_insecure_port(address) if credentials is None
+             else server.add_secure_port(address, credentials))
     if bound == 0:
         raise OSError(f"cannot listen on {host}:{port}")
     return bound

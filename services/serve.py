@@ -66,7 +66,8 @@ async def serve_worker(opts: WorkerOptions, num_threads: int) -> None:
     server, health = create_server([full_name], opts.internal_secret)
     await mark_not_serving(health, [full_name])
     add(servicer, server)
-    port = bind(server, opts.host, opts.port)
+    port = bind(server, opts.host, opts.port,
+                opts.internal_tls.server_credentials() if opts.internal_tls else None)
     await server.start()
     runtime.start(f"{opts.advertise_host}:{port}")
     await mark_serving(health, [full_name])

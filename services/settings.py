@@ -168,6 +168,28 @@ class GatewaySection(BaseModel):
         help="seconds a gateway told to stop (SIGTERM) fails readiness, refuses new requests "
         "and lets open streams finish before it cancels the rest; below the pod's termination "
         "grace period", ge=0)
+    # -- exposure (services/gateway/keys.py, limits.py, tls.py) --
+    api_key: SecretStr | None = setting(
+        None, help="API key clients must send (HTTP `Authorization: Bearer KEY`, gRPC "
+        "`authorization` metadata); with api_keys_file too, either is accepted; neither: open")
+    api_keys_file: str | None = setting(
+        None, help="file of accepted API keys as SHA-256 hex digests, one per line with an "
+        "optional name after it (a mounted Kubernetes Secret); re-read when it changes")
+    rate_limit_requests_per_s: float = setting(
+        0.0, help="requests per second per API key (token bucket, burst of one second; 0: off)",
+        ge=0)
+    rate_limit_tokens_per_min: int = setting(
+        0, help="prompt + max_tokens per minute per API key, reconciled with the tokens used "
+        "when the request ends (0: off)", ge=0)
+    max_streams_per_key: int = setting(
+        0, help="requests (streams) open at once per API key (0: no cap)", ge=0)
+    tls_cert_file: str | None = setting(
+        None, help="PEM certificate chain of the gateway's HTTP and gRPC listeners (with "
+        "tls_key_file: TLS on; re-read when the files change)")
+    tls_key_file: str | None = setting(None, help="PEM private key of tls_cert_file")
+    tls_client_ca_file: str | None = setting(
+        None, help="PEM CA bundle: clients of the gateway must present a certificate it signed "
+        "(mutual TLS)")
 
 
 class StateSection(BaseModel):
@@ -191,6 +213,15 @@ class TransportSection(BaseModel):
         "generates one per run)")
     internal_secret_file: str | None = setting(
         None, flag=None, help="file holding the internal secret (a mounted Kubernetes Secret)")
+    internal_tls_cert_file: str | None = setting(
+        None, help="PEM certificate of this process for internal gRPC (workers serve it, the "
+        "gateway presents it); with key and CA: mutual TLS between gateway and workers")
+    internal_tls_key_file: str | None = setting(None, help="PEM private key of internal_tls_cert_file")
+    internal_tls_ca_file: str | None = setting(
+        None, help="PEM CA bundle that signed every internal certificate (both sides verify)")
+    internal_tls_server_name: str | None = setting(
+        None, help="name internal clients expect in a worker's certificate (default: the "
+        "host of its endpoint)")
 
 
 class SupervisorSection(BaseModel):

@@ -28,7 +28,7 @@ from pydantic_settings import PydanticBaseSettingsSource
 from services.state.redis_server import redact_url
 from services.settings import ENGINE_HELP, ENGINE_NAMES, SECTIONS, Settings
 
-SECRET_LEAVES = {"transport.internal_secret"}
+SECRET_LEAVES = {"transport.internal_secret", "gateway.api_key"}
 URL_LEAVES = {"state.redis_url"}
 
 
@@ -275,8 +275,10 @@ def write_settings_file(settings: Settings, path: Path) -> None:
     """Write ``settings`` as JSON, secrets included, readable by this user only (0600): what
     ``tandem up`` hands its children with ``--config``."""
     data = settings.model_dump(mode="json")
-    secret = settings.transport.internal_secret
-    data["transport"]["internal_secret"] = None if secret is None else secret.get_secret_value()
+    for leaf in SECRET_LEAVES:
+        section, name = leaf.split(".")
+        secret = getattr(getattr(settings, section), name)
+        data[section][name] = None if secret is None else secret.get_secret_value()
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
         json.dump(data, f, indent=1)

@@ -17,6 +17,7 @@ from typing import Any
 
 
 from services.api import worker_pb2
+from services.auth import InternalTls
 from services.engine import commands
 from services.engine.engine import EngineConfig, LLMEngine
 from services.engine.engine_loop import EngineLoop
@@ -49,6 +50,7 @@ class WorkerOptions:
     drain_s: float = 30.0  # SIGTERM: seconds running requests may finish (services/drain.py)
     fault_injection: bool = False  # TEST ONLY: honour fault tags in request ids (prefill, engine)
     internal_secret: str | None = None  # services.auth: proven on gRPC and KV ports; None: open
+    internal_tls: InternalTls | None = None  # services.auth: mutual TLS on the gRPC port; None: off
 
 
 class WorkerRuntime:

@@ -8,11 +8,14 @@ from collections.abc import Awaitable
 from dataclasses import dataclass, field
 
 from services.drain import STOP_GRACE_S, drain_gateway
+from services.auth import InternalTls
+from services.gateway.access import Access, ApiKeyInterceptor
 from services.gateway.health import ReadinessMonitor
 from services.gateway.model_card import load_model_header
 from services.gateway.pipeline import GatewayCore
 from services.gateway.routing import WorkerPool
 from services.gateway.server import SERVICE_NAME, GatewayServicer, add_gateway_to_server
+from services.gateway.tls import CertReloader, TlsFiles, grpc_server_credentials
 from services.gateway.validation import RequestLimits
 from services.rpc import bind, create_server
 from services.state.client import redis_client
@@ -40,6 +43,9 @@ class GatewayOptions:
     http_port: int | None = None  # OpenAI-compatible HTTP on host:http_port (0: free port); None: off
     internal_secret: str | None = None  # sent on every call to a worker (services.auth)
     drain_s: float = 80.0  # after the signal: seconds open streams may finish (services/drain.py)
+    access: Access = field(default_factory=Access)  # API keys and per-key limits (default: open)
+    tls: TlsFiles | None = None  # TLS on the gRPC and HTTP listeners (None: plaintext)
+    internal_tls: InternalTls | None = None  # mutual TLS to the workers (None: plaintext)
 
 
 async def run_gateway(opts: GatewayOptions, until: Awaitable,
@@ -56,20 +62,24 @@ async def run_gateway(opts: GatewayOptions, until: Awaitable,
     registry = WorkerRegistry(redis, opts.heartbeat_s)
     core = GatewayCore(
         tokenizer, model, RequestStateStore(redis),
-        WorkerPool(registry, opts.heartbeat_s, opts.rpc_timeout_s, opts.internal_secret), opts.rpc_timeout_s,
+        WorkerPool(registry, opts.heartbeat_s, opts.rpc_timeout_s, opts.internal_secret,
+                   opts.internal_tls), opts.rpc_timeout_s,
         opts.kv_failure_policy, opts.max_inflight, opts.limits, opts.tokenize_threads)
     ceiling = max(TRANSPORT_CEILING_BYTES, 4 * opts.limits.max_request_bytes)
-    server, health = create_server([SERVICE_NAME], options=[("grpc.max_receive_message_length", ceiling)])
-    add_gateway_to_server(GatewayServicer(core), server, opts.limits.max_request_bytes)
+    server, health = create_server([SERVICE_NAME], options=[("grpc.max_receive_message_length", ceiling)],
+                                   first=[ApiKeyInterceptor(opts.access)])
+    add_gateway_to_server(GatewayServicer(core, opts.access), server, opts.limits.max_request_bytes)
     readiness = ReadinessMonitor(registry, health, [SERVICE_NAME], opts.heartbeat_s)
     http = await _start_http(opts, core, readiness)  # NOTE: listening before health can say SERVING
     await readiness.start()
-    bound = bind(server, opts.host, opts.port)
+    bound = bind(server, opts.host, opts.port, grpc_server_credentials(opts.tls) if opts.tls else None)
     await server.start()
-    log.info("gateway listening on %s:%d (gRPC)%s (model %s, kv failure policy %s, max %d in "
-             "flight); health SERVING once a prefill and a decode worker are live",
-             opts.host, bound, f" and http://{opts.host}:{http[1]} (OpenAI HTTP)" if http else "",
-             model.name, opts.kv_failure_policy, opts.max_inflight)
+    log.info("gateway listening on %s:%d (gRPC%s)%s (model %s, kv failure policy %s, max %d in "
+             "flight, API keys %s); health SERVING once a prefill and a decode worker are live",
+             opts.host, bound, ", TLS" if opts.tls else "",
+             f" and http{'s' if opts.tls else ''}://{opts.host}:{http[1]} (OpenAI HTTP)" if http else "",
+             model.name, opts.kv_failure_policy, opts.max_inflight,
+             "required" if opts.access.keys.enabled else "off (open)")
     try:
         await until
         await drain_gateway(readiness, core, opts.drain_s, hurry)
@@ -77,6 +87,8 @@ async def run_gateway(opts: GatewayOptions, until: Awaitable,
         if http:
             http[0].should_exit = True
             await http[2]
+            if http[3] is not None:
+                http[3].cancel()
         await readiness.stop()
         await health.enter_graceful_shutdown()
         await server.stop(grace=5.0)
@@ -85,22 +97,25 @@ async def run_gateway(opts: GatewayOptions, until: Awaitable,
 
 
 async def _start_http(opts: GatewayOptions, core: GatewayCore, readiness: ReadinessMonitor):
-    """(uvicorn server, bound port, serving task) of the HTTP front end, or None when off.
-    Raises OSError when the port cannot be bound."""
+    """(uvicorn server, bound port, serving task, certificate poll task or None) of the HTTP
+    front end, or None when off. Raises OSError when the port cannot be bound."""
     if opts.http_port is None:
         return None
     import uvicorn
 
     from services.gateway.http import HttpServer, create_app
 
-    server = HttpServer(uvicorn.Config(create_app(core, readiness), host=opts.host, port=opts.http_port,
-                                       log_level="warning", lifespan="off", access_log=False,
-                                       # after the drain: streams still open are cut, bounded
-                                       timeout_graceful_shutdown=STOP_GRACE_S))
+    certs = CertReloader(opts.tls) if opts.tls else None
+    server = HttpServer(uvicorn.Config(
+        create_app(core, readiness, opts.access), host=opts.host, port=opts.http_port,
+        log_level="warning", lifespan="off", access_log=False,
+        ssl_context_factory=(lambda config, default: certs.context) if certs else None,
+        # after the drain: streams still open are cut, bounded
+        timeout_graceful_shutdown=STOP_GRACE_S))
     task = asyncio.ensure_future(server.serve())
     while not server.started:
         if task.done():  # bind failed: uvicorn logged it and returned
             raise OSError(f"cannot serve HTTP on {opts.host}:{opts.http_port}")
         await asyncio.sleep(0.05)
     port = server.servers[0].sockets[0].getsockname()[1]
-    return server, port, task
+    return server, port, task, asyncio.ensure_future(certs.poll()) if certs else None

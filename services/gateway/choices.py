@@ -21,6 +21,8 @@ from contextlib import aclosing
 from dataclasses import replace
 
 from services.api import gateway_pb2
+from services.gateway.access import Access
+from services.gateway.keys import Identity
 from services.gateway.pipeline import GatewayCore, Prepared
 from services.gateway.records import RequestRecord
 
@@ -48,10 +50,12 @@ class Choices:
         self.records = records
 
     @classmethod
-    async def admit(cls, core: GatewayCore, prepared: Prepared, n: int) -> Choices:
-        """Admit the n choices of ``prepared``, all or none. Raises as ``GatewayCore.admit``."""
+    async def admit(cls, core: GatewayCore, prepared: Prepared, n: int, access: Access,
+                    identity: Identity) -> Choices:
+        """Admit the n choices of ``prepared`` for ``identity``'s key, all or none. Raises as
+        ``Access.admit_all``."""
         children = child_requests(prepared, n)
-        return cls(core, children, await core.admit_all(children))
+        return cls(core, children, await access.admit_all(core, children, identity))
 
     async def stream(self) -> AsyncIterator[tuple[int, gateway_pb2.GenerateResponse]]:
         """(choice index, response) as they arrive. Raises the first choice's error."""

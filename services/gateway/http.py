@@ -6,8 +6,9 @@ worker are live). It translates formats and errors only; every request goes thro
 
 Errors use OpenAI's JSON ``{"error": {"message", "type", "param", "code"}}``: 400 bad input
 (``param`` names the field; a prompt over the context has code ``context_length_exceeded``),
-413 body over ``max_request_bytes`` (refused from Content-Length, or while reading, never read
-whole), 429 overload (``Retry-After``), 503 no worker or Redis. An error after a stream started
+401 no or wrong API key on ``/v1/*`` (``http_auth.py``, before the body is read), 413 body over
+``max_request_bytes`` (refused from Content-Length, or while reading, never read whole), 429
+overload or a per-key limit (``Retry-After``; ``limits.py``), 503 no worker or Redis. An error after a stream started
 is an SSE ``data: {"error": ...}`` event, then ``data: [DONE]``. ``X-Request-Id`` is honoured,
 used as the request's id (Redis, logs; ``{id}-{i}`` for the choices of ``n`` > 1, see
 ``choices.py``) and returned on every response. A client gone, from a stream or from a
@@ -27,8 +28,10 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from services.gateway.access import Access
 from services.gateway.choices import Choices
 from services.gateway.health import ReadinessMonitor
+from services.gateway.http_auth import ApiKeyMiddleware, request_identity
 from services.gateway.openai_api import ChatCompletionRequest, Chunker, CompletionRequest, error_body
 from services.gateway.pipeline import GatewayCore
 from services.rpc import ResourceExhausted, Unavailable
@@ -43,9 +46,12 @@ class BodyTooLarge(Exception):
     pass
 
 
-def create_app(core: GatewayCore, readiness: ReadinessMonitor) -> FastAPI:
-    """The FastAPI application over ``core``; ``readiness`` answers ``/ready``."""
+def create_app(core: GatewayCore, readiness: ReadinessMonitor, access: Access | None = None) -> FastAPI:
+    """The FastAPI application over ``core``; ``readiness`` answers ``/ready``; ``access``: API
+    keys (every ``/v1/*`` route) and per-key limits (default: open, unlimited)."""
     app = FastAPI(title="Tandem", docs_url=None, redoc_url=None, openapi_url=None)
+    access = access or Access()
+    app.add_middleware(ApiKeyMiddleware, access=access)
 
     @app.get("/health")
     async def health() -> dict:
@@ -64,23 +70,25 @@ def create_app(core: GatewayCore, readiness: ReadinessMonitor) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        return await _complete(core, request, ChatCompletionRequest, "chat")
+        return await _complete(core, request, ChatCompletionRequest, "chat", access)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await _complete(core, request, CompletionRequest, "completion")
+        return await _complete(core, request, CompletionRequest, "completion", access)
 
     return app
 
 
-async def _complete(core: GatewayCore, request: Request, body_cls, kind: str):
+async def _complete(core: GatewayCore, request: Request, body_cls, kind: str, access: Access):
     rid = request.headers.get("x-request-id") or uuid.uuid4().hex
     headers = {"X-Request-Id": rid}
+    identity = request_identity(request)
     try:
+        access.check_request(identity)
         body = body_cls.model_validate_json(await _read_body(request, core.limits.max_request_bytes))
         body.check_n(core.limits.max_n)
         prepared = await core.prepare(body.to_proto(rid))
-        choices = await Choices.admit(core, prepared, body.n)
+        choices = await Choices.admit(core, prepared, body.n, access, identity)
     except Exception as exc:  # noqa: BLE001 — every failure becomes OpenAI's error JSON
         return _error_response(exc, headers)
     chunker = Chunker(kind, rid, core.model.name, body.n)
@@ -178,8 +186,8 @@ def _status(exc: Exception) -> tuple[int, str, str | None]:
         over_context = "do not fit the model's context" in message or "exceed the model's context" in message
         code = "context_length_exceeded" if over_context else None
         return 400, message, code
-    if isinstance(exc, ResourceExhausted):
-        return 429, str(exc), None
+    if isinstance(exc, ResourceExhausted):  # a per-key limit: OpenAI's rate_limit_exceeded
+        return 429, str(exc), getattr(exc, "openai_code", None)
     if isinstance(exc, Unavailable):
         return 503, str(exc), None
     if isinstance(exc, TimeoutError):
@@ -190,8 +198,8 @@ def _status(exc: Exception) -> tuple[int, str, str | None]:
 
 def _error_response(exc: Exception, headers: dict) -> JSONResponse:
     status, message, code = _status(exc)
-    if status == 429:
-        headers = {**headers, "Retry-After": str(RETRY_AFTER_S)}
+    if status == 429:  # a per-key limit knows when it passes (services/gateway/limits.py)
+        headers = {**headers, "Retry-After": str(getattr(exc, "retry_after_s", RETRY_AFTER_S))}
     return JSONResponse(error_body(message, status, code), status_code=status, headers=headers)
 
 

@@ -10,9 +10,9 @@ Redis: a new request needs its record (UNAVAILABLE naming Redis otherwise); once
 request never fails because of Redis: its state writes run in order off the request path and
 become logged warnings while Redis is away.
 
-Abort and GetRequest act on any request id given: there are no API keys yet, so anyone who can
-reach the gateway can cancel or read any request whose id they know (ids the gateway assigns are
-random UUIDs). Until keys exist (issue 12), expose the gateway only to trusted clients.
+Abort and GetRequest act only on requests the caller's API key created (the record holds the
+key's id, ``services/gateway/access.py``); without API keys every client is the same anonymous
+key, so anyone who can reach the gateway can cancel or read any request whose id they know.
 """
 from __future__ import annotations
 
@@ -108,31 +108,32 @@ class GatewayCore:
         return Prepared(rid, prompt, validation.sampling_params(
             request, len(prompt), self.model, self.limits.max_tokens_cap))
 
-    async def admit(self, prepared: Prepared) -> RequestRecord:
-        """Take one of ``max_inflight`` places and create the Redis record (QUEUED).
+    async def admit(self, prepared: Prepared, key_id: str = "") -> RequestRecord:
+        """Take one of ``max_inflight`` places and create the Redis record (QUEUED), owned by
+        the API key ``key_id`` (``services/gateway/access.py``).
 
         Raises ResourceExhausted (gateway full), ValueError (id in flight), Unavailable (Redis,
         or the gateway draining)."""
         rid = prepared.request_id
         self._check_new(rid)
         self._check_room(1)
-        record = self._inflight[rid] = RequestRecord(self.store, rid)
+        record = self._inflight[rid] = RequestRecord(self.store, rid, key_id)
         try:
             await redis_call(self.store.create(rid, prompt_tokens=len(prepared.prompt),
-                                               model=self.model.name))
+                                               model=self.model.name, key_id=key_id))
         except BaseException:
             del self._inflight[rid]
             raise
         return record
 
-    async def admit_all(self, prepared: list[Prepared]) -> list[RequestRecord]:
+    async def admit_all(self, prepared: list[Prepared], key_id: str = "") -> list[RequestRecord]:
         """``admit`` each of ``prepared`` (the n choices of one request), all or none: on a
         failure the ones admitted are released (recorded ABORTED) and it raises as ``admit``."""
         self._check_room(len(prepared))
         records: list[RequestRecord] = []
         try:
             for p in prepared:
-                records.append(await self.admit(p))
+                records.append(await self.admit(p, key_id))
         except BaseException:
             for p, record in zip(prepared, records):
                 self.release(p.request_id, record)
@@ -180,10 +181,11 @@ class GatewayCore:
         self._inflight.pop(rid, None)
         await record.finish()
 
-    def abort(self, request_id: str) -> bool:
-        """Cancel a request in flight on this gateway; False when there is none by that id."""
+    def abort(self, request_id: str, key_id: str | None = None) -> bool:
+        """Cancel a request in flight on this gateway; False when there is none by that id
+        (or, with ``key_id``, none that API key created: others' requests look unknown)."""
         record = self._inflight.get(request_id)
-        if record is None:
+        if record is None or (key_id is not None and record.key_id != key_id):
             return False
         record.abort()
         return True

@@ -23,9 +23,11 @@ class RequestRecord:
     failed (``error`` set), else finished with ``finish_reason``.
     """
 
-    def __init__(self, store: RequestStateStore, request_id: str) -> None:
+    def __init__(self, store: RequestStateStore, request_id: str, key_id: str = "") -> None:
         self.store = store
         self.request_id = request_id
+        self.key_id = key_id  # the API key that created it ("" anonymous); only it may Abort
+        self._on_finish: list = []  # callbacks(record) run once at the end
         self.calls: list = []  # grpc.aio calls and tasks to this request's workers
         self.aborted = False  # Abort was called
         self.num_output_tokens = 0
@@ -76,8 +78,15 @@ class RequestRecord:
             return RequestState.FAILED, {"error": self.error}
         return RequestState.FINISHED, {"finish_reason": self.finish_reason}
 
+    def on_finish(self, callback) -> None:
+        """Call ``callback(record)`` when the request ends (e.g. a per-key limit's release)."""
+        self._on_finish.append(callback)
+
     async def finish(self) -> None:
         """Wait for the queued writes, then record the outcome (never raises for Redis)."""
+        callbacks, self._on_finish = self._on_finish, []
+        for callback in callbacks:
+            callback(self)
         if self._writes is not None:
             await asyncio.wait({self._writes})
         state, fields = self.outcome()

@@ -10,7 +10,7 @@ import time
 import grpc
 import redis
 
-from services.auth import internal_channel
+from services.auth import InternalTls, internal_channel
 from services.rpc import Unavailable
 from services.state.registry import TTL_HEARTBEATS, WorkerInfo, WorkerRegistry
 
@@ -27,9 +27,10 @@ class WorkerPool:
     """
 
     def __init__(self, registry: WorkerRegistry, heartbeat_s: float, rpc_timeout_s: float,
-                 internal_secret: str | None = None) -> None:
+                 internal_secret: str | None = None, internal_tls: InternalTls | None = None) -> None:
         self.registry = registry
         self.internal_secret = internal_secret  # sent on every call to a worker (services.auth)
+        self.internal_tls = internal_tls  # mutual TLS to the workers (None: plaintext)
         self.suspect_s = TTL_HEARTBEATS * heartbeat_s
         self.rpc_timeout_s = rpc_timeout_s
         self._suspects: dict[str, float] = {}  # worker id -> monotonic time it is usable again
@@ -68,7 +69,8 @@ class WorkerPool:
 
     def channel(self, endpoint: str) -> grpc.aio.Channel:
         if endpoint not in self._channels:
-            self._channels[endpoint] = internal_channel(endpoint, self.internal_secret)
+            self._channels[endpoint] = internal_channel(endpoint, self.internal_secret,
+                                                        self.internal_tls)
         return self._channels[endpoint]
 
     async def close(self) -> None:

@@ -4,9 +4,13 @@
 INVALID_ARGUMENT naming the field (``wire.py``)."""
 from __future__ import annotations
 
+from contextlib import aclosing
+
 import grpc
 
 from services.api import gateway_pb2
+from services.gateway.access import Access, current_identity
+from services.gateway.limits import RateLimited
 from services.gateway.pipeline import GatewayCore
 from services.gateway.wire import raw_handlers
 
@@ -14,20 +18,35 @@ SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
 
 
 class GatewayServicer:
-    """``Generate``, ``Abort`` and ``GetRequest``: protocol translation only."""
+    """``Generate``, ``Abort`` and ``GetRequest``: protocol translation only. The caller's API
+    key (``access.ApiKeyInterceptor``) has its limits applied, and sees only its own requests:
+    another key's request is unknown to it (Abort: ``found`` false; GetRequest: NOT_FOUND)."""
 
-    def __init__(self, core: GatewayCore) -> None:
+    def __init__(self, core: GatewayCore, access: Access | None = None) -> None:
         self.core = core
+        self.access = access or Access()
 
     async def Generate(self, request: gateway_pb2.GenerateRequest, context):
-        async for response in self.core.generate(request):
-            yield response
+        identity = current_identity()
+        try:
+            self.access.check_request(identity)
+            prepared = await self.core.prepare(request)
+            record = await self.access.admit(self.core, prepared, identity)
+        except RateLimited as exc:  # RESOURCE_EXHAUSTED, with when to retry (as HTTP's header)
+            context.set_trailing_metadata((("retry-after", str(exc.retry_after_s)),))
+            raise
+        async with aclosing(self.core.relay(prepared, record)) as responses:
+            async for response in responses:
+                yield response
 
     async def Abort(self, request: gateway_pb2.AbortRequest, context):
-        return gateway_pb2.AbortResponse(found=self.core.abort(request.request_id))
+        found = self.core.abort(request.request_id, current_identity().key_id)
+        return gateway_pb2.AbortResponse(found=found)
 
     async def GetRequest(self, request: gateway_pb2.GetRequestRequest, context):
         info = await self.core.request_info(request.request_id)
+        if info is not None and info.pop("key_id", "") != current_identity().key_id:
+            info = None  # another key's request: as unknown as one that never existed
         if info is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"request_id: {request.request_id!r} is unknown")
         info["status"] = str(info["status"]).upper()

@@ -35,6 +35,7 @@ _TERMINAL = frozenset({RequestState.FINISHED, RequestState.ABORTED, RequestState
 FIELD_TYPES: dict[str, type] = {
     "status": RequestState,
     "model": str,
+    "key_id": str,               # short hash of the API key that created it (never the key)
     "prompt_tokens": int,
     "output_tokens": int,
     "prefill_worker": str,       # worker id
@@ -103,10 +104,10 @@ class RequestStateStore:
         return f"request:{request_id}"
 
     async def create(self, request_id: str, *, prompt_tokens: int, model: str,
-                     arrival_time: float | None = None) -> None:
+                     arrival_time: float | None = None, key_id: str = "") -> None:
         """Record a new request as QUEUED with `output_tokens` 0.
 
-        `arrival_time` is unix seconds (default: now).
+        `arrival_time` is unix seconds (default: now); `key_id` the API key's id, if any.
 
         Raises:
             KeyError: a request with this id already exists.
@@ -115,6 +116,8 @@ class RequestStateStore:
         fields = {"status": RequestState.QUEUED, "prompt_tokens": prompt_tokens,
                   "output_tokens": 0, "model": model,
                   "arrival_time": time.time() if arrival_time is None else arrival_time}
+        if key_id:
+            fields["key_id"] = key_id
         if await self._run("create", request_id, fields, ttl_s=None) == 0:
             raise KeyError(f"request {request_id!r} already exists")
 
