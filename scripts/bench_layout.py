@@ -78,6 +78,7 @@ def start_stack(option: Option, cores: int, engine_args: list[str], port: int) -
         host="127.0.0.1", port=port, num_prefill=option.counts.get("prefill", 0),
         num_decode=option.counts.get("decode", 0), num_unified=option.counts.get("unified", 0),
         redis_url=None, worker_args=engine_args, threads=threads, env=option.env,
+        gateway_args=["--http-port", "0"],  # gRPC only: nothing to collide with on 8000
         ready_timeout_s=600))
     try:
         stack.start()

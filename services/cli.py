@@ -158,8 +158,9 @@ def gateway_options(s):
     return GatewayOptions(
         s.host, g.port, s.state.redis_url, s.engine.model, s.transport.rpc_timeout_s,
         s.state.heartbeat_s, g.kv_failure_policy.value, g.max_inflight,
-        RequestLimits(g.max_request_bytes, g.max_messages), g.tokenize_threads, g.http_port,
-        internal_secret=s.internal_secret())
+        RequestLimits(g.max_request_bytes, g.max_messages, g.max_tokens_cap, g.max_n),
+        g.tokenize_threads, g.http_port or None,
+        internal_secret=s.internal_secret(), drain_s=g.drain_s)
 
 
 def worker_options(s, role: str):
@@ -174,7 +175,8 @@ def worker_options(s, role: str):
         heartbeat_s=s.state.heartbeat_s, kv_lease_s=w.kv_lease_s, worker_id=w.worker_id,
         max_waiting=w.max_waiting, rpc_timeout_s=t.rpc_timeout_s,
         kv_transfer_timeout_s=t.kv_transfer_timeout_s, fault_injection=w.fault_injection,
-        internal_secret=s.internal_secret())
+        internal_secret=s.internal_secret(),
+        drain_s=w.prefill_drain_s if role == "prefill" else w.decode_drain_s)  # unified: decode's
 
 
 def cmd_up(args, loaded: LoadedSettings) -> int:
@@ -189,8 +191,11 @@ def cmd_up(args, loaded: LoadedSettings) -> int:
     try:
         stack.start()
         stack.wait_ready()
-        logging.getLogger("tandem").info("Tandem is up: gateway at %s (%s)", stack.address,
-                                         layout.describe())
+        http_port = stack.settings.gateway.http_port
+        logging.getLogger("tandem").info(
+            "Tandem is up: gateway at %s (gRPC)%s (%s)", stack.address,
+            f" and http://{stack.opts.host}:{http_port}/v1 (OpenAI HTTP)" if http_port else "",
+            layout.describe())
         if args.chat:
             print(f">>> {args.chat}")
             print_chat(stack.address, [{"role": "user", "content": args.chat}], **_sampling_options(args))

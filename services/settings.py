@@ -134,6 +134,14 @@ class WorkerSection(BaseModel):
              "their reader, before the request's blocks are freed", gt=0)
     max_waiting: int = setting(256, help="requests held outside the running batch before new "
                                "ones get RESOURCE_EXHAUSTED", gt=0)
+    prefill_drain_s: float = setting(
+        25.0, help="prefill: seconds a worker told to stop (SIGTERM) keeps computing the prompts "
+        "it holds before handing the rest back for retry on another prefill worker; below the "
+        "pod's termination grace period minus kv_lease_s", ge=0)
+    decode_drain_s: float = setting(
+        50.0, help="decode and unified: seconds a worker told to stop (SIGTERM) lets running streams finish "
+        "before migrating the rest to another decode worker; below the pod's termination grace "
+        "period minus kv_lease_s", ge=0)
     fault_injection: bool = setting(
         False, env="TANDEM_TEST_FAULT_INJECTION", flag=None,
         help="TEST ONLY: prefill workers honour fault tags in request ids "
@@ -150,15 +158,23 @@ class GatewaySection(BaseModel):
         "decode worker computes the prompt itself (recompute) or the request fails (fail)")
     max_inflight: int = setting(
         1024, help="requests in flight before new ones get RESOURCE_EXHAUSTED", gt=0)
-    http_port: int | None = setting(
-        None, help="OpenAI-compatible HTTP port (0: any free port; unset: no HTTP listener)",
-        ge=0, le=65535)
+    http_port: int = setting(
+        8000, help="OpenAI-compatible HTTP port (0: no HTTP listener)", ge=0, le=65535)
     max_request_bytes: int = setting(
         4 * 1024 * 1024, help="largest request body in bytes (gRPC and HTTP), refused before "
         "it is parsed", gt=0)
     max_messages: int = setting(256, help="most chat messages in one request", gt=0)
+    max_tokens_cap: int | None = setting(
+        None, help="most output tokens one request may ask for (max_tokens; unset: the "
+        "model's context)", gt=0)
+    max_n: int = setting(16, help="most choices (n) one HTTP request may ask for", gt=0)
     tokenize_threads: int = setting(
         2, help="threads that render chat templates and tokenize, off the event loop", gt=0)
+    drain_s: float = setting(
+        80.0, env="TANDEM_GATEWAY_DRAIN_S", flag="--gateway-drain-s",
+        help="seconds a gateway told to stop (SIGTERM) fails readiness, refuses new requests "
+        "and lets open streams finish before it cancels the rest; below the pod's termination "
+        "grace period", ge=0)
 
 
 class StateSection(BaseModel):

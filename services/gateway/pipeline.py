@@ -1,4 +1,4 @@
-"""One request's way through the gateway, shared by every front end (gRPC today, HTTP next):
+"""One request's way through the gateway, shared by every front end (gRPC and OpenAI HTTP):
 validate → admit → record → relay → detokenize → finish.
 
 ``GatewayCore.generate(request)`` runs the whole way for a ``GenerateRequest`` and yields
@@ -74,6 +74,12 @@ class GatewayCore:
         self._tokenize = ThreadPoolExecutor(tokenize_threads, thread_name_prefix="tokenize")
         self._inflight: dict[str, RequestRecord] = {}
         self._closing: set[asyncio.Task] = set()  # requests recording their outcome
+        self.draining = False  # stopping (services/drain.py): new requests get UNAVAILABLE
+
+    @property
+    def num_inflight(self) -> int:
+        """Requests admitted and not finished."""
+        return len(self._inflight)
 
     async def close(self) -> None:
         self._tokenize.shutdown(wait=False, cancel_futures=True)
@@ -99,17 +105,17 @@ class GatewayCore:
         prompt = await asyncio.get_running_loop().run_in_executor(
             self._tokenize, validation.prompt_token_ids, request, self.tokenizer,
             self.model.max_model_len)
-        return Prepared(rid, prompt, validation.sampling_params(request, len(prompt), self.model))
+        return Prepared(rid, prompt, validation.sampling_params(
+            request, len(prompt), self.model, self.limits.max_tokens_cap))
 
     async def admit(self, prepared: Prepared) -> RequestRecord:
         """Take one of ``max_inflight`` places and create the Redis record (QUEUED).
 
-        Raises ResourceExhausted (gateway full), ValueError (id in flight), Unavailable (Redis)."""
+        Raises ResourceExhausted (gateway full), ValueError (id in flight), Unavailable (Redis,
+        or the gateway draining)."""
         rid = prepared.request_id
         self._check_new(rid)
-        if len(self._inflight) >= self.max_inflight:
-            raise ResourceExhausted(f"gateway overloaded: {self.max_inflight} requests in flight "
-                                    "(--max-inflight); retry later")
+        self._check_room(1)
         record = self._inflight[rid] = RequestRecord(self.store, rid)
         try:
             await redis_call(self.store.create(rid, prompt_tokens=len(prepared.prompt),
@@ -118,6 +124,26 @@ class GatewayCore:
             del self._inflight[rid]
             raise
         return record
+
+    async def admit_all(self, prepared: list[Prepared]) -> list[RequestRecord]:
+        """``admit`` each of ``prepared`` (the n choices of one request), all or none: on a
+        failure the ones admitted are released (recorded ABORTED) and it raises as ``admit``."""
+        self._check_room(len(prepared))
+        records: list[RequestRecord] = []
+        try:
+            for p in prepared:
+                records.append(await self.admit(p))
+        except BaseException:
+            for p, record in zip(prepared, records):
+                self.release(p.request_id, record)
+            raise
+        return records
+
+    def release(self, request_id: str, record: RequestRecord) -> asyncio.Future:
+        """Forget an admitted request that will never be relayed (recorded ABORTED); the
+        returned future ends when Redis has the outcome (it runs on even if not awaited)."""
+        self._inflight.pop(request_id, None)
+        return self._background(record.finish())
 
     async def relay(self, prepared: Prepared, record: RequestRecord,
                     ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
@@ -143,14 +169,11 @@ class GatewayCore:
             record.cancel()  # no-op for finished calls; frees worker blocks otherwise
             # NOTE: shielded: a front end on anyio (Starlette) cancels a gone client's stream
             # at every await, which would drop the outcome's Redis write half done.
-            closing = asyncio.ensure_future(self._close(prepared.request_id, tokens, record))
-            self._closing.add(closing)
-            closing.add_done_callback(self._closing.discard)
-            await asyncio.shield(closing)
+            await asyncio.shield(self._background(self._close(prepared.request_id, tokens, record)))
         if record.aborted:
             yield gateway_pb2.GenerateResponse(
                 request_id=prepared.request_id, finish_reason="abort",
-                usage=_usage(len(prepared.prompt), record.num_output_tokens))
+                usage=_usage(len(prepared.prompt), record))
 
     async def _close(self, rid: str, tokens: AsyncIterator, record: RequestRecord) -> None:
         await tokens.aclose()
@@ -169,6 +192,20 @@ class GatewayCore:
         """The request's Redis record (None if unknown). Raises Unavailable (Redis)."""
         return await redis_call(self.store.get(request_id))
 
+    def _background(self, coro) -> asyncio.Future:
+        """Run ``coro`` to its end even if its awaiter is cancelled (a reference is kept)."""
+        task = asyncio.ensure_future(coro)
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+        return task
+
+    def _check_room(self, count: int) -> None:
+        if self.draining:
+            raise Unavailable("gateway is draining (shutting down); retry on another gateway")
+        if len(self._inflight) + count > self.max_inflight:
+            raise ResourceExhausted(f"gateway overloaded: {self.max_inflight} requests in flight "
+                                    "(--max-inflight); retry later")
+
     def _check_new(self, rid: str) -> None:
         if rid in self._inflight:
             raise ValueError(f"request_id: {rid!r} is already in flight")
@@ -186,7 +223,7 @@ class GatewayCore:
         return gateway_pb2.GenerateResponse(
             request_id=prepared.request_id, token_ids=msg.token_ids, text=text,
             finish_reason=reason, logprobs=[self._logprob(lp) for lp in msg.logprobs],
-            usage=_usage(len(prepared.prompt), record.num_output_tokens) if reason else None)
+            usage=_usage(len(prepared.prompt), record) if reason else None)
 
     def _job(self, prepared: Prepared, record: RequestRecord) -> Job:
         def on_dispatch(decode_worker: str, prefill_worker: str, resumed: bool) -> None:
@@ -198,6 +235,7 @@ class GatewayCore:
                                                    prefill_start_time=time.time(), **workers))
 
         def on_prefilled(result: worker_pb2.PrefillResponse) -> None:
+            record.num_cached_tokens = result.num_cached_tokens
             record.write(self.store.update(
                 prepared.request_id, prefill_end_time=time.time(),
                 prefill_queue_time=result.queue_time_s, prefill_compute_time=result.compute_time_s,
@@ -214,6 +252,8 @@ class GatewayCore:
                           for t, v in zip(lp.top_token_ids, lp.top_logprobs)])
 
 
-def _usage(prompt_tokens: int, completion_tokens: int) -> gateway_pb2.Usage:
+def _usage(prompt_tokens: int, record: RequestRecord) -> gateway_pb2.Usage:
+    completion_tokens = record.num_output_tokens
     return gateway_pb2.Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                             total_tokens=prompt_tokens + completion_tokens)
+                             total_tokens=prompt_tokens + completion_tokens,
+                             cached_tokens=record.num_cached_tokens)
