@@ -29,7 +29,8 @@ class RunConfig:
     num_warmups: requests sent (and awaited) before the run, excluded from every figure.
     time_limit_s: no request is sent after this many seconds; unsent ones are counted.
     request_timeout_s: a request still running after this fails with "timeout".
-    redis_url: Tandem's Redis, to sample the workers' load (gRPC targets only; "" = off).
+    redis_url: Tandem's Redis, to sample the workers' load (its gateway over gRPC or HTTP;
+        "" = off).
     """
 
     target: str
@@ -113,7 +114,7 @@ async def _timed_run(client, cfg: RunConfig, requests: list[SampleRequest], mode
     start = time.perf_counter()
     clock = lambda: time.perf_counter() - start  # noqa: E731
     view = None
-    if cfg.redis_url and parse_target(cfg.target)[0] == "grpc":
+    if cfg.redis_url:
         view = ServerView(cfg.redis_url, clock=clock, interval_s=cfg.server_poll_s)
         view.start()
     bar = tqdm(total=len(requests), disable=not cfg.progress, unit="req", desc="bench serve")

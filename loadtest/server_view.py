@@ -1,6 +1,7 @@
 """The server's own view of a run on Tandem: every worker's load over the run, sampled by
-calling each worker's ``GetLoad`` (workers found in the Redis registry,
-``services.state.registry``) every ``interval_s`` seconds. Workers' internal ports require the
+calling each worker's ``GetLoad`` (prefill, decode and unified workers found in the Redis
+registry, ``services.state.registry``) every ``interval_s`` seconds, over the gateway's gRPC or
+HTTP alike. Workers' internal ports require the
 stack's internal secret: it is read as the services read it (``TANDEM_INTERNAL_SECRET`` or the
 file named by ``TANDEM_INTERNAL_SECRET_FILE``; ``services.auth``).
 

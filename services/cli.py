@@ -22,13 +22,6 @@ BENCH_MODES = ("offline", "online", "serve", "plot", "sweep")
 NOT_UP_FLAGS = {"worker.port", "worker.kv_port", "worker.worker_id", "log_level"}
 
 
-def _positive_int(raw: str) -> int:
-    value = int(raw)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
 def _config_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", metavar="FILE", help="YAML, TOML or JSON settings file, nested "
                    "by section (flags and environment variables override it) [TANDEM_CONFIG]")
@@ -52,19 +45,19 @@ def build_parser() -> argparse.ArgumentParser:
     add_setting_flags(parser, select=lambda path: path == "log_level")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    up = sub.add_parser("up", help="start gateway + prefill + decode workers locally, supervised")
+    up = sub.add_parser("up", help="start a gateway and workers locally (prefill + decode, or "
+                        "unified: layout chosen for the machine, see --layout), supervised")
     _config_flag(up)
     add_setting_flags(up, select=lambda path: path not in NOT_UP_FLAGS)
-    up.add_argument("--num-prefill", type=_positive_int, default=1)
-    up.add_argument("--num-decode", type=_positive_int, default=1)
+    up.add_argument("--unified", action="store_true", help="same as --layout unified")
     up.add_argument("--chat", metavar="MESSAGE", help="send one chat message once ready, print "
                     "the streamed answer, then stop the stack")
     _sampling_flags(up)  # for --chat
 
     serve = sub.add_parser("serve", help="run one service in this process")
-    serve.add_argument("role", choices=["gateway", "prefill", "decode"])
+    serve.add_argument("role", choices=["gateway", "prefill", "decode", "unified"])
     _config_flag(serve)
-    add_setting_flags(serve, select=lambda path: path != "log_level")
+    add_setting_flags(serve, select=lambda path: path != "log_level" and not path.startswith("up."))
     port = next(a for a in serve._actions if "--port" in a.option_strings)
     port.help = "gRPC port of this service (gateway: gateway.port [TANDEM_PORT]; workers: " \
                 "worker.port [TANDEM_WORKER_PORT])"
@@ -105,6 +98,10 @@ def _load(args) -> LoadedSettings:
     flags = flag_values(args)
     if getattr(args, "role", "gateway") != "gateway" and "gateway.port" in flags:
         flags["worker.port"] = flags.pop("gateway.port")  # `serve decode --port N`
+    if getattr(args, "unified", False):
+        if flags.get("up.layout", ("unified",))[0] != "unified":
+            raise SettingsError(f"up.layout: --unified contradicts --layout {flags['up.layout'][0]}")
+        flags["up.layout"] = ("unified", "flag --unified")
     return load_settings(flags, getattr(args, "config", None) or os.environ.get("TANDEM_CONFIG"))
 
 
@@ -188,7 +185,7 @@ def worker_options(s, role: str):
         max_waiting=w.max_waiting, rpc_timeout_s=t.rpc_timeout_s,
         kv_transfer_timeout_s=t.kv_transfer_timeout_s, fault_injection=w.fault_injection,
         internal_secret=s.internal_secret(),
-        drain_s=w.decode_drain_s if role == "decode" else w.prefill_drain_s,
+        drain_s=w.prefill_drain_s if role == "prefill" else w.decode_drain_s,  # unified: decode's
         internal_tls=InternalTls.from_settings(t.internal_tls_cert_file, t.internal_tls_key_file,
                                                t.internal_tls_ca_file, t.internal_tls_server_name))
 
@@ -198,16 +195,18 @@ def cmd_up(args, loaded: LoadedSettings) -> int:
     from services.launcher import Stack, UpOptions, run_until_interrupted
 
     s = loaded.settings
-    stack = Stack(UpOptions(s.host, s.gateway.port, args.num_prefill, args.num_decode,
-                            s.state.redis_url, settings=s))
+    layout = up_layout(loaded)
+    stack = Stack(UpOptions(s.host, s.gateway.port, layout.num_prefill, layout.num_decode,
+                            s.state.redis_url, settings=s, num_unified=layout.num_unified,
+                            threads=layout.threads))
     try:
         stack.start()
         stack.wait_ready()
         http_port = stack.settings.gateway.http_port
         logging.getLogger("tandem").info(
-            "Tandem is up: gateway at %s (gRPC)%s (%d prefill, %d decode)", stack.address,
+            "Tandem is up: gateway at %s (gRPC)%s (%s)", stack.address,
             f" and http://{stack.opts.host}:{http_port}/v1 (OpenAI HTTP)" if http_port else "",
-            args.num_prefill, args.num_decode)
+            layout.describe())
         if args.chat:
             print(f">>> {args.chat}")
             print_chat(stack.address, [{"role": "user", "content": args.chat}],
@@ -222,6 +221,18 @@ def cmd_up(args, loaded: LoadedSettings) -> int:
 def _api_key(s) -> str | None:
     """The key ``tandem chat`` / ``up --chat`` send (gateway.api_key: TANDEM_API_KEY)."""
     return s.gateway.api_key.get_secret_value() if s.gateway.api_key else None
+
+
+def up_layout(loaded: LoadedSettings):
+    """The workers `tandem up` starts (``services.layout``), logged with why."""
+    from services.layout import choose_layout, usable_cores
+
+    s = loaded.settings
+    explicit = loaded.source("worker.num_threads") != "default"
+    layout = choose_layout(s.up, usable_cores(), s.worker.num_threads if explicit else None)
+    logging.getLogger("tandem").info("layout: %s (%s; override with --layout, --unified or "
+                                     "worker counts)", layout.describe(), layout.reason)
+    return layout
 
 
 def cmd_chat(args, loaded: LoadedSettings) -> int:

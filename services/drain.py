@@ -103,7 +103,7 @@ async def drain_worker(runtime, servicer: Drainable, drain_s: float,
         n = servicer.hand_back()
         log.warning("%s worker %s: drain deadline reached with %d requests running: handed "
                     "back for %s elsewhere", role, worker_id, n,
-                    "migration" if role == "decode" else "retry")
+                    "retry" if role == "prefill" else "migration")
     bm = runtime.engine.block_manager
     await wait_for(lambda: idle() and bm.num_used_blocks == 0,
                    runtime.options.kv_lease_s + 2 * POLL_S)

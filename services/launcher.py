@@ -1,4 +1,4 @@
-"""``tandem up``: one gateway, N prefill and M decode workers, and (without REDIS_URL) a
+"""``tandem up``: one gateway, N prefill and M decode workers (or K unified ones), and (without REDIS_URL) a
 private redis-server with a random password, all as child processes of this one, supervised:
 a child that dies is restarted (``services/supervisor.py``); Ctrl-C drains them all
 (``Stack.stop``: gateways first, then the workers; a second Ctrl-C hurries them).
@@ -52,6 +52,8 @@ class UpOptions:
     worker_args: list[str] = field(default_factory=list)  # extra flags for every worker
     gateway_args: list[str] = field(default_factory=list)  # extra flags for the gateway
     ready_timeout_s: float = 300.0
+    num_unified: int = 0  # workers that prefill and decode (services/unified)
+    threads: dict[str, int] | None = None  # role -> --num-threads of its workers (None: settings')
     env: dict[str, str] | None = None  # extra environment for every child (tests: fault hooks)
     settings: Settings | None = None  # handed to every child; default: this process's env
 
@@ -114,10 +116,12 @@ class Stack:
             log.info("started redis-server at %s (password set, persistence off)",
                      self.redis_server.safe_url)
         self._write_settings()
-        for i in range(self.opts.num_decode):
-            self.add_worker("decode", f"decode-{i}")
-        for i in range(self.opts.num_prefill):
-            self.add_worker("prefill", f"prefill-{i}")
+        for role, count in (("unified", self.opts.num_unified), ("decode", self.opts.num_decode),
+                            ("prefill", self.opts.num_prefill)):
+            threads = (self.opts.threads or {}).get(role)
+            for i in range(count):
+                self.add_worker(role, f"{role}-{i}",
+                                ["--num-threads", str(threads)] if threads else [])
         self.add_gateway("gateway", self.opts.port)
 
     def _write_settings(self) -> None:
@@ -207,6 +211,8 @@ class Stack:
             if len(await registry.list("prefill")) < self.opts.num_prefill:
                 return False
             if len(await registry.list("decode")) < self.opts.num_decode:
+                return False
+            if len(await registry.list("unified")) < self.opts.num_unified:
                 return False
         except (redis_errors.RedisError, OSError):  # Redis slow or restarting: not ready yet
             return False

@@ -1,4 +1,4 @@
-"""Process entry points: run one gateway, prefill worker or decode worker until SIGINT/SIGTERM."""
+"""Process entry points: run one gateway, prefill, decode or unified worker until SIGINT/SIGTERM."""
 from __future__ import annotations
 
 import asyncio
@@ -47,6 +47,7 @@ async def serve_worker(opts: WorkerOptions, num_threads: int) -> None:
     from services.decode.server import DecodeServicer
     from services.engine.engine import LLMEngine
     from services.prefill.server import PrefillServicer
+    from services.unified.server import UnifiedServicer
     from services.worker import WorkerRuntime
 
     torch.set_num_threads(num_threads)
@@ -58,8 +59,9 @@ async def serve_worker(opts: WorkerOptions, num_threads: int) -> None:
                                      fault_injection=opts.fault_injection)
     log.info("%s engine warmed up in %.2fs", opts.role, await asyncio.to_thread(engine.warm_up))
     runtime = WorkerRuntime(opts, engine)
-    if opts.role == "decode":
-        servicer, add, name = DecodeServicer(runtime), worker_pb2_grpc.add_DecodeWorkerServicer_to_server, "DecodeWorker"
+    if opts.role in ("decode", "unified"):  # unified: the DecodeWorker service, prefilling locally
+        servicer_cls = UnifiedServicer if opts.role == "unified" else DecodeServicer
+        servicer, add, name = servicer_cls(runtime), worker_pb2_grpc.add_DecodeWorkerServicer_to_server, "DecodeWorker"
     else:
         servicer, add, name = PrefillServicer(runtime), worker_pb2_grpc.add_PrefillWorkerServicer_to_server, "PrefillWorker"
     full_name = worker_pb2.DESCRIPTOR.services_by_name[name].full_name

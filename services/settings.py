@@ -53,6 +53,14 @@ class KVFailurePolicy(str, Enum):
     fail = "fail"
 
 
+class Layout(str, Enum):
+    """Workers `tandem up` starts: auto (chosen for the machine's cores, logged), prefill and
+    decode workers with KV transfer (disaggregated), or workers that do both (unified)."""
+    auto = "auto"
+    disaggregated = "disaggregated"
+    unified = "unified"
+
+
 class LogLevel(str, Enum):
     DEBUG = "DEBUG"
     INFO = "INFO"
@@ -121,7 +129,8 @@ class WorkerSection(BaseModel):
     worker_id: str = setting("", help="registry id of this worker (default: a random one)")
     advertise_host: str | None = setting(
         None, help="address peers use to reach this worker (default: host)")
-    num_threads: int = setting(1, help="torch threads per worker process", gt=0)
+    num_threads: int = setting(1, help="torch threads per worker process (`tandem up` without "
+                               "it: the usable cores shared among its workers)", gt=0)
     kv_lease_s: float = setting(
         30.0, help="decode: seconds a KV reservation waits for its KV, and ready tokens for "
              "their reader, before the request's blocks are freed", gt=0)
@@ -132,7 +141,7 @@ class WorkerSection(BaseModel):
         "it holds before handing the rest back for retry on another prefill worker; below the "
         "pod's termination grace period minus kv_lease_s", ge=0)
     decode_drain_s: float = setting(
-        50.0, help="decode: seconds a worker told to stop (SIGTERM) lets running streams finish "
+        50.0, help="decode and unified: seconds a worker told to stop (SIGTERM) lets running streams finish "
         "before migrating the rest to another decode worker; below the pod's termination grace "
         "period minus kv_lease_s", ge=0)
     fault_injection: bool = setting(
@@ -236,6 +245,20 @@ class SupervisorSection(BaseModel):
                                            ge=0)
 
 
+class UpSection(BaseModel):
+    """`tandem up`'s local layout (services/layout.py); unset counts: the layout's."""
+    model_config = _SECTION
+    layout: Layout = setting(
+        Layout.auto, help="workers to start: auto (unified on machines with at most "
+        "auto_unified_max_cores usable cores, else disaggregated), disaggregated or unified; "
+        "worker counts imply it")
+    num_prefill: int | None = setting(None, help="prefill workers (disaggregated; default 1)", gt=0)
+    num_decode: int | None = setting(None, help="decode workers (disaggregated; default 1)", gt=0)
+    num_unified: int | None = setting(None, help="unified workers (default 1)", gt=0)
+    auto_unified_max_cores: int = setting(
+        4, help="layout auto: most usable CPU cores on which unified workers are chosen", ge=0)
+
+
 class Settings(BaseSettings):
     """The whole configuration; build it with ``services.settings_sources.load_settings``."""
 
@@ -249,6 +272,7 @@ class Settings(BaseSettings):
     state: StateSection = Field(default_factory=StateSection)
     transport: TransportSection = Field(default_factory=TransportSection)
     supervisor: SupervisorSection = Field(default_factory=SupervisorSection)
+    up: UpSection = Field(default_factory=UpSection)
 
     @classmethod
     def settings_customise_sources(cls, settings_cls, init_settings, *args, **kwargs):
@@ -271,4 +295,4 @@ class Settings(BaseSettings):
         return None
 
 
-SECTIONS = ("engine", "worker", "gateway", "state", "transport", "supervisor")
+SECTIONS = ("engine", "worker", "gateway", "state", "transport", "supervisor", "up")

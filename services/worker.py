@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class WorkerOptions:
-    role: str  # "prefill" or "decode"
+    role: str  # "prefill", "decode" or "unified" (prefills and decodes; services/unified)
     engine: EngineConfig
     host: str
     advertise_host: str

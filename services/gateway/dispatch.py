@@ -13,6 +13,10 @@ the prompt to a prefill worker P with D's reservation as destination, relay D's 
   ``kv_failure_policy`` (recompute locally, or fail the stream); the gateway just keeps reading.
 - Every prefill queue full: RESOURCE_EXHAUSTED; D is told the reservation was never used and
   frees it at once (``reservation_unused``), as on every cancel before the prefill was sent.
+
+- A *unified* worker (``services/unified``) was chosen: its Decode stream has ``local_prefill``
+  and no prefill hop follows; its first message is the first token. Lost before it: try the
+  next worker; lost after: migrate, as above.
 """
 from __future__ import annotations
 
@@ -65,6 +69,7 @@ class _Attempt:
     decode: WorkerInfo | None = None
     call: object = None  # the Decode stream
     reservation: worker_pb2.KVReservation | None = None
+    first: worker_pb2.DecodeResponse | None = None  # unified: the first token, read while choosing
     reserved_at: float = 0.0  # monotonic time the Decode request was sent (lease start bound)
     prefill: asyncio.Task | None = None
     maybe_written: bool = False  # some prefill worker may write into the reservation
@@ -104,9 +109,10 @@ class Dispatcher:
     async def _attempt(self, job: Job, n: int, prompt: list[int], params: worker_pb2.SamplingParams):
         att = _Attempt(job.request_id if n == 0 else f"{job.request_id}~{n}")
         try:
-            await self._reserve(job, att, prompt, params)
-            att.prefill = job.track(asyncio.ensure_future(
-                self._prefill(job, att, prompt, params, resumed=n > 0)))
+            await self._reserve(job, att, prompt, params, resumed=n > 0)
+            if att.reservation is not None:  # else a unified worker computes the prompt itself
+                att.prefill = job.track(asyncio.ensure_future(
+                    self._prefill(job, att, prompt, params, resumed=n > 0)))
             async with aclosing(self._relay(job, att)) as msgs:
                 async for msg in msgs:
                     yield msg
@@ -114,18 +120,23 @@ class Dispatcher:
             self._release(att)
 
     async def _reserve(self, job: Job, att: _Attempt, prompt: list[int],
-                       params: worker_pb2.SamplingParams) -> None:
-        """Open a Decode stream on the least loaded decode worker with room for the prompt."""
-        workers = await self.pool.live("decode")
-        workers.sort(key=lambda w: (-w.free_kv_blocks, w.num_running))
+                       params: worker_pb2.SamplingParams, resumed: bool) -> None:
+        """Open a Decode stream on the least loaded decode or unified worker with room for the
+        prompt: a decode worker's first message is its reservation, a unified worker's is the
+        first token (``att.first``)."""
+        workers = await self.pool.live_any(("decode", "unified"))
+        workers.sort(key=lambda w: (-w.free_kv_blocks, w.num_running + w.num_waiting))
         lost = 0
         for w in workers:
+            unified = w.role == "unified"
+            if unified:  # the prefill starts now, on this worker
+                job.on_dispatch(w.worker_id, w.worker_id, resumed)
             att.decode, att.reserved_at = w, time.monotonic()  # cancelled from here: freed unused
             att.call = call = job.track(worker_pb2_grpc.DecodeWorkerStub(
                 self.pool.channel(w.endpoint)).Decode(worker_pb2.DecodeRequest(
                     request_id=att.worker_request_id, prompt_token_ids=prompt,
-                    sampling_params=params, kv_failure_policy=self.policy),
-                    timeout=self.rpc_timeout_s))
+                    sampling_params=params, kv_failure_policy=self.policy,
+                    local_prefill=unified), timeout=self.rpc_timeout_s))
             try:
                 first = await call.read()
             except grpc.aio.AioRpcError as exc:
@@ -137,13 +148,18 @@ class Dispatcher:
                     lost += 1
                     continue
                 raise _status_error(w, exc) from exc
+            if unified and first is not grpc.aio.EOF:
+                att.first = first
+                return
             if first is grpc.aio.EOF or not first.HasField("reservation"):
-                raise Unavailable(f"decode worker {w.worker_id} answered without a reservation")
+                raise Unavailable(f"{w.role} worker {w.worker_id} answered with no "
+                                  f"{'token' if unified else 'reservation'}")
             att.reservation = first.reservation
             return
         if lost == len(workers):
-            raise Unavailable("no decode worker could be reached")
-        raise ResourceExhausted("no decode worker has room for this request; retry later")
+            raise Unavailable("no decode or unified worker could be reached")
+        raise ResourceExhausted("no decode or unified worker has room for this request; "
+                                "retry later")
 
     async def _prefill(self, job: Job, att: _Attempt, prompt: list[int],
                        params: worker_pb2.SamplingParams, resumed: bool) -> None:
@@ -180,6 +196,11 @@ class Dispatcher:
     async def _relay(self, job: Job, att: _Attempt):
         """Yield the decode stream's messages; watch the prefill until it ends."""
         prefill, read, got_tokens = att.prefill, None, False
+        if att.first is not None:  # unified: read while choosing the worker
+            got_tokens = True
+            yield att.first
+            if att.first.finish_reason:
+                return
         while True:
             if read is None:
                 read = job.track(asyncio.ensure_future(att.call.read()))
@@ -202,7 +223,7 @@ class Dispatcher:
             att.prefill.cancel()  # the prefill worker tells D when nothing more will be written
         if att.call is not None:
             att.call.cancel()  # no-op once finished; otherwise D frees, or quarantines its blocks
-        if att.decode is not None and not att.maybe_written:
+        if att.decode is not None and not att.maybe_written and att.decode.role != "unified":
             stub = worker_pb2_grpc.DecodeWorkerStub(self.pool.channel(att.decode.endpoint))
             task = asyncio.ensure_future(stub.Abort(worker_pb2.WorkerAbortRequest(
                 request_id=att.worker_request_id, reservation_unused=True), timeout=ABORT_TIMEOUT_S))

@@ -1,5 +1,6 @@
 """Gateway health that tells the truth: SERVING only while Redis answers and the worker
-registry lists at least one live prefill and one live decode worker.
+registry lists at least one live prefill and one live decode worker, or one live unified worker
+(it prefills and decodes alone).
 
 Checked every half heartbeat, so ``grpc.health.v1`` follows a change (Redis refusing
 connections, the last worker of a role leaving the registry, recovery) within one heartbeat
@@ -23,7 +24,8 @@ log = logging.getLogger(__name__)
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
-REQUIRED_ROLES = ("prefill", "decode")
+REQUIRED_ROLES = ("prefill", "decode")  # or else UNIFIED_ROLE alone
+UNIFIED_ROLE = "unified"
 
 
 class ReadinessMonitor:
@@ -46,9 +48,11 @@ class ReadinessMonitor:
         try:
             async with asyncio.timeout(self.timeout_s):
                 await self.registry.redis.ping()
+                if await self.registry.list(UNIFIED_ROLE):
+                    return True, ""
                 for role in REQUIRED_ROLES:
                     if not await self.registry.list(role):
-                        return False, f"no live {role} worker is registered"
+                        return False, f"no live {role} worker (nor a unified one) is registered"
         except (redis.RedisError, OSError, TimeoutError) as exc:
             return False, f"Redis unreachable: {str(exc) or type(exc).__name__}"
         return True, ""
@@ -61,7 +65,7 @@ class ReadinessMonitor:
             for name in self.names:
                 await self.health.set(name, status)
             if ready:
-                log.info("gateway ready: Redis answers and prefill and decode workers are live")
+                log.info("gateway ready: Redis answers and workers are live")
             else:
                 log.warning("gateway not ready: %s", reason)
         self.ready, self.reason = ready, reason

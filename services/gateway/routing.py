@@ -40,6 +40,21 @@ class WorkerPool:
 
     async def live(self, role: str) -> list[WorkerInfo]:
         """Usable workers of ``role`` in random order (spreads ties). Raises Unavailable."""
+        return await self.live_any((role,))
+
+    async def live_any(self, roles: tuple[str, ...]) -> list[WorkerInfo]:
+        """Usable workers of any of ``roles`` in random order (spreads ties). Raises
+        Unavailable when none is registered, or Redis is unreachable before any listing."""
+        workers = [w for role in roles for w in await self._listing(role)]
+        now = time.monotonic()
+        workers = [w for w in workers if self._suspects.get(w.worker_id, 0.0) <= now]
+        if not workers:
+            raise Unavailable(f"no live {' or '.join(roles)} worker is registered")
+        random.shuffle(workers)
+        return workers
+
+    async def _listing(self, role: str) -> list[WorkerInfo]:
+        """The registry's workers of ``role``; the last listing while Redis is unreachable."""
         try:
             workers = self._last[role] = await self.registry.list(role)
         except (redis.RedisError, OSError) as exc:
@@ -47,11 +62,6 @@ class WorkerPool:
                 raise Unavailable(f"worker registry (Redis) unreachable: {exc}") from exc
             log.warning("worker registry (Redis) unreachable, using its last listing: %s", exc)
             workers = list(self._last[role])
-        now = time.monotonic()
-        workers = [w for w in workers if self._suspects.get(w.worker_id, 0.0) <= now]
-        if not workers:
-            raise Unavailable(f"no live {role} worker is registered")
-        random.shuffle(workers)
         return workers
 
     def lost(self, worker: WorkerInfo, why: str) -> None:

@@ -21,8 +21,9 @@ import redis.asyncio as aioredis
 
 logger = logging.getLogger(__name__)
 
-Role = Literal["prefill", "decode"]
-ROLES: tuple[str, ...] = ("prefill", "decode")
+# unified: one engine prefills and decodes (no KV transfer); it serves the DecodeWorker service
+Role = Literal["prefill", "decode", "unified"]
+ROLES: tuple[str, ...] = ("prefill", "decode", "unified")
 TTL_HEARTBEATS = 3  # a worker's entry outlives its last heartbeat by this many intervals
 
 # KEYS[1] = workers:{role}, KEYS[2..] = worker hashes; ARGV = their ids. Removes from the set

@@ -19,7 +19,7 @@ from services.launcher import Stack, UpOptions
 from services.state.registry import WorkerInfo, WorkerRegistry
 
 WORKER_ARGS = ["--num-threads", "1", "--kv-cache-gib", "0.25", "--heartbeat-s", "0.5"]
-WORKER_ROLES = ("prefill", "decode")
+WORKER_ROLES = ("prefill", "decode", "unified")
 # ends a GetLoad that would hang; a worker's event loop answered one only after 5 s while
 # the machine ran at a load average of 20 on 2 cores
 GET_LOAD_TIMEOUT_S = 20.0
@@ -90,7 +90,7 @@ async def registered_workers(redis_url: str) -> list[WorkerInfo]:
 
 
 def worker_stub(w: WorkerInfo, channel: grpc.aio.Channel):
-    return (worker_pb2_grpc.DecodeWorkerStub if w.role == "decode" else worker_pb2_grpc.PrefillWorkerStub)(channel)
+    return (worker_pb2_grpc.PrefillWorkerStub if w.role == "prefill" else worker_pb2_grpc.DecodeWorkerStub)(channel)
 
 
 async def worker_loads(stack: Stack) -> dict[str, worker_pb2.WorkerLoad]:

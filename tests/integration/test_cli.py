@@ -37,7 +37,7 @@ def test_up_with_chat_answers_and_leaves_nothing_running():
 
 
 def test_ctrl_c_stops_every_process():
-    up = UpProcess(["--port", str(free_port()), *WORKER_ARGS])
+    up = UpProcess(["--port", str(free_port()), "--layout", "disaggregated", *WORKER_ARGS])
     try:
         up.wait_ready(240)
         assert len(up.children()) == 3  # gateway, prefill, decode
@@ -93,7 +93,7 @@ def test_generate_in_process():
 
 
 def test_sigkill_of_tandem_up_takes_every_child_with_it():
-    up = UpProcess(["--port", str(free_port()), *WORKER_ARGS])
+    up = UpProcess(["--port", str(free_port()), "--layout", "disaggregated", *WORKER_ARGS])
     try:  # only the start-up matters here: kill as soon as the children exist
         up.wait_for_log(r"children read their settings from", 120)
         wait_until(lambda: len(up.children()) == 3, 60, "gateway, prefill and decode to start")

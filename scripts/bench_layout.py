@@ -1,0 +1,210 @@
+"""Which local layout serves fastest on this machine (issue 15, "every core"): each option is a
+real stack (`tandem up`'s ``Stack``: gateway, workers, a private Redis) loaded by
+``tandem bench serve`` at each concurrency, one option after another in one run.
+
+    python -m scripts.bench_layout [--options all] [--concurrency 1,16] [--num-prompts 64] \\
+        [--engine-args "--quantization auto"] [--result-dir bench-results/layout]
+
+Workload (issue 15's): random prompts of ``--input-len`` tokens, outputs of 16-256 tokens
+(``--output-len`` 136, range ratio 0.88) with ``ignore_eos``, greedy, all requests sent at once
+under a concurrency cap; the single-stream run (concurrency 1) sends ``--single-stream-prompts``.
+Options (``--options``, comma-separated names, or ``all``):
+
+- ``disagg-1t``: 1 prefill + 1 decode worker, 1 thread each (the old default);
+- ``disagg-1t-pinned``: the same, each worker's threads pinned to its own core;
+- ``disagg-decode-all``: prefill 1 thread, decode every core (decode threads vs prefill's);
+- ``disagg-all``: both workers every core (oversubscribed while both compute);
+- ``unified``, ``unified-1t``: one unified worker with every core / one thread;
+- ``unified-passive``, ``unified-active``: OpenMP wait policy (``OMP_WAIT_POLICY``) of the
+  unified worker's threads: sleep at once, or spin, between parallel regions;
+- ``unified-bind``: OpenMP threads bound to cores (``OMP_PROC_BIND=close``, ``OMP_PLACES=cores``).
+
+torch's inter-op pool is not an option: eager model execution runs no inter-op work (no
+``torch.jit.fork``), so its size changes nothing the engine does. Prints a table (output tok/s,
+TTFT p50, TPOT mean/median per option and concurrency) and writes ``layout.json`` (with what
+``tandem up --layout auto`` picks here) plus each run's ``bench serve`` JSON and plots. The
+machine must be quiet: compare figures only within one run.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shlex
+import socket
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from loadtest import serve
+from services.launcher import Stack, UpOptions
+from services.layout import choose_layout, usable_cores
+from services.settings import UpSection
+
+log = logging.getLogger("bench_layout")
+
+
+@dataclass(frozen=True)
+class Option:
+    """One layout: workers per role, threads per worker ("all": every usable core), extra
+    environment for every child, and whether to pin each worker to its own core."""
+
+    name: str
+    counts: dict[str, int]
+    threads: dict[str, int | str]
+    env: dict[str, str] = field(default_factory=dict)
+    pin: bool = False
+
+
+DISAGG = {"prefill": 1, "decode": 1}
+OPTIONS = {o.name: o for o in [
+    Option("disagg-1t", DISAGG, {"prefill": 1, "decode": 1}),
+    Option("disagg-1t-pinned", DISAGG, {"prefill": 1, "decode": 1}, pin=True),
+    Option("disagg-decode-all", DISAGG, {"prefill": 1, "decode": "all"}),
+    Option("disagg-all", DISAGG, {"prefill": "all", "decode": "all"}),
+    Option("unified", {"unified": 1}, {"unified": "all"}),
+    Option("unified-1t", {"unified": 1}, {"unified": 1}),
+    Option("unified-passive", {"unified": 1}, {"unified": "all"}, {"OMP_WAIT_POLICY": "PASSIVE"}),
+    Option("unified-active", {"unified": 1}, {"unified": "all"}, {"OMP_WAIT_POLICY": "ACTIVE"}),
+    Option("unified-bind", {"unified": 1}, {"unified": "all"},
+           {"OMP_PROC_BIND": "close", "OMP_PLACES": "cores"}),
+]}
+
+
+def start_stack(option: Option, cores: int, engine_args: list[str], port: int) -> Stack:
+    threads = {role: cores if n == "all" else n for role, n in option.threads.items()}
+    stack = Stack(UpOptions(
+        host="127.0.0.1", port=port, num_prefill=option.counts.get("prefill", 0),
+        num_decode=option.counts.get("decode", 0), num_unified=option.counts.get("unified", 0),
+        redis_url=None, worker_args=engine_args, threads=threads, env=option.env,
+        gateway_args=["--http-port", "0"],  # gRPC only: nothing to collide with on 8000
+        ready_timeout_s=600))
+    try:
+        stack.start()
+        stack.wait_ready()
+        if option.pin:
+            pin_workers(stack)
+    except BaseException:
+        stack.stop()
+        raise
+    return stack
+
+
+def pin_workers(stack: Stack) -> None:
+    """Each worker process's threads (every task, so threads already started are pinned too)
+    onto its own core, round-robin over the usable cores."""
+    cpus = sorted(os.sched_getaffinity(0))
+    workers = [(name, proc) for name, proc in stack.procs if not name.startswith("gateway")]
+    for i, (name, proc) in enumerate(workers):
+        cpu = cpus[i % len(cpus)]
+        for tid in os.listdir(f"/proc/{proc.pid}/task"):
+            os.sched_setaffinity(int(tid), {cpu})
+        log.info("pinned %s (pid %d) to core %d", name, proc.pid, cpu)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serve_argv(args, address: str, concurrency: int, out: Path, name: str) -> list[str]:
+    n = args.single_stream_prompts if concurrency == 1 else args.num_prompts
+    return ["--target", f"grpc://{address}", "--request-rate", "inf",
+            "--max-concurrency", str(concurrency), "--num-prompts", str(n),
+            "--dataset", "random", "--random-input-len", str(args.input_len),
+            "--random-output-len", str(args.output_len), "--random-range-ratio",
+            str(args.output_range_ratio), "--num-warmups", "2", "--seed", str(args.seed),
+            "--percentiles", "50,90,99", "--time-limit", str(args.time_limit),
+            "--disable-progress", "--result-dir", str(out), "--result-name", name]
+
+
+FIGURES = ("output_throughput", "p50_ttft_ms", "mean_tpot_ms", "median_tpot_ms", "p99_itl_ms",
+           "completed", "failed", "duration")
+
+
+def run_option(args, option: Option, cores: int, out: Path) -> dict:
+    """Start ``option``'s stack, load it at each concurrency, stop it: figures per concurrency."""
+    t0 = time.perf_counter()
+    stack = start_stack(option, cores, shlex.split(args.engine_args), args.port or free_port())
+    figures = {"ready_s": round(time.perf_counter() - t0, 1)}
+    try:
+        for c in args.concurrency:
+            name = f"{option.name}-c{c}"
+            if serve.main(serve_argv(args, stack.address, c, out / option.name, name)) != 0:
+                raise RuntimeError(f"{name}: bench serve failed")
+            result = json.loads((out / option.name / f"{name}.json").read_text())
+            figures[f"c{c}"] = {k: result.get(k) for k in FIGURES}
+    finally:
+        stack.stop()
+    return figures
+
+
+def print_table(results: dict, concurrency: list[int]) -> None:
+    print(f"\n{'option':<20}" + "".join(f"{'c' + str(c) + ' tok/s':>12}{'TTFT p50':>10}"
+                                        f"{'TPOT med':>10}" for c in concurrency))
+    for name, figures in results.items():
+        row = f"{name:<20}"
+        for c in concurrency:
+            f = figures[f"c{c}"]
+            row += f"{f['output_throughput']:>12.1f}{f['p50_ttft_ms']:>10.1f}{f['median_tpot_ms']:>10.1f}"
+        print(row)
+
+
+def best_by_concurrency(results: dict, concurrency: list[int]) -> dict[str, str]:
+    return {f"c{c}": max(results, key=lambda n: results[n][f"c{c}"]["output_throughput"] or 0)
+            for c in concurrency}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m scripts.bench_layout", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--options", default="all", help=f"comma-separated: {', '.join(OPTIONS)}")
+    p.add_argument("--concurrency", type=lambda t: [int(x) for x in t.split(",")], default=[1, 16])
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--single-stream-prompts", type=int, default=16)
+    p.add_argument("--input-len", type=int, default=64)
+    p.add_argument("--output-len", type=int, default=136)
+    p.add_argument("--output-range-ratio", type=float, default=0.88, help="136 +- 88%%: 16-256")
+    p.add_argument("--engine-args", default="--quantization auto",
+                   help="worker flags of every option (the quantized default model by default)")
+    p.add_argument("--time-limit", type=float, default=900.0, help="seconds per bench serve run")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--port", type=int, default=0, help="gateway port of each option's stack "
+                   "(0: a free one)")
+    p.add_argument("--result-dir", default="bench-results/layout")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    names = list(OPTIONS) if args.options == "all" else args.options.split(",")
+    unknown = [n for n in names if n not in OPTIONS]
+    if unknown:
+        raise SystemExit(f"--options: unknown {unknown}; known: {', '.join(OPTIONS)}")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    cores, out = usable_cores(), Path(args.result_dir)
+    auto = choose_layout(UpSection(), cores)
+    results = {}
+    for name in names:
+        log.info("option %s", name)
+        results[name] = run_option(args, OPTIONS[name], cores, out)
+    print_table(results, args.concurrency)
+    summary = {"usable_cores": cores, "auto_layout": auto.describe(), "auto_reason": auto.reason,
+               "engine_args": args.engine_args, "workload": {
+                   "input_len": args.input_len, "output_len": args.output_len,
+                   "output_range_ratio": args.output_range_ratio, "num_prompts": args.num_prompts,
+                   "single_stream_prompts": args.single_stream_prompts},
+               "options": {n: {"counts": OPTIONS[n].counts, "threads": OPTIONS[n].threads,
+                               "env": OPTIONS[n].env, "pin": OPTIONS[n].pin} for n in names},
+               "results": results, "best": best_by_concurrency(results, args.concurrency)}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "layout.json").write_text(json.dumps(summary, indent=2))
+    print(f"\nauto here: {auto.describe()} ({auto.reason}); best: {summary['best']}")
+    print(f"wrote {out / 'layout.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,110 @@
+"""``python -m loadtest.serve`` against a real stack over the gateway's OpenAI-compatible HTTP
+(``--target http://HOST:PORT/v1``, issue 16), at a small rate for a few seconds. The stack is the
+unified layout (what `tandem up` picks on a small machine): the result JSON has every field,
+token counts equal the server's records, the plots are PNGs, the unified worker's load was
+sampled, and a goodput SLO no request can meet gives 0 goodput."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from services.launcher import Stack, UpOptions
+from tests.integration.conftest import WORKER_ARGS, free_port
+from tests.integration.test_bench_serve import REPO, VLLM_FIELDS, server_records
+
+pytestmark = pytest.mark.integration
+
+NUM_PROMPTS = 6
+LONG_OUTPUT = 4
+
+
+@pytest.fixture(scope="module")
+def http_stack(redis_server):
+    """One unified worker and a gateway serving gRPC and HTTP."""
+    http_port = free_port()
+    s = Stack(UpOptions(host="127.0.0.1", port=free_port(), num_prefill=0, num_decode=0,
+                        num_unified=1, redis_url=redis_server.url, worker_args=WORKER_ARGS,
+                        gateway_args=["--heartbeat-s", "0.5", "--http-port", str(http_port)],
+                        ready_timeout_s=240))
+    try:
+        s.start()
+        s.wait_ready()
+        yield s, f"http://127.0.0.1:{http_port}/v1"
+    finally:
+        s.stop()
+
+
+@pytest.fixture(scope="module")
+def http_run(http_stack, redis_server, tmp_path_factory):
+    stack, url = http_stack
+    out = tmp_path_factory.mktemp("serve-http")
+    argv = [sys.executable, "-m", "loadtest.serve", "--target", url, "--endpoint", "chat",
+            "--request-rate", "3", "--num-prompts", str(NUM_PROMPTS), "--dataset", "long-mix",
+            "--long-fraction", "0.5", "--long-input-range", "64:96",
+            "--long-output-len", str(LONG_OUTPUT), "--chat-max-tokens", "6", "--seed", "5",
+            "--goodput", "ttft:0.001", "tpot:0.001", "--percentiles", "50,90,99",
+            "--redis-url", redis_server.url, "--server-poll-s", "0.2", "--save-detailed",
+            "--disable-progress", "--time-limit", "60", "--request-timeout", "120",
+            "--result-dir", str(out), "--result-name", "run"]
+    env = {**os.environ, "TANDEM_INTERNAL_SECRET": stack.internal_secret}  # the worker's GetLoad
+    proc = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=400, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out, json.loads((out / "run.json").read_text()), proc.stdout
+
+
+def test_http_result_json_has_every_field_and_all_requests_completed(http_run):
+    _, result, stdout = http_run
+    for field in VLLM_FIELDS:
+        assert field in result, field
+    for metric in ("ttft", "tpot", "itl", "e2el"):
+        for stat in ("mean", "median", "std", "p50", "p90", "p99"):
+            assert result[f"{stat}_{metric}_ms"] >= 0, (stat, metric)
+    assert result["completed"] == NUM_PROMPTS and result["failed"] == 0, result["failed_requests"]
+    assert result["not_sent"] == 0 and result["duration"] > 0
+    assert result["backend"] == "openai-chat" and result["target"].startswith("http://")
+    assert set(result["by_kind"]) == {"chat", "long"}
+    assert "Serving Benchmark Result" in stdout and "Mean TTFT (ms)" in stdout
+
+
+def test_http_token_counts_equal_the_servers_records(http_run, http_stack):
+    _, result, _ = http_run
+    stack, _ = http_stack
+    records = result["requests"]
+    infos = asyncio.run(server_records(stack.address, [r["request_id"] for r in records]))
+    for record, info in zip(records, infos):
+        assert info.status == "FINISHED", info
+        assert record["prompt_len"] == info.prompt_tokens > 0
+        assert record["output_tokens"] == info.output_tokens > 0
+        assert info.prefill_worker == info.decode_worker == "unified-0"
+        if record["kind"] == "long":
+            assert record["output_tokens"] == LONG_OUTPUT  # ignore_eos: exact
+    assert result["total_input_tokens"] == sum(i.prompt_tokens for i in infos)
+    assert result["total_output_tokens"] == sum(i.output_tokens for i in infos)
+
+
+def test_http_slo_no_request_can_meet_gives_zero_goodput(http_run):
+    _, result, _ = http_run
+    assert result["request_goodput"] == 0.0 and result["slo_attainment"] == 0.0
+    assert result["request_throughput"] > 0
+
+
+def test_http_plots_are_png_files(http_run):
+    out, _, _ = http_run
+    for kind in ("latency_cdf", "timeline", "throughput"):
+        data = (out / f"run-{kind}.png").read_bytes()
+        assert data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 2000, kind
+
+
+def test_unified_workers_load_was_sampled(http_run):
+    _, result, _ = http_run
+    view = result["server_view"]
+    assert view["num_samples"] > 0
+    assert {w["role"] for w in view["workers"].values()} == {"unified"}
+    worker = view["workers"]["unified-0"]
+    assert worker["max_running_batch"] >= 1  # it computed prompts and decoded them
+    assert 0.0 <= worker["mean_kv_usage"] <= worker["max_kv_usage"] <= 1.0
