@@ -175,6 +175,24 @@ class TransportSection(BaseModel):
         None, flag=None, help="file holding the internal secret (a mounted Kubernetes Secret)")
 
 
+class LogFormat(str, Enum):
+    """Log lines: text for a terminal, json (one object per line) for a log collector."""
+    text = "text"
+    json = "json"
+
+
+class ObservabilitySection(BaseModel):
+    """Logs and traces (services/observability/); OTEL_* variables configure the exporter."""
+    model_config = _SECTION
+    log_format: LogFormat = setting(
+        LogFormat.text, help="log lines as text, or json (one object per line, with request_id, "
+        "trace_id, span_id)")
+    otlp_traces_endpoint: str | None = setting(
+        None, help="OTLP endpoint to export traces to (e.g. http://collector:4317; "
+        "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL grpc or http/protobuf); unset: tracing off unless "
+        "OTEL_EXPORTER_OTLP_ENDPOINT is set")
+
+
 class SupervisorSection(BaseModel):
     """How `tandem up` restarts a child that exits (as Kubernetes restarts a container)."""
     model_config = _SECTION
@@ -200,6 +218,7 @@ class Settings(BaseSettings):
     state: StateSection = Field(default_factory=StateSection)
     transport: TransportSection = Field(default_factory=TransportSection)
     supervisor: SupervisorSection = Field(default_factory=SupervisorSection)
+    observability: ObservabilitySection = Field(default_factory=ObservabilitySection)
 
     @classmethod
     def settings_customise_sources(cls, settings_cls, init_settings, *args, **kwargs):
@@ -222,4 +241,4 @@ class Settings(BaseSettings):
         return None
 
 
-SECTIONS = ("engine", "worker", "gateway", "state", "transport", "supervisor")
+SECTIONS = ("engine", "worker", "gateway", "state", "transport", "supervisor", "observability")

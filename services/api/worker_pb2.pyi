@@ -115,18 +115,20 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., destination: _Optional[_Union[KVReservation, _Mapping]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("worker_id", "first_token_id", "queue_time_s", "compute_time_s", "transfer_time_s")
+    __slots__ = ("worker_id", "first_token_id", "queue_time_s", "compute_time_s", "transfer_time_s", "num_cached_tokens")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     QUEUE_TIME_S_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_TIME_S_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_TIME_S_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     first_token_id: int
     queue_time_s: float
     compute_time_s: float
     transfer_time_s: float
-    def __init__(self, worker_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., queue_time_s: _Optional[float] = ..., compute_time_s: _Optional[float] = ..., transfer_time_s: _Optional[float] = ...) -> None: ...
+    num_cached_tokens: int
+    def __init__(self, worker_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., queue_time_s: _Optional[float] = ..., compute_time_s: _Optional[float] = ..., transfer_time_s: _Optional[float] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class WorkerAbortRequest(_message.Message):
     __slots__ = ("request_id", "reservation_unused")

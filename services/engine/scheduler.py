@@ -140,6 +140,7 @@ class Scheduler:
         request.num_computed_tokens += len(hits) * self.block_manager.block_size
         if request.first_scheduled_time is None:
             request.first_scheduled_time = time.monotonic()
+            request.num_cached_tokens = len(hits) * self.block_manager.block_size
         request.status = RequestStatus.RUNNING
         self.running.append(request)
 

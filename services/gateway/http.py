@@ -28,6 +28,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from services.gateway.health import ReadinessMonitor
 from services.gateway.openai_api import ChatCompletionRequest, Chunker, CompletionRequest, error_body
 from services.gateway.pipeline import GatewayCore
+from services.observability import tracing
 from services.rpc import ResourceExhausted, Unavailable
 
 log = logging.getLogger(__name__)
@@ -74,7 +75,7 @@ async def _complete(core: GatewayCore, request: Request, body_cls, kind: str):
     headers = {"X-Request-Id": rid}
     try:
         body = body_cls.model_validate_json(await _read_body(request, core.limits.max_request_bytes))
-        prepared = await core.prepare(body.to_proto(rid))
+        prepared = await core.prepare(body.to_proto(rid), request.headers if tracing.enabled() else None)
         record = await core.admit(prepared)
     except Exception as exc:  # noqa: BLE001 — every failure becomes OpenAI's error JSON
         return _error_response(exc, headers)

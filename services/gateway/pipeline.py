@@ -38,6 +38,8 @@ from services.gateway.model_card import ModelCard
 from services.gateway.records import RequestRecord, redis_call
 from services.gateway.routing import WorkerPool
 from services.gateway.validation import RequestLimits
+from services.observability import tracing
+from services.observability.logs import bind_request
 from services.rpc import ResourceExhausted, Unavailable
 from services.state.store import RequestState, RequestStateStore
 
@@ -51,6 +53,7 @@ class Prepared:
     request_id: str
     prompt: list[int]  # prompt token ids (chat template applied)
     params: SamplingParams
+    trace: tracing.RequestTrace | object = tracing.NO_TRACE  # the request's span (if tracing)
 
 
 class GatewayCore:
@@ -79,32 +82,50 @@ class GatewayCore:
         self._tokenize.shutdown(wait=False, cancel_futures=True)
         await self.pool.close()
 
-    async def generate(self, request: gateway_pb2.GenerateRequest,
+    async def generate(self, request: gateway_pb2.GenerateRequest, carrier=None,
                        ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
         """The whole pipeline for one request. Raises ValueError (bad input, naming the field),
-        ResourceExhausted, Unavailable; the last response carries finish_reason and usage."""
-        prepared = await self.prepare(request)
+        ResourceExhausted, Unavailable; the last response carries finish_reason and usage.
+        ``carrier``: the caller's W3C trace context (``traceparent``; None without tracing)."""
+        prepared = await self.prepare(request, carrier)
         record = await self.admit(prepared)
         async with aclosing(self.relay(prepared, record)) as responses:
             async for response in responses:
                 yield response
 
-    async def prepare(self, request: gateway_pb2.GenerateRequest) -> Prepared:
-        """Validate; render and tokenize the prompt off the event loop. Raises ValueError."""
-        if request.model and request.model != self.model.name:
-            raise ValueError(f"model: {request.model!r} is not served here (serving {self.model.name!r})")
-        validation.check_request(request, self.limits)
-        rid = request.request_id or uuid.uuid4().hex
-        self._check_new(rid)
-        prompt = await asyncio.get_running_loop().run_in_executor(
-            self._tokenize, validation.prompt_token_ids, request, self.tokenizer,
-            self.model.max_model_len)
-        return Prepared(rid, prompt, validation.sampling_params(request, len(prompt), self.model))
+    async def prepare(self, request: gateway_pb2.GenerateRequest, carrier=None) -> Prepared:
+        """Validate; render and tokenize the prompt off the event loop; start the request's
+        span (child of the trace context in ``carrier``, if tracing). Raises ValueError."""
+        trace = tracing.request_trace(carrier, "chat" if request.messages else "text_completion",
+                                      self.model.name)
+        try:
+            if request.model and request.model != self.model.name:
+                raise ValueError(f"model: {request.model!r} is not served here (serving {self.model.name!r})")
+            validation.check_request(request, self.limits)
+            rid = request.request_id or uuid.uuid4().hex
+            bind_request(rid, trace)
+            self._check_new(rid)
+            prompt = await asyncio.get_running_loop().run_in_executor(
+                self._tokenize, validation.prompt_token_ids, request, self.tokenizer,
+                self.model.max_model_len)
+            params = validation.sampling_params(request, len(prompt), self.model)
+        except BaseException as exc:
+            trace.fail(exc)
+            raise
+        trace.requested(rid, params, len(prompt))
+        return Prepared(rid, prompt, params, trace)
 
     async def admit(self, prepared: Prepared) -> RequestRecord:
         """Take one of ``max_inflight`` places and create the Redis record (QUEUED).
 
         Raises ResourceExhausted (gateway full), ValueError (id in flight), Unavailable (Redis)."""
+        try:
+            return await self._admit(prepared)
+        except BaseException as exc:
+            prepared.trace.fail(exc)
+            raise
+
+    async def _admit(self, prepared: Prepared) -> RequestRecord:
         rid = prepared.request_id
         self._check_new(rid)
         if len(self._inflight) >= self.max_inflight:
@@ -143,7 +164,7 @@ class GatewayCore:
             record.cancel()  # no-op for finished calls; frees worker blocks otherwise
             # NOTE: shielded: a front end on anyio (Starlette) cancels a gone client's stream
             # at every await, which would drop the outcome's Redis write half done.
-            closing = asyncio.ensure_future(self._close(prepared.request_id, tokens, record))
+            closing = asyncio.ensure_future(self._close(prepared, tokens, record))
             self._closing.add(closing)
             closing.add_done_callback(self._closing.discard)
             await asyncio.shield(closing)
@@ -152,10 +173,11 @@ class GatewayCore:
                 request_id=prepared.request_id, finish_reason="abort",
                 usage=_usage(len(prepared.prompt), record.num_output_tokens))
 
-    async def _close(self, rid: str, tokens: AsyncIterator, record: RequestRecord) -> None:
+    async def _close(self, prepared: Prepared, tokens: AsyncIterator, record: RequestRecord) -> None:
         await tokens.aclose()
-        self._inflight.pop(rid, None)
+        self._inflight.pop(prepared.request_id, None)
         await record.finish()
+        prepared.trace.finish(record)
 
     def abort(self, request_id: str) -> bool:
         """Cancel a request in flight on this gateway; False when there is none by that id."""
@@ -176,6 +198,8 @@ class GatewayCore:
     def _response(self, prepared: Prepared, record: RequestRecord, text_out: OutputProcessor,
                   msg: worker_pb2.DecodeResponse) -> gateway_pb2.GenerateResponse:
         """Detokenize one decode message (stop strings included) and note it in the record."""
+        if not record.num_output_tokens:
+            prepared.trace.first_token()
         record.on_tokens(len(msg.token_ids))
         text, stopped = text_out.process(list(msg.token_ids))
         reason = "stop" if stopped else msg.finish_reason
@@ -198,13 +222,14 @@ class GatewayCore:
                                                    prefill_start_time=time.time(), **workers))
 
         def on_prefilled(result: worker_pb2.PrefillResponse) -> None:
+            prepared.trace.prefilled(result)
             record.write(self.store.update(
                 prepared.request_id, prefill_end_time=time.time(),
                 prefill_queue_time=result.queue_time_s, prefill_compute_time=result.compute_time_s,
                 kv_transfer_time=result.transfer_time_s))
 
         return Job(prepared.request_id, prepared.prompt, params_to_proto(prepared.params),
-                   record.track, on_dispatch, on_prefilled)
+                   record.track, on_dispatch, on_prefilled, prepared.trace)
 
     def _logprob(self, lp: worker_pb2.SampledLogprobs) -> gateway_pb2.TokenLogprob:
         decode = lambda t: self.tokenizer.decode([t], skip_special_tokens=False)  # noqa: E731

@@ -9,6 +9,7 @@ import grpc
 from services.api import gateway_pb2
 from services.gateway.pipeline import GatewayCore
 from services.gateway.wire import raw_handlers
+from services.observability.tracing import grpc_carrier
 
 SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
 
@@ -20,7 +21,7 @@ class GatewayServicer:
         self.core = core
 
     async def Generate(self, request: gateway_pb2.GenerateRequest, context):
-        async for response in self.core.generate(request):
+        async for response in self.core.generate(request, grpc_carrier(context)):
             yield response
 
     async def Abort(self, request: gateway_pb2.AbortRequest, context):
