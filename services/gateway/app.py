@@ -88,7 +88,8 @@ async def _start_http(opts: GatewayOptions, core: GatewayCore, readiness: Readin
     from services.gateway.http import HttpServer, create_app
 
     server = HttpServer(uvicorn.Config(create_app(core, readiness), host=opts.host, port=opts.http_port,
-                                       log_level="warning", lifespan="off", access_log=False))
+                                       log_level="warning", lifespan="off", access_log=False,
+                                       log_config=None))  # NOTE: uvicorn logs via ours (json too)
     task = asyncio.ensure_future(server.serve())
     while not server.started:
         if task.done():  # bind failed: uvicorn logged it and returned
