@@ -66,7 +66,8 @@ def run_once(args, requests, env: dict[str, str]) -> dict:
     """Start a stack with ``env``, run the load, stop it; the run's loadtest summary."""
     stack = Stack(UpOptions(host="127.0.0.1", port=free_port(), num_prefill=args.num_prefill,
                             num_decode=args.num_decode, redis_url=None,
-                            worker_args=args.worker_args.split(), env=env, ready_timeout_s=600))
+                            worker_args=args.worker_args.split(), gateway_args=["--http-port", "0"],
+                            env=env, ready_timeout_s=600))
     try:
         stack.start()
         stack.wait_ready()

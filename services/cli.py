@@ -167,7 +167,8 @@ def gateway_options(s):
     return GatewayOptions(
         s.host, g.port, s.state.redis_url, s.engine.model, s.transport.rpc_timeout_s,
         s.state.heartbeat_s, g.kv_failure_policy.value, g.max_inflight,
-        RequestLimits(g.max_request_bytes, g.max_messages), g.tokenize_threads, g.http_port,
+        RequestLimits(g.max_request_bytes, g.max_messages, g.max_tokens_cap, g.max_n),
+        g.tokenize_threads, g.http_port or None,
         internal_secret=s.internal_secret())
 
 
@@ -196,8 +197,11 @@ def cmd_up(args, loaded: LoadedSettings) -> int:
     try:
         stack.start()
         stack.wait_ready()
-        logging.getLogger("tandem").info("Tandem is up: gateway at %s (%d prefill, %d decode)",
-                                         stack.address, args.num_prefill, args.num_decode)
+        http_port = stack.settings.gateway.http_port
+        logging.getLogger("tandem").info(
+            "Tandem is up: gateway at %s (gRPC)%s (%d prefill, %d decode)", stack.address,
+            f" and http://{stack.opts.host}:{http_port}/v1 (OpenAI HTTP)" if http_port else "",
+            args.num_prefill, args.num_decode)
         if args.chat:
             print(f">>> {args.chat}")
             print_chat(stack.address, [{"role": "user", "content": args.chat}], **_sampling_options(args))

@@ -149,9 +149,13 @@ class Stack:
                                      *self.opts.worker_args, *extra_args])
 
     def add_gateway(self, name: str, port: int, extra_args: list[str] = ()) -> subprocess.Popen:
-        """Start a gateway on ``port``; several gateways share the workers and Redis."""
-        return self._add(name, [*self._serve("gateway"), "--port", str(port),
-                                *self.opts.gateway_args, *extra_args])
+        """Start a gateway on ``port``; several gateways share the workers and Redis. Only the
+        first serves HTTP on the settings' ``http_port``; later ones serve none (their own
+        ``--http-port`` in ``extra_args`` overrides), so no two gateways claim one port."""
+        serve = self._serve("gateway")
+        http_off = ["--http-port", "0"] if any(c.argv[:len(serve)] == serve for c in self.children) else []
+        return self._add(name, [*serve, "--port", str(port), *self.opts.gateway_args, *http_off,
+                                *extra_args])
 
     def _serve(self, role: str) -> list[str]:
         return [sys.executable, "-m", "services.cli", "serve", role,

@@ -141,13 +141,16 @@ class GatewaySection(BaseModel):
         "decode worker computes the prompt itself (recompute) or the request fails (fail)")
     max_inflight: int = setting(
         1024, help="requests in flight before new ones get RESOURCE_EXHAUSTED", gt=0)
-    http_port: int | None = setting(
-        None, help="OpenAI-compatible HTTP port (0: any free port; unset: no HTTP listener)",
-        ge=0, le=65535)
+    http_port: int = setting(
+        8000, help="OpenAI-compatible HTTP port (0: no HTTP listener)", ge=0, le=65535)
     max_request_bytes: int = setting(
         4 * 1024 * 1024, help="largest request body in bytes (gRPC and HTTP), refused before "
         "it is parsed", gt=0)
     max_messages: int = setting(256, help="most chat messages in one request", gt=0)
+    max_tokens_cap: int | None = setting(
+        None, help="most output tokens one request may ask for (max_tokens; unset: the "
+        "model's context)", gt=0)
+    max_n: int = setting(16, help="most choices (n) one HTTP request may ask for", gt=0)
     tokenize_threads: int = setting(
         2, help="threads that render chat templates and tokenize, off the event loop", gt=0)
 

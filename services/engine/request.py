@@ -53,7 +53,7 @@ class Request:
     block_table: list[int] = field(default_factory=list)  # physical block ids, in order
     num_preemptions: int = 0
     first_scheduled_time: float | None = None  # time.monotonic() when first admitted
-    num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache at first admission
+    num_cached_tokens: int = -1  # prompt tokens found in the prefix cache when first admitted
     # static batching: a row that keeps a finished member's slot computing until the batch
     # drains (greedy, its tokens discarded); never in ``Scheduler.requests``, never output
     is_padding: bool = False

@@ -138,9 +138,10 @@ class Scheduler:
             self.prefix_cache_queries += request.num_tokens
             self.prefix_cache_hits += len(hits) * self.block_manager.block_size
         request.num_computed_tokens += len(hits) * self.block_manager.block_size
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = len(hits) * self.block_manager.block_size
         if request.first_scheduled_time is None:
             request.first_scheduled_time = time.monotonic()
-            request.num_cached_tokens = len(hits) * self.block_manager.block_size
         request.status = RequestStatus.RUNNING
         self.running.append(request)
 

@@ -57,10 +57,10 @@ async def run_gateway(opts: GatewayOptions, until: Awaitable) -> None:
     server, health = create_server([SERVICE_NAME], options=[("grpc.max_receive_message_length", ceiling)])
     add_gateway_to_server(GatewayServicer(core), server, opts.limits.max_request_bytes)
     readiness = ReadinessMonitor(registry, health, [SERVICE_NAME], opts.heartbeat_s)
+    http = await _start_http(opts, core, readiness)  # NOTE: listening before health can say SERVING
     await readiness.start()
     bound = bind(server, opts.host, opts.port)
     await server.start()
-    http = await _start_http(opts, core, readiness)
     log.info("gateway listening on %s:%d (gRPC)%s (model %s, kv failure policy %s, max %d in "
              "flight); health SERVING once a prefill and a decode worker are live",
              opts.host, bound, f" and http://{opts.host}:{http[1]} (OpenAI HTTP)" if http else "",

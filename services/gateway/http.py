@@ -9,11 +9,13 @@ Errors use OpenAI's JSON ``{"error": {"message", "type", "param", "code"}}``: 40
 413 body over ``max_request_bytes`` (refused from Content-Length, or while reading, never read
 whole), 429 overload (``Retry-After``), 503 no worker or Redis. An error after a stream started
 is an SSE ``data: {"error": ...}`` event, then ``data: [DONE]``. ``X-Request-Id`` is honoured,
-used as the request's id (Redis, logs) and returned on every response. A client gone from a
-stream aborts the request; one gone from a non-streaming request does not (not yet).
+used as the request's id (Redis, logs; ``{id}-{i}`` for the choices of ``n`` > 1, see
+``choices.py``) and returned on every response. A client gone, from a stream or from a
+non-streaming request, aborts the request: every choice's blocks are freed, Redis says ABORTED.
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -23,8 +25,9 @@ from contextlib import aclosing
 import pydantic
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from services.gateway.choices import Choices
 from services.gateway.health import ReadinessMonitor
 from services.gateway.openai_api import ChatCompletionRequest, Chunker, CompletionRequest, error_body
 from services.gateway.pipeline import GatewayCore
@@ -34,6 +37,7 @@ from services.rpc import ResourceExhausted, Unavailable
 log = logging.getLogger(__name__)
 
 RETRY_AFTER_S = 1
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client gone before the answer (never sent)
 
 
 class BodyTooLarge(Exception):
@@ -75,12 +79,13 @@ async def _complete(core: GatewayCore, request: Request, body_cls, kind: str):
     headers = {"X-Request-Id": rid}
     try:
         body = body_cls.model_validate_json(await _read_body(request, core.limits.max_request_bytes))
+        body.check_n(core.limits.max_n)
         prepared = await core.prepare(body.to_proto(rid), request.headers if tracing.enabled() else None)
-        record = await core.admit(prepared)
+        choices = await Choices.admit(core, prepared, body.n)
     except Exception as exc:  # noqa: BLE001 — every failure becomes OpenAI's error JSON
         return _error_response(exc, headers)
-    chunker = Chunker(kind, rid, core.model.name)
-    responses = core.relay(prepared, record)
+    chunker = Chunker(kind, rid, core.model.name, body.n)
+    responses = choices.stream()
     if body.stream:  # NOTE: up to the first token, a failure still gets its HTTP status
         try:
             first = await anext(responses)
@@ -90,11 +95,41 @@ async def _complete(core: GatewayCore, request: Request, body_cls, kind: str):
         return StreamingResponse(_sse(first, responses, chunker, include_usage),
                                  media_type="text/event-stream", headers=headers)
     try:
-        async with aclosing(responses) as rs:
-            msgs = [m async for m in rs]
+        by_choice = await _collect_unless_gone(request, responses, body.n)
     except Exception as exc:  # noqa: BLE001
         return _error_response(exc, headers)
-    return JSONResponse(chunker.whole(msgs), headers=headers)
+    if by_choice is None:
+        return Response(status_code=CLIENT_CLOSED_REQUEST, headers=headers)
+    return JSONResponse(chunker.whole(by_choice), headers=headers)
+
+
+async def _collect_unless_gone(request: Request, responses, n: int) -> list[list] | None:
+    """Every choice's responses, by index; None when the client went away first (the
+    responses are closed then, which aborts the request). Raises the pipeline's errors."""
+    async def collect() -> list[list]:
+        by_choice: list[list] = [[] for _ in range(n)]
+        async with aclosing(responses) as rs:
+            async for index, msg in rs:
+                by_choice[index].append(msg)
+        return by_choice
+
+    work = asyncio.ensure_future(collect())
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not work.done():
+            work.cancel()  # NOTE: the relays record the outcome shielded from this cancel
+            await asyncio.wait({work})
+    return None if work.cancelled() else work.result()
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client closes the connection (ASGI ``http.disconnect``); the body
+    must have been read already."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 async def _read_body(request: Request, max_bytes: int) -> bytes:
@@ -114,15 +149,13 @@ async def _read_body(request: Request, max_bytes: int) -> bytes:
 
 
 async def _sse(first, responses, chunker: Chunker, include_usage: bool):
-    last = first
     try:
-        yield _event(chunker.chunk(first))
+        yield _event(chunker.chunk(*first))
         async with aclosing(responses) as rs:
-            async for msg in rs:
-                last = msg
-                yield _event(chunker.chunk(msg))
+            async for index, msg in rs:
+                yield _event(chunker.chunk(index, msg))
         if include_usage:
-            yield _event(chunker.usage_chunk(last))
+            yield _event(chunker.usage_chunk())
     except Exception as exc:  # noqa: BLE001 — the stream has started: an error event
         status, message, code = _status(exc)
         yield _event(error_body(message, status, code))

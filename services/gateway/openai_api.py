@@ -6,16 +6,26 @@ API reference and vLLM's extra body fields (``top_k``, ``min_p``, ``repetition_p
 from __future__ import annotations
 
 import time
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from services.api import gateway_pb2
 
+Int32 = Annotated[int, Field(ge=-2**31, le=2**31 - 1)]  # the gateway proto's int32 fields
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
 
 class ChatMessageIn(BaseModel):
     role: str
-    content: str
+    content: str | list[TextPart]  # a list of text parts is joined (OpenAI's content parts)
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
 class StreamOptions(BaseModel):
@@ -26,29 +36,31 @@ class _Common(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
-    max_tokens: int | None = None
+    max_tokens: Int32 | None = None
     temperature: float | None = None
     top_p: float | None = None
-    n: int = 1
+    n: int = Field(default=1, ge=1)  # choices; at most the gateway's max_n (check_n)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = Field(default=None, ge=0)
+    seed: int | None = Field(default=None, ge=0, lt=2**63)
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     # vLLM's extra body fields
-    top_k: int | None = None
+    top_k: Int32 | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
-    min_tokens: int | None = None
+    min_tokens: Int32 | None = None
     ignore_eos: bool = False
-    stop_token_ids: list[int] = Field(default_factory=list)
+    stop_token_ids: list[Annotated[int, Field(ge=0, lt=2**32)]] = Field(default_factory=list)
+
+    def check_n(self, max_n: int) -> None:
+        """Raises ValueError naming ``n`` when it exceeds ``max_n`` (setting max_n)."""
+        if self.n > max_n:
+            raise ValueError(f"n: {self.n} choices exceed the gateway's limit of {max_n} "
+                             "(setting max_n)")
 
     def _common_fields(self) -> dict:
-        if self.n != 1:
-            raise ValueError("n: only 1 is supported")
-        if any(t < 0 for t in self.stop_token_ids):
-            raise ValueError("stop_token_ids: token ids are not negative")
         fields = {name: getattr(self, name) for name in (
             "temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "top_k",
             "min_p", "repetition_penalty", "min_tokens") if getattr(self, name) is not None}
@@ -59,9 +71,9 @@ class _Common(BaseModel):
 
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessageIn]
-    max_completion_tokens: int | None = None
+    max_completion_tokens: Int32 | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Int32 | None = None
 
     def to_proto(self, request_id: str) -> gateway_pb2.GenerateRequest:
         """The gateway request. Raises ValueError naming the field."""
@@ -75,12 +87,12 @@ class ChatCompletionRequest(_Common):
             fields["top_logprobs"] = self.top_logprobs
         return gateway_pb2.GenerateRequest(
             request_id=request_id, logprobs=self.logprobs, **fields,
-            messages=[gateway_pb2.ChatMessage(role=m.role, content=m.content) for m in self.messages])
+            messages=[gateway_pb2.ChatMessage(role=m.role, content=m.text()) for m in self.messages])
 
 
 class CompletionRequest(_Common):
     prompt: str
-    max_tokens: int | None = 16  # OpenAI's default for completions
+    max_tokens: Int32 | None = 16  # OpenAI's default for completions
     logprobs: int | None = Field(default=None, ge=0, le=20)
 
     def to_proto(self, request_id: str) -> gateway_pb2.GenerateRequest:
@@ -101,15 +113,21 @@ def error_body(message: str, status: int, code: str | None = None) -> dict:
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
-def usage(last: gateway_pb2.GenerateResponse | None) -> dict | None:
-    if last is None or not last.HasField("usage"):
+def usage(finals: dict[int, gateway_pb2.GenerateResponse]) -> dict | None:
+    """OpenAI's ``usage`` of a request from its choices' last responses (by index): prompt
+    tokens once, completion tokens summed over the choices, cached tokens of choice 0 (the
+    others reuse its prefix: counting them would exceed the prompt). None before any finished."""
+    if not finals:
         return None
-    u = last.usage
-    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
-            "total_tokens": u.total_tokens}
+    first = finals[min(finals)].usage
+    completion = sum(m.usage.completion_tokens for m in finals.values())
+    return {"prompt_tokens": first.prompt_tokens, "completion_tokens": completion,
+            "total_tokens": first.prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": first.cached_tokens}}
 
 
 def chat_logprobs(msg: gateway_pb2.GenerateResponse) -> dict | None:
+    """Chat's ``logprobs``: ``{"content": [{token, logprob, bytes, top_logprobs: [...]}]}``."""
     if not msg.logprobs:
         return None
     return {"content": [{"token": lp.text, "logprob": lp.logprob, "bytes": list(lp.text.encode()),
@@ -117,52 +135,74 @@ def chat_logprobs(msg: gateway_pb2.GenerateResponse) -> dict | None:
                                           for t in lp.top_logprobs]} for lp in msg.logprobs]}
 
 
-def completion_logprobs(msg: gateway_pb2.GenerateResponse) -> dict | None:
+def completion_logprobs(msg: gateway_pb2.GenerateResponse, offset: int = 0) -> dict | None:
+    """Completions' ``logprobs``: parallel lists ``tokens``, ``token_logprobs``,
+    ``top_logprobs`` (token text -> logprob) and ``text_offset`` (characters into the choice's
+    text, starting at ``offset``)."""
     if not msg.logprobs:
         return None
+    offsets = []
+    for lp in msg.logprobs:
+        offsets.append(offset)
+        offset += len(lp.text)
     return {"tokens": [lp.text for lp in msg.logprobs],
             "token_logprobs": [lp.logprob for lp in msg.logprobs],
             "top_logprobs": [{t.text: t.logprob for t in lp.top_logprobs} for lp in msg.logprobs],
-            "text_offset": []}
+            "text_offset": offsets}
 
 
 class Chunker:
-    """Builds the chunk and the whole-response JSON of one request, chat or completion."""
+    """Builds the chunks and the whole-response JSON of one request (chat or completion) with
+    ``n`` choices; every chunk and the whole response share one ``id`` and ``created``."""
 
-    def __init__(self, kind: Literal["chat", "completion"], request_id: str, model: str) -> None:
+    def __init__(self, kind: Literal["chat", "completion"], request_id: str, model: str, n: int = 1) -> None:
         self.kind = kind
         self.id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{request_id}"
         self.model = model
         self.created = int(time.time())
-        self._first = True
+        self._object = "chat.completion.chunk" if kind == "chat" else "text_completion"
+        self._started: set[int] = set()  # choices whose first chunk went out (chat: the role)
+        self._offsets = [0] * n  # completions: characters of each choice sent so far
+        self._finals: dict[int, gateway_pb2.GenerateResponse] = {}  # last response per choice
 
-    def chunk(self, msg: gateway_pb2.GenerateResponse) -> dict:
+    def chunk(self, index: int, msg: gateway_pb2.GenerateResponse) -> dict:
+        """The chunk of choice ``index`` for one response."""
         reason = msg.finish_reason or None
+        if msg.HasField("usage"):
+            self._finals[index] = msg
         if self.kind == "chat":
             delta = {"content": msg.text}
-            if self._first:
+            if index not in self._started:
                 delta["role"] = "assistant"
-            self._first = False
-            choice = {"index": 0, "delta": delta, "logprobs": chat_logprobs(msg), "finish_reason": reason}
-            return self._envelope("chat.completion.chunk", [choice], None)
-        choice = {"index": 0, "text": msg.text, "logprobs": completion_logprobs(msg), "finish_reason": reason}
-        return self._envelope("text_completion", [choice], None)
+            self._started.add(index)
+            choice = {"index": index, "delta": delta, "logprobs": chat_logprobs(msg), "finish_reason": reason}
+        else:
+            choice = {"index": index, "text": msg.text, "finish_reason": reason,
+                      "logprobs": completion_logprobs(msg, self._offsets[index])}
+            self._offsets[index] += len(msg.text)
+        return self._envelope(self._object, [choice], None)
 
-    def usage_chunk(self, last: gateway_pb2.GenerateResponse | None) -> dict:
-        obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
-        return self._envelope(obj, [], usage(last))
+    def usage_chunk(self) -> dict:
+        """``stream_options.include_usage``'s last chunk: no choices, the request's usage."""
+        return self._envelope(self._object, [], usage(self._finals))
 
-    def whole(self, msgs: list[gateway_pb2.GenerateResponse]) -> dict:
-        text = "".join(m.text for m in msgs)
-        last = msgs[-1] if msgs else None
-        reason = last.finish_reason if last else None
-        merged = gateway_pb2.GenerateResponse(logprobs=[lp for m in msgs for lp in m.logprobs])
-        if self.kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "logprobs": chat_logprobs(merged), "finish_reason": reason}
-            return self._envelope("chat.completion", [choice], usage(last))
-        choice = {"index": 0, "text": text, "logprobs": completion_logprobs(merged), "finish_reason": reason}
-        return self._envelope("text_completion", [choice], usage(last))
+    def whole(self, by_choice: list[list[gateway_pb2.GenerateResponse]]) -> dict:
+        """The non-streaming response from every choice's responses, in index order."""
+        choices = []
+        for index, msgs in enumerate(by_choice):
+            text = "".join(m.text for m in msgs)
+            reason = msgs[-1].finish_reason if msgs else None
+            if msgs and msgs[-1].HasField("usage"):
+                self._finals[index] = msgs[-1]
+            merged = gateway_pb2.GenerateResponse(logprobs=[lp for m in msgs for lp in m.logprobs])
+            if self.kind == "chat":
+                choices.append({"index": index, "message": {"role": "assistant", "content": text},
+                                "logprobs": chat_logprobs(merged), "finish_reason": reason})
+            else:
+                choices.append({"index": index, "text": text, "logprobs": completion_logprobs(merged),
+                                "finish_reason": reason})
+        obj = "chat.completion" if self.kind == "chat" else "text_completion"
+        return self._envelope(obj, choices, usage(self._finals))
 
     def _envelope(self, obj: str, choices: list, usage_: dict | None) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,

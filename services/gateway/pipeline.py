@@ -1,4 +1,4 @@
-"""One request's way through the gateway, shared by every front end (gRPC today, HTTP next):
+"""One request's way through the gateway, shared by every front end (gRPC and OpenAI HTTP):
 validate → admit → record → relay → detokenize → finish.
 
 ``GatewayCore.generate(request)`` runs the whole way for a ``GenerateRequest`` and yields
@@ -108,7 +108,8 @@ class GatewayCore:
             prompt = await asyncio.get_running_loop().run_in_executor(
                 self._tokenize, validation.prompt_token_ids, request, self.tokenizer,
                 self.model.max_model_len)
-            params = validation.sampling_params(request, len(prompt), self.model)
+            params = validation.sampling_params(request, len(prompt), self.model,
+                                                self.limits.max_tokens_cap)
         except BaseException as exc:
             trace.fail(exc)
             raise
@@ -128,9 +129,7 @@ class GatewayCore:
     async def _admit(self, prepared: Prepared) -> RequestRecord:
         rid = prepared.request_id
         self._check_new(rid)
-        if len(self._inflight) >= self.max_inflight:
-            raise ResourceExhausted(f"gateway overloaded: {self.max_inflight} requests in flight "
-                                    "(--max-inflight); retry later")
+        self._check_room(1)
         record = self._inflight[rid] = RequestRecord(self.store, rid)
         try:
             await redis_call(self.store.create(rid, prompt_tokens=len(prepared.prompt),
@@ -139,6 +138,30 @@ class GatewayCore:
             del self._inflight[rid]
             raise
         return record
+
+    async def admit_all(self, prepared: list[Prepared]) -> list[RequestRecord]:
+        """``admit`` each of ``prepared`` (the n choices of one request), all or none: on a
+        failure the ones admitted are released (recorded ABORTED) and it raises as ``admit``."""
+        try:
+            self._check_room(len(prepared))
+        except ResourceExhausted as exc:
+            prepared[0].trace.fail(exc)  # the choices share one request span
+            raise
+        records: list[RequestRecord] = []
+        try:
+            for p in prepared:
+                records.append(await self.admit(p))
+        except BaseException:
+            for p, record in zip(prepared, records):
+                self.release(p.request_id, record)
+            raise
+        return records
+
+    def release(self, request_id: str, record: RequestRecord) -> asyncio.Future:
+        """Forget an admitted request that will never be relayed (recorded ABORTED); the
+        returned future ends when Redis has the outcome (it runs on even if not awaited)."""
+        self._inflight.pop(request_id, None)
+        return self._background(record.finish())
 
     async def relay(self, prepared: Prepared, record: RequestRecord,
                     ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
@@ -164,14 +187,11 @@ class GatewayCore:
             record.cancel()  # no-op for finished calls; frees worker blocks otherwise
             # NOTE: shielded: a front end on anyio (Starlette) cancels a gone client's stream
             # at every await, which would drop the outcome's Redis write half done.
-            closing = asyncio.ensure_future(self._close(prepared, tokens, record))
-            self._closing.add(closing)
-            closing.add_done_callback(self._closing.discard)
-            await asyncio.shield(closing)
+            await asyncio.shield(self._background(self._close(prepared, tokens, record)))
         if record.aborted:
             yield gateway_pb2.GenerateResponse(
                 request_id=prepared.request_id, finish_reason="abort",
-                usage=_usage(len(prepared.prompt), record.num_output_tokens))
+                usage=_usage(len(prepared.prompt), record))
 
     async def _close(self, prepared: Prepared, tokens: AsyncIterator, record: RequestRecord) -> None:
         await tokens.aclose()
@@ -190,6 +210,18 @@ class GatewayCore:
     async def request_info(self, request_id: str) -> dict | None:
         """The request's Redis record (None if unknown). Raises Unavailable (Redis)."""
         return await redis_call(self.store.get(request_id))
+
+    def _background(self, coro) -> asyncio.Future:
+        """Run ``coro`` to its end even if its awaiter is cancelled (a reference is kept)."""
+        task = asyncio.ensure_future(coro)
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+        return task
+
+    def _check_room(self, count: int) -> None:
+        if len(self._inflight) + count > self.max_inflight:
+            raise ResourceExhausted(f"gateway overloaded: {self.max_inflight} requests in flight "
+                                    "(--max-inflight); retry later")
 
     def _check_new(self, rid: str) -> None:
         if rid in self._inflight:
@@ -210,7 +242,7 @@ class GatewayCore:
         return gateway_pb2.GenerateResponse(
             request_id=prepared.request_id, token_ids=msg.token_ids, text=text,
             finish_reason=reason, logprobs=[self._logprob(lp) for lp in msg.logprobs],
-            usage=_usage(len(prepared.prompt), record.num_output_tokens) if reason else None)
+            usage=_usage(len(prepared.prompt), record) if reason else None)
 
     def _job(self, prepared: Prepared, record: RequestRecord) -> Job:
         def on_dispatch(decode_worker: str, prefill_worker: str, resumed: bool) -> None:
@@ -223,6 +255,7 @@ class GatewayCore:
 
         def on_prefilled(result: worker_pb2.PrefillResponse) -> None:
             prepared.trace.prefilled(result)
+            record.num_cached_tokens = result.num_cached_tokens
             record.write(self.store.update(
                 prepared.request_id, prefill_end_time=time.time(),
                 prefill_queue_time=result.queue_time_s, prefill_compute_time=result.compute_time_s,
@@ -239,6 +272,8 @@ class GatewayCore:
                           for t, v in zip(lp.top_token_ids, lp.top_logprobs)])
 
 
-def _usage(prompt_tokens: int, completion_tokens: int) -> gateway_pb2.Usage:
+def _usage(prompt_tokens: int, record: RequestRecord) -> gateway_pb2.Usage:
+    completion_tokens = record.num_output_tokens
     return gateway_pb2.Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                             total_tokens=prompt_tokens + completion_tokens)
+                             total_tokens=prompt_tokens + completion_tokens,
+                             cached_tokens=record.num_cached_tokens)

@@ -29,6 +29,7 @@ class RequestRecord:
         self.calls: list = []  # grpc.aio calls and tasks to this request's workers
         self.aborted = False  # Abort was called
         self.num_output_tokens = 0
+        self.num_cached_tokens = 0  # prompt tokens the prefill worker found in its prefix cache
         self.finish_reason = ""  # set when the last response went out
         self.error: str | None = None  # set when the request failed
         self._writes: asyncio.Future | None = None  # the latest queued Redis write

@@ -35,6 +35,8 @@ class RequestLimits:
 
     max_request_bytes: int = 4 * 1024 * 1024  # serialized request, checked before parsing
     max_messages: int = 256  # chat messages in one request
+    max_tokens_cap: int | None = None  # output tokens one request may ask for; None: the context
+    max_n: int = 16  # choices one HTTP request may ask for (``n``)
 
 
 def check_request(req: gateway_pb2.GenerateRequest, limits: RequestLimits) -> None:
@@ -48,6 +50,10 @@ def check_request(req: gateway_pb2.GenerateRequest, limits: RequestLimits) -> No
     if len(req.messages) > limits.max_messages:
         raise ValueError(f"messages: {len(req.messages)} messages exceed the limit of "
                          f"{limits.max_messages} (setting max_messages)")
+    cap = limits.max_tokens_cap
+    if cap is not None and req.HasField("max_tokens") and req.max_tokens > cap:
+        raise ValueError(f"max_tokens: {req.max_tokens} exceeds the gateway's limit of {cap} "
+                         "(setting max_tokens_cap)")
     for name in _FLOAT_FIELDS:
         if req.HasField(name) and not math.isfinite(getattr(req, name)):
             raise ValueError(f"{name}: must be a finite number, got {getattr(req, name)}")
@@ -82,10 +88,12 @@ def prompt_token_ids(req: gateway_pb2.GenerateRequest, tokenizer: Tokenizer, max
 
 
 def sampling_params(req: gateway_pb2.GenerateRequest, num_prompt_tokens: int, model: ModelCard,
-                    ) -> SamplingParams:
+                    max_tokens_cap: int | None = None) -> SamplingParams:
     """OpenAI-named options -> SamplingParams. Raises ValueError naming the request's field.
 
-    A temperature below ``GREEDY_TEMPERATURE_EPS`` is greedy (0), as in vLLM."""
+    A temperature below ``GREEDY_TEMPERATURE_EPS`` is greedy (0), as in vLLM. Without
+    ``max_tokens``, a request gets ``DEFAULT_MAX_TOKENS``, bounded by the context left after
+    the prompt and by ``max_tokens_cap``."""
     room = model.max_model_len - num_prompt_tokens
     if req.HasField("max_tokens"):
         max_tokens = req.max_tokens
@@ -93,7 +101,7 @@ def sampling_params(req: gateway_pb2.GenerateRequest, num_prompt_tokens: int, mo
             raise ValueError(f"max_tokens: {max_tokens} plus the prompt's {num_prompt_tokens} "
                              f"tokens exceed the model's context of {model.max_model_len} tokens")
     else:
-        max_tokens = min(DEFAULT_MAX_TOKENS, room)
+        max_tokens = min(DEFAULT_MAX_TOKENS, room, max_tokens_cap or room)
     top_k = req.top_k if req.HasField("top_k") else 0
     if top_k == -1:
         top_k = 0

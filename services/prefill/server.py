@@ -153,7 +153,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             worker_id=self.rt.worker_id, first_token_id=out.new_token_ids[0],
             queue_time_s=req.first_scheduled_time - t_arrival,
             compute_time_s=t_first - req.first_scheduled_time, transfer_time_s=t_done - t_first,
-            num_cached_tokens=req.num_cached_tokens)
+            num_cached_tokens=max(req.num_cached_tokens, 0))
 
     def _write(self, dest: worker_pb2.KVReservation, local_ids: list[int], note: bytes,
                deadline: float, faults: Faults) -> None:

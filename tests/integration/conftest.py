@@ -31,11 +31,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_stack(worker_args: list[str], redis_url: str | None) -> Stack:
+@pytest.fixture(scope="package", autouse=True)
+def no_default_http_port() -> Iterator[None]:
+    """Stacks and `tandem up` runs here serve no HTTP unless a test asks (``--http-port``):
+    the default port 8000 would collide between stacks run in parallel."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TANDEM_HTTP_PORT", "0")
+        yield
+
+
+def start_stack(worker_args: list[str], redis_url: str | None,
+                gateway_args: list[str] = ()) -> Stack:
     """One prefill + one decode worker and a gateway, ready (``redis_url`` None: its own Redis)."""
     s = Stack(UpOptions(host="127.0.0.1", port=free_port(), num_prefill=1, num_decode=1,
                         redis_url=redis_url, worker_args=worker_args,
-                        gateway_args=["--heartbeat-s", "0.5"], ready_timeout_s=180))
+                        gateway_args=["--heartbeat-s", "0.5", *gateway_args], ready_timeout_s=180))
     try:
         s.start()
         s.wait_ready()
