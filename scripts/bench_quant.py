@@ -19,12 +19,8 @@ from pathlib import Path
 
 import torch
 
-TEXT = ("The Industrial Revolution began in Great Britain in the late eighteenth century and "
-        "spread to Europe and North America. It replaced hand production with machines, new "
-        "chemical and iron processes, steam power and the factory system. Textiles were the "
-        "first industry to use modern methods, and output rose quickly. Living standards grew "
-        "over the following century, although working conditions in early factories were hard "
-        "and many workers, children among them, worked long hours for low pay.")
+from scripts.eval_loglik import TEXT, mean_log_likelihood
+
 READY_CODE = ("import time; t = time.perf_counter(); import torch; torch.set_num_threads(1); "
               "from services.engine.engine import EngineConfig, LLMEngine; "
               "e = LLMEngine(EngineConfig(dtype={d!r}, quantization={q!r}, num_kv_blocks=512)); "
@@ -64,20 +60,6 @@ def decode_rate(e, batch: int, tokens: int, seed: int = 0) -> dict:
         steps += 1
     elapsed = time.perf_counter() - t0
     return {"tok_per_s": out_tokens / elapsed, "ms_per_step": elapsed / steps * 1e3}
-
-
-@torch.inference_mode()
-def mean_log_likelihood(e, ids: list[int]) -> float:
-    """Mean log p(token | prefix) over ``ids[1:]`` in nats, one prefill over the paged cache."""
-    from services.engine.attention import AttentionMetadata
-
-    model, n, bs = e.runner.model, len(ids), e.config.block_size
-    blocks = (n + bs - 1) // bs
-    meta = AttentionMetadata(slot_mapping=torch.arange(n), block_tables=torch.arange(blocks)[None],
-                             seq_lens=torch.tensor([n]), query_start_loc=[0, n], num_decode_seqs=0)
-    hidden = model(torch.tensor(ids), torch.arange(n), e.kv_cache, meta)
-    logp = model.compute_logits(hidden[:-1]).log_softmax(-1)
-    return logp.gather(1, torch.tensor(ids[1:])[:, None]).mean().item()
 
 
 def greedy(e, prompts: list[list[int]], tokens: int) -> list[list[int]]:

@@ -169,7 +169,7 @@ def gateway_options(s):
         s.state.heartbeat_s, g.kv_failure_policy.value, g.max_inflight,
         RequestLimits(g.max_request_bytes, g.max_messages, g.max_tokens_cap, g.max_n),
         g.tokenize_threads, g.http_port or None,
-        internal_secret=s.internal_secret())
+        internal_secret=s.internal_secret(), drain_s=g.drain_s)
 
 
 def worker_options(s, role: str):
@@ -184,7 +184,8 @@ def worker_options(s, role: str):
         heartbeat_s=s.state.heartbeat_s, kv_lease_s=w.kv_lease_s, worker_id=w.worker_id,
         max_waiting=w.max_waiting, rpc_timeout_s=t.rpc_timeout_s,
         kv_transfer_timeout_s=t.kv_transfer_timeout_s, fault_injection=w.fault_injection,
-        internal_secret=s.internal_secret())
+        internal_secret=s.internal_secret(),
+        drain_s=w.decode_drain_s if role == "decode" else w.prefill_drain_s)
 
 
 def cmd_up(args, loaded: LoadedSettings) -> int:

@@ -1,6 +1,7 @@
 """``tandem up``: one gateway, N prefill and M decode workers, and (without REDIS_URL) a
 private redis-server with a random password, all as child processes of this one, supervised:
-a child that dies is restarted (``services/supervisor.py``); Ctrl-C stops them all.
+a child that dies is restarted (``services/supervisor.py``); Ctrl-C drains them all
+(``Stack.stop``: gateways first, then the workers; a second Ctrl-C hurries them).
 
 Every child reads the same settings object, written once per run as a JSON file readable by
 this user only (``--config``), with the per-run internal secret (also in the children's
@@ -37,6 +38,8 @@ from services.state.registry import WorkerRegistry
 from services.supervisor import RestartPolicy, Supervisor, Unit
 
 log = logging.getLogger(__name__)
+
+STOP_MARGIN_S = 15.0  # beyond a child's drain bound: the gRPC server's stop, process exit
 
 
 @dataclass
@@ -216,27 +219,54 @@ class Stack:
                 return False
         return resp.status == health_pb2.HealthCheckResponse.SERVING
 
-    def stop(self, timeout_s: float = 15.0) -> None:
-        gateways_first = sorted(reversed(self.procs), key=lambda p: not p[0].startswith("gateway"))
-        for _, proc in gateways_first:  # no new requests, then the workers
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + timeout_s
-        for name, proc in self.procs:
-            try:
-                proc.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                log.warning("%s did not stop in time: killing it", name)
-                proc.kill()
-                proc.wait()
+    def stop(self, timeout_s: float | None = None) -> None:
+        """Drain and end every child (``services/drain.py``): SIGTERM the gateways and wait
+        until they have drained (open streams finished: the workers still serve them), then
+        SIGTERM the workers; each group is killed once it outlives its bound (``timeout_s``,
+        default: the settings' drain deadlines plus the KV lease). Then Redis."""
+        gateways = [(n, p) for n, p in self.procs if n.startswith("gateway")]
+        workers = [(n, p) for n, p in self.procs if not n.startswith("gateway")]
+        gateway_s, worker_s = (timeout_s, timeout_s) if timeout_s is not None else self._drain_bounds()
+        _terminate(gateways, gateway_s)
+        _terminate(workers, worker_s)
         if self.redis_server is not None:
             self.redis_server.stop()
         if self.run_dir is not None:
             shutil.rmtree(self.run_dir, ignore_errors=True)
 
+    def _drain_bounds(self) -> tuple[float, float]:
+        """Seconds (gateways, workers) may take to drain before they are killed."""
+        settings = getattr(self, "settings", None)
+        if settings is None:  # never started
+            return STOP_MARGIN_S, STOP_MARGIN_S
+        w = settings.worker
+        return (settings.gateway.drain_s + STOP_MARGIN_S,
+                max(w.decode_drain_s, w.prefill_drain_s) + w.kv_lease_s + STOP_MARGIN_S)
+
+    def hurry(self) -> None:
+        """A second Ctrl-C: signal every live child again (each cuts its drain short)."""
+        for _, proc in self.procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+
     @property
     def address(self) -> str:
         return f"{self.opts.host}:{self.opts.port}"
+
+
+def _terminate(procs: list[tuple[str, subprocess.Popen]], timeout_s: float) -> None:
+    """SIGTERM each live process, wait for all within ``timeout_s``, SIGKILL the rest."""
+    for _, proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    for name, proc in procs:
+        try:
+            proc.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            log.warning("%s did not stop within %.0fs: killing it", name, timeout_s)
+            proc.kill()
+            proc.wait()
 
 
 def run_until_interrupted(stack: Stack) -> None:
@@ -250,6 +280,8 @@ def run_until_interrupted(stack: Stack) -> None:
 
     def _handler(signum, frame):
         nonlocal stop
+        if stop:  # again, while the caller drains the stack (Stack.stop): hurry the children
+            stack.hurry()
         stop = True
 
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -4,11 +4,11 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import signal
 from typing import TYPE_CHECKING
 
 from services.api import worker_pb2, worker_pb2_grpc
 from services.auth import read_internal_secret, warn_if_open
+from services.drain import STOP_GRACE_S, Signals, drain_worker
 from services.rpc import bind, create_server, mark_not_serving, mark_serving
 from services.state.redis_server import check_redis
 
@@ -18,14 +18,6 @@ if TYPE_CHECKING:
     from services.worker import WorkerOptions
 
 log = logging.getLogger(__name__)
-
-
-async def _wait_for_signal() -> None:
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
 
 
 EXIT_ENGINE_DIED = 3  # a worker's exit status when its engine died (a supervisor restarts it)
@@ -43,7 +35,9 @@ def role_engine_config(opts: WorkerOptions) -> EngineConfig:
 
 
 async def serve_worker(opts: WorkerOptions, num_threads: int) -> None:
-    """Load the model, start the engine thread and the gRPC server, heartbeat until signalled.
+    """Load the model, start the engine thread and the gRPC server, heartbeat until signalled,
+    then drain (``services/drain.py``: NOT_SERVING, refuse new requests, leave the registry,
+    finish or hand back what runs by ``opts.drain_s``) and return (exit 0).
 
     Health is NOT_SERVING until the engine is loaded, warmed up and heartbeating, and again
     from the moment the engine dies; then the worker leaves the registry, stops, and raises
@@ -77,12 +71,18 @@ async def serve_worker(opts: WorkerOptions, num_threads: int) -> None:
     runtime.start(f"{opts.advertise_host}:{port}")
     await mark_serving(health, [full_name])
     log.info("%s worker %s ready on %s:%d", opts.role, runtime.worker_id, opts.host, port)
+    signals = Signals()
     try:
-        await _wait_for_signal_or(runtime.died)
-    finally:
+        await _wait_for_signal_or(signals.received, runtime.died)
         await health.enter_graceful_shutdown()  # NOT_SERVING for every service
-        await runtime.heartbeater.stop()  # leave the registry first: no new requests
-        await server.stop(grace=5.0)
+        runtime.draining = True  # new requests: UNAVAILABLE (the gateway goes elsewhere)
+        await runtime.heartbeater.stop()  # leave the registry: the gateway stops routing here
+        if not runtime.died.is_set():
+            await drain_worker(runtime, servicer, opts.drain_s, signals.again)
+    finally:
+        await health.enter_graceful_shutdown()
+        await runtime.heartbeater.stop()
+        await server.stop(grace=STOP_GRACE_S)
         servicer.close()
         await runtime.stop()
     if runtime.died.is_set():
@@ -90,8 +90,8 @@ async def serve_worker(opts: WorkerOptions, num_threads: int) -> None:
         raise SystemExit(EXIT_ENGINE_DIED)
 
 
-async def _wait_for_signal_or(event: asyncio.Event) -> None:
-    signalled = asyncio.ensure_future(_wait_for_signal())
+async def _wait_for_signal_or(signalled: asyncio.Event, event: asyncio.Event) -> None:
+    signalled = asyncio.ensure_future(signalled.wait())
     died = asyncio.ensure_future(event.wait())
     try:
         await asyncio.wait({signalled, died}, return_when=asyncio.FIRST_COMPLETED)
@@ -101,7 +101,8 @@ async def _wait_for_signal_or(event: asyncio.Event) -> None:
 
 
 async def serve_gateway(opts: GatewayOptions) -> None:
-    """Run the public Gateway (``services.gateway.app``) until signalled. With no
+    """Run the public Gateway (``services.gateway.app``) until signalled, then drain it
+    (``services.drain.drain_gateway``; a second signal cuts the drain short). With no
     ``opts.internal_secret``, the one from ``services.auth.read_internal_secret`` (if any) is
     sent on every call to a worker."""
     from services.gateway.app import run_gateway
@@ -109,4 +110,5 @@ async def serve_gateway(opts: GatewayOptions) -> None:
     if opts.internal_secret is None:
         opts = dataclasses.replace(opts, internal_secret=read_internal_secret())
     warn_if_open(opts.internal_secret, "gateway")
-    await run_gateway(opts, _wait_for_signal())
+    signals = Signals()
+    await run_gateway(opts, signals.received.wait(), signals.again)

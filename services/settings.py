@@ -99,11 +99,13 @@ ENGINE_NAMES = {"kv_cache_memory_gib": ("TANDEM_KV_CACHE_GIB", "--kv-cache-gib")
 
 
 class EngineSection(EngineConfig):
-    """``EngineConfig`` with closed choices as enums; every default is ``EngineConfig``'s."""
+    """``EngineConfig`` with closed choices as enums. Every default is ``EngineConfig``'s except
+    precision: a served worker defaults to ``auto`` (the fastest exact-enough combination this
+    machine supports, logged at start), the in-process engine to float32/none (the oracle mode)."""
 
-    dtype: DType = DType(EngineConfig.model_fields["dtype"].default)
+    dtype: DType = DType.auto
     device: Device = Device(EngineConfig.model_fields["device"].default)
-    quantization: Quantization = Quantization(EngineConfig.model_fields["quantization"].default)
+    quantization: Quantization = Quantization.auto
 
     def engine_config(self) -> EngineConfig:
         """The plain ``EngineConfig`` the engine takes."""
@@ -125,6 +127,14 @@ class WorkerSection(BaseModel):
              "their reader, before the request's blocks are freed", gt=0)
     max_waiting: int = setting(256, help="requests held outside the running batch before new "
                                "ones get RESOURCE_EXHAUSTED", gt=0)
+    prefill_drain_s: float = setting(
+        25.0, help="prefill: seconds a worker told to stop (SIGTERM) keeps computing the prompts "
+        "it holds before handing the rest back for retry on another prefill worker; below the "
+        "pod's termination grace period minus kv_lease_s", ge=0)
+    decode_drain_s: float = setting(
+        50.0, help="decode: seconds a worker told to stop (SIGTERM) lets running streams finish "
+        "before migrating the rest to another decode worker; below the pod's termination grace "
+        "period minus kv_lease_s", ge=0)
     fault_injection: bool = setting(
         False, env="TANDEM_TEST_FAULT_INJECTION", flag=None,
         help="TEST ONLY: prefill workers honour fault tags in request ids "
@@ -153,6 +163,11 @@ class GatewaySection(BaseModel):
     max_n: int = setting(16, help="most choices (n) one HTTP request may ask for", gt=0)
     tokenize_threads: int = setting(
         2, help="threads that render chat templates and tokenize, off the event loop", gt=0)
+    drain_s: float = setting(
+        80.0, env="TANDEM_GATEWAY_DRAIN_S", flag="--gateway-drain-s",
+        help="seconds a gateway told to stop (SIGTERM) fails readiness, refuses new requests "
+        "and lets open streams finish before it cancels the rest; below the pod's termination "
+        "grace period", ge=0)
 
 
 class StateSection(BaseModel):

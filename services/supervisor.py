@@ -7,7 +7,8 @@ shorter because a local stack should come back in seconds). Every other process 
 meanwhile: the gateway migrates streams off a dead decode worker and retries prompts of a dead
 prefill worker. A child that has already been restarted ``restart_limit`` times within the
 window is in a crash loop: ``check()`` raises ``CrashLoop`` naming it, and the caller stops the
-stack.
+stack. A child that exits 0 was told to stop (SIGTERM: it drained, ``services/drain.py``) and
+is not restarted: only crashes are.
 """
 from __future__ import annotations
 
@@ -62,6 +63,7 @@ class Supervisor:
         self.clock = clock
         self.history: dict[str, _History] = {}
         self.restarts = 0  # total, for logs and tests
+        self.stopped: set[str] = set()  # units that exited 0: told to stop, never restarted
 
     def check(self) -> None:
         """Reap and restart dead units whose back-off has passed. Raises CrashLoop."""
@@ -69,6 +71,11 @@ class Supervisor:
         for unit in self.units():
             code = unit.exit_code()
             if code is None:
+                continue
+            if code == 0:  # it was told to stop (SIGTERM: drained) and did: not a crash
+                if unit.name not in self.stopped:
+                    log.info("%s exited 0 (drained on request): not restarted", unit.name)
+                    self.stopped.add(unit.name)
                 continue
             hist = self.history.setdefault(unit.name, _History())
             if hist.restart_at is None:

@@ -46,6 +46,7 @@ class WorkerOptions:
     max_waiting: int = 256  # requests held outside the running batch; more: RESOURCE_EXHAUSTED
     rpc_timeout_s: float = 600.0  # bound on any wait for the engine thread
     kv_transfer_timeout_s: float = 30.0  # prefill: one KV write (never past the lease)
+    drain_s: float = 30.0  # SIGTERM: seconds running requests may finish (services/drain.py)
     fault_injection: bool = False  # TEST ONLY: honour fault tags in request ids (prefill, engine)
     internal_secret: str | None = None  # services.auth: proven on gRPC and KV ports; None: open
 
@@ -63,6 +64,8 @@ class WorkerRuntime:
         self.reservations = None  # decode role: its Reservations (GetLoad reports their closes)
         self.engine_loop = EngineLoop(engine, self._on_outputs, self._on_fatal)
         self.died = asyncio.Event()  # set once the engine has died (see the module docstring)
+        self.draining = False  # told to stop (services/drain.py): new requests get UNAVAILABLE
+        self.handed_back = False  # drain deadline passed: open streams end with UNAVAILABLE
         self.endpoint = ""
         self.redis = redis_client(options.redis_url)
         self.registry = WorkerRegistry(self.redis, options.heartbeat_s)
@@ -116,8 +119,9 @@ class WorkerRuntime:
         alone failed in the engine; its blocks are already freed)."""
         if out.error is None:
             return
-        if self.died.is_set():
-            raise Unavailable(f"{self.options.role} worker {self.worker_id}: engine stopped "
+        if self.died.is_set() or self.handed_back:
+            raise Unavailable(f"{self.options.role} worker {self.worker_id}: "
+                              f"{'handed back' if self.handed_back else 'engine stopped'} "
                               f"({out.error})")
         raise RequestFailed(f"request {out.request_id} failed in the engine: {out.error}")
 
@@ -140,9 +144,12 @@ class WorkerRuntime:
                    self.engine.scheduler.num_waiting)
 
     def open_stream(self, request_id: str) -> asyncio.Queue[RequestOutput]:
-        """Accept a request: its output queue. Raises ResourceExhausted when ``max_waiting``
-        requests are already queued (bounded memory under overload), ValueError on a
-        duplicate id."""
+        """Accept a request: its output queue. Raises Unavailable while draining,
+        ResourceExhausted when ``max_waiting`` requests are already queued (bounded memory under
+        overload), ValueError on a duplicate id."""
+        if self.draining:
+            raise Unavailable(f"{self.options.role} worker {self.worker_id} is draining "
+                              "(shutting down): use another worker")
         if request_id in self.streams:
             raise ValueError(f"request_id: {request_id!r} is already in flight on this worker")
         if self.num_queued() >= self.options.max_waiting:
@@ -152,6 +159,14 @@ class WorkerRuntime:
         self.streams[request_id] = queue
         self.max_num_queued = max(self.max_num_queued, self.num_queued())
         return queue
+
+    def hand_back_streams(self) -> int:
+        """Drain deadline: end every stream that reads engine outputs with UNAVAILABLE (the
+        gateway migrates or retries it; the stream's handler frees its blocks)."""
+        self.handed_back = True
+        for rid, queue in self.streams.items():
+            queue.put_nowait(RequestOutput(rid, [], None, error="the worker is draining"))
+        return len(self.streams)
 
     def release(self, request_id: str) -> None:
         """Abort the request on the engine thread, freeing its blocks. Queued at once and not

@@ -26,7 +26,7 @@ from services.engine.sampler import TokenLogprobs
 from services.kv_transfer.grants import new_token
 from services.observability import tracing
 from services.observability.logs import bind_request
-from services.rpc import Aborted, ResourceExhausted
+from services.rpc import Aborted, ResourceExhausted, Unavailable
 from services.api.convert import logprobs_to_proto, params_from_proto
 from services.worker import WorkerRuntime
 
@@ -45,6 +45,19 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
 
     def close(self) -> None:
         self.transport.close()
+
+    def busy(self) -> bool:
+        """Whether a reservation is open (its blocks wait for a KV write or its lease)."""
+        return len(self.reservations) > 0
+
+    def hand_back(self) -> int:
+        """Drain deadline (services/drain.py): end every stream with UNAVAILABLE, so the gateway
+        migrates it to another decode worker; a stream still waiting for its KV leaves its
+        reservation quarantined until no write can land. Returns how many streams."""
+        n = self.rt.hand_back_streams()
+        for rid in list(self.rt.streams):
+            self.reservations.abort(rid)
+        return n
 
     def _on_notification(self, rid: str, notification: bytes) -> None:
         """Transport thread, after the write admitted by ``rid``'s grant landed: post the note
@@ -140,6 +153,9 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 raise Aborted(f"request {rid} is no longer waiting for its KV")
             queue.put_nowait(out)
             return
+        if outcome.kind == "aborted" and self.rt.handed_back:
+            raise Unavailable(f"decode worker {self.rt.worker_id} is draining: request {rid} "
+                              "handed back before its KV arrived")
         if outcome.kind in ("unused", "aborted"):
             raise Aborted(f"request {rid}: {outcome.why}")
         if policy != FAIL:

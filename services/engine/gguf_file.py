@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import struct
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -120,11 +121,31 @@ class GGUFFile:
         return self.fields.get(key, default)
 
 
+def blocks_of(tensor: GGUFTensor):
+    """A quantized tensor's bytes in place (no copy) as a ``kernels.quant.QuantizedWeight``
+    ``[rows, in_features]``; raises ``ValueError`` for a format ``kernels.quant`` lacks."""
+    import torch
+
+    from kernels.quant import QuantizedWeight
+
+    with warnings.catch_warnings():
+        # NOTE: the memory map is read-only; torch warns that it cannot be written. It never is.
+        warnings.simplefilter("ignore", UserWarning)
+        data = torch.from_numpy(tensor.data)
+    return QuantizedWeight(data, tensor.type_name, data.shape[0], tensor.shape[-1])
+
+
 def dequantized(tensor: GGUFTensor) -> np.ndarray:
-    """A tensor of the file as float32 in its numpy shape (gguf-py's dequantizers)."""
+    """A tensor of the file as float32 in its numpy shape: gguf-py's dequantizers' values
+    (computed by ``kernels.quant`` when its C kernel is available)."""
     if tensor.type_name in ("f32", "f16"):
         flat = tensor.data.view(np.float32 if tensor.type_name == "f32" else np.float16)
         return flat.reshape(tensor.shape).astype(np.float32, copy=False)
+    from kernels import quant
+
+    if tensor.type_name in quant.FORMATS and quant.available():
+        # NOTE: the C kernel's rows equal gguf-py's bit for bit (tests/kernels), ~10x faster
+        return quant.dequantize(blocks_of(tensor)).numpy().reshape(tensor.shape)
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 

@@ -13,11 +13,14 @@ from torch import nn
 from .attention import AttentionMetadata, paged_attention, write_kv_cache
 from .config import ModelConfig
 
+Device = torch.device | str | None
+RopeTables = tuple[torch.Tensor, torch.Tensor]  # cos, sin: [num_tokens, 1, head_dim]
+
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, device: Device = None) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.weight = nn.Parameter(torch.ones(dim, device=device))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -32,31 +35,40 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, head_dim: int, max_positions: int, theta: float) -> None:
         super().__init__()
-        inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+        cpu = torch.device("cpu")  # NOTE: real tables even when the weights are on meta
+        inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=cpu)
+                                   .float() / head_dim)
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32, device=cpu), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """Rotate ``x`` (``[num_tokens, num_heads, head_dim]``) by each token's position."""
-        cos = self.cos[positions].unsqueeze(1).to(x.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(x.dtype)
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeTables:
+        """cos and sin at each token's position, ``[num_tokens, 1, head_dim]`` in ``dtype``:
+        gathered once per forward pass and shared by every layer."""
+        return (self.cos[positions].unsqueeze(1).to(dtype),
+                self.sin[positions].unsqueeze(1).to(dtype))
+
+    @staticmethod
+    def apply(tables: RopeTables, x: torch.Tensor) -> torch.Tensor:
+        """Rotate ``x`` (``[num_tokens, num_heads, head_dim]``) by ``tables`` (``tables()``)."""
+        cos, sin = tables
         half = x.shape[-1] // 2
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
         return x * cos + rotated * sin
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, device: Device = None) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
         self.scale = self.head_dim**-0.5
-        self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=False)
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, q, bias=False, device=device)
+        self.k_proj = nn.Linear(cfg.hidden_size, kv, bias=False, device=device)
+        self.v_proj = nn.Linear(cfg.hidden_size, kv, bias=False, device=device)
+        self.o_proj = nn.Linear(q, cfg.hidden_size, bias=False, device=device)
         self.rope = rope
         self.qkv_proj: nn.Module | None = None  # fused q/k/v (quantized path), see fuse_qkv
 
@@ -65,33 +77,39 @@ class Attention(nn.Module):
         del self.q_proj, self.k_proj, self.v_proj
         self.qkv_proj = qkv_proj
 
-    def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _qkv(self, x: torch.Tensor, rope: RopeTables,
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Rotated q ``[t, heads, head_dim]``, rotated k and v ``[t, kv_heads, head_dim]``."""
+        t, h, kvh, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         if self.qkv_proj is None:
-            return self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        kv = self.num_kv_heads * self.head_dim
-        return self.qkv_proj(x).split([self.num_heads * self.head_dim, kv, kv], dim=-1)
+            q = RotaryEmbedding.apply(rope, self.q_proj(x).reshape(t, h, d))
+            k = RotaryEmbedding.apply(rope, self.k_proj(x).reshape(t, kvh, d))
+            return q, k, self.v_proj(x).reshape(t, kvh, d)
+        # fused: q and k heads rotated in one pass (fewer ops per layer at small batches)
+        qkv = self.qkv_proj(x).reshape(t, h + 2 * kvh, d)
+        qk = RotaryEmbedding.apply(rope, qkv[:, :h + kvh])
+        return qk[:, :h], qk[:, h:], qkv[:, h + kvh:]
 
     def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
+        self, x: torch.Tensor, rope: RopeTables, kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        """x: ``[num_tokens, hidden]``; kv_cache: ``[2, num_blocks, block_size, kv_heads, head_dim]``."""
+        """x: ``[num_tokens, hidden]``; rope: ``RotaryEmbedding.tables`` of the tokens'
+        positions; kv_cache: ``[2, num_blocks, block_size, kv_heads, head_dim]``."""
         t = x.shape[0]
-        q, k, v = self._qkv(x)
-        q = self.rope(positions, q.reshape(t, self.num_heads, self.head_dim))
-        k = self.rope(positions, k.reshape(t, self.num_kv_heads, self.head_dim))
-        v = v.reshape(t, self.num_kv_heads, self.head_dim)
+        q, k, v = self._qkv(x, rope)
         write_kv_cache(k, v, kv_cache[0], kv_cache[1], meta.slot_mapping)
         o = paged_attention(q, kv_cache[0], kv_cache[1], meta, self.scale)
         return self.o_proj(o.reshape(t, -1))
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, device: Device = None) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        hidden, ffn = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = nn.Linear(hidden, ffn, bias=False, device=device)
+        self.up_proj = nn.Linear(hidden, ffn, bias=False, device=device)
+        self.down_proj = nn.Linear(ffn, hidden, bias=False, device=device)
         self.gate_up_proj: nn.Module | None = None  # fused gate/up (quantized path)
 
     def fuse_gate_up(self, gate_up_proj: nn.Module) -> None:
@@ -107,35 +125,45 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, device: Device = None) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, rope)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device)
+        self.self_attn = Attention(cfg, rope, device)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device)
+        self.mlp = MLP(cfg, device)
 
-    def forward(self, x, positions, kv_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), positions, kv_cache, meta)
+    def forward(self, x, rope, kv_cache, meta):
+        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, device: Device = None) -> None:
         super().__init__()
         rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, rope) for _ in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # NOTE: on meta, skip the embedding's normal_ init: it runs torch._refs (imports dynamo)
+        empty = (torch.empty(cfg.vocab_size, cfg.hidden_size, device=device)
+                 if torch.device(device or "cpu").type == "meta" else None)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=empty,
+                                         device=device)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, rope, device)
+                                    for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device)
 
 
 class LlamaForCausalLM(nn.Module):
-    """State-dict names match Hugging Face's, so loader output loads with ``load_state_dict``."""
+    """State-dict names match Hugging Face's, so loader output loads with ``load_state_dict``.
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    ``device="meta"``: weights without storage or initialisation, for ``load_state_dict(...,
+    assign=True)`` (the rotary tables are always built on CPU). Not a ``torch.device("meta")``
+    context: entering one imports ``torch._dynamo`` (seconds of a worker's start).
+    """
+
+    def __init__(self, cfg: ModelConfig, device: Device = None) -> None:
         super().__init__()
         self.config = cfg
-        self.model = LlamaModel(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.model = LlamaModel(cfg, device)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, device=device)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -147,8 +175,9 @@ class LlamaForCausalLM(nn.Module):
         ``[num_layers, 2, num_blocks, block_size, kv_heads, head_dim]``. Returns hidden states
         ``[num_tokens, hidden]``."""
         x = self.model.embed_tokens(input_ids)
+        rope = self.model.layers[0].self_attn.rope.tables(positions, x.dtype)
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, positions, kv_cache[i], meta)
+            x = layer(x, rope, kv_cache[i], meta)
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

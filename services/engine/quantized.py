@@ -140,8 +140,9 @@ def build_model(path: str | None, dtype: str, quantization: str, device: str,
     torch_dtype = getattr(torch, precision.dtype)
     if precision.quantization == "none":
         model_config, state_dict = weights if weights is not None else load_model(path)
-        model = LlamaForCausalLM(model_config)
+        model = LlamaForCausalLM(model_config, device="meta")
         load_dense(model, state_dict)
+        _check_materialized(model)
         model = model.to(device=device, dtype=torch_dtype).eval()
     else:
         if weights is not None:
@@ -176,8 +177,7 @@ def assemble_quantized(cfg: ModelConfig, dense: dict[str, torch.Tensor],
     ``dense``: the norms (and a dense embedding / LM head when not quantized); ``blocks``:
     Hugging Face names -> quantized weights. q/k/v and gate/up are fused into one matmul each.
     """
-    with torch.device("meta"):
-        model = LlamaForCausalLM(cfg)
+    model = LlamaForCausalLM(cfg, device="meta")
     for i, layer in enumerate(model.model.layers):
         p = f"model.layers.{i}."
         attn, mlp = layer.self_attn, layer.mlp
@@ -198,19 +198,12 @@ def assemble_quantized(cfg: ModelConfig, dense: dict[str, torch.Tensor],
     model.load_state_dict(rest, strict=False, assign=True)
     if head is None and cfg.tie_word_embeddings:
         model.lm_head = DenseLinear(model.model.embed_tokens.weight)
-    _materialize(model, dtype)
+    _check_materialized(model)
     return model.eval()
 
 
-def _materialize(model: LlamaForCausalLM, dtype: torch.dtype) -> None:
-    """Rebuild the rotary tables (buffers built on the meta device) and check nothing is left
-    on it; raises ``ValueError`` naming a weight the checkpoint did not provide."""
-    cfg = model.config
-    from .model import RotaryEmbedding
-
-    rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)
-    for layer in model.model.layers:
-        layer.self_attn.rope = rope
+def _check_materialized(model: LlamaForCausalLM) -> None:
+    """Raise ``ValueError`` naming a weight the checkpoint did not provide (left on meta)."""
     for name, t in [*model.named_parameters(), *model.named_buffers()]:
         if t.is_meta:
             raise ValueError(f"checkpoint does not provide {name}")

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import functools
 import os
-import warnings
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +17,7 @@ from kernels import quant
 from kernels.quant import QuantizedWeight
 
 from .config import ModelConfig
-from .gguf_file import GGUFFile, dequantized
+from .gguf_file import GGUFFile, blocks_of, dequantized
 from .loader import _check_keys, _gguf_config, _hf_name
 
 _EMBEDDINGS = ("model.embed_tokens.weight", "lm_head.weight")
@@ -45,14 +44,6 @@ def rotary_row_order(out_features: int, num_heads: int) -> torch.Tensor:
     head_dim = out_features // num_heads
     rows = torch.arange(out_features).reshape(num_heads, head_dim // 2, 2)
     return rows.transpose(1, 2).reshape(-1)
-
-
-def _blocks_of(array: np.ndarray, fmt: str, in_features: int) -> QuantizedWeight:
-    with warnings.catch_warnings():
-        # NOTE: the memory map is read-only; torch warns that it cannot be written. It never is.
-        warnings.simplefilter("ignore", UserWarning)
-        data = torch.from_numpy(array)
-    return QuantizedWeight(data.reshape(data.shape[0], -1), fmt, data.shape[0], in_features)
 
 
 def _quantize(weights: np.ndarray, fmt: str) -> QuantizedWeight:
@@ -83,10 +74,10 @@ def load_gguf_quantized(path: str | os.PathLike, fmt: str,
     dense: dict[str, torch.Tensor] = {}
     blocks: dict[str, QuantizedWeight] = {}
     for t in reader.tensors:
-        name, stored, in_features = _hf_name(t.name), t.type_name, t.shape[-1]
+        name, stored = _hf_name(t.name), t.type_name
         if name.endswith("_proj.weight") or (name in _EMBEDDINGS and stored in quant.FORMATS):
             keep = stored == fmt or name in _EMBEDDINGS
-            w = (_blocks_of(t.data, stored, in_features) if keep
+            w = (blocks_of(t) if keep
                  else _quantize(dequantized(t), fmt))
             kind = t.name.split(".")[-2]
             if kind in heads:

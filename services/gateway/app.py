@@ -7,6 +7,7 @@ import logging
 from collections.abc import Awaitable
 from dataclasses import dataclass, field
 
+from services.drain import STOP_GRACE_S, drain_gateway
 from services.gateway.health import ReadinessMonitor
 from services.gateway.model_card import load_model_header
 from services.gateway.pipeline import GatewayCore
@@ -38,10 +39,14 @@ class GatewayOptions:
     tokenize_threads: int = 2  # threads rendering chat templates and tokenizing
     http_port: int | None = None  # OpenAI-compatible HTTP on host:http_port (0: free port); None: off
     internal_secret: str | None = None  # sent on every call to a worker (services.auth)
+    drain_s: float = 80.0  # after the signal: seconds open streams may finish (services/drain.py)
 
 
-async def run_gateway(opts: GatewayOptions, until: Awaitable) -> None:
-    """Serve the public Gateway until ``until`` completes (e.g. a signal), then drain.
+async def run_gateway(opts: GatewayOptions, until: Awaitable,
+                      hurry: asyncio.Event | None = None) -> None:
+    """Serve the public Gateway until ``until`` completes (e.g. a signal), then drain
+    (``services.drain.drain_gateway``: readiness fails, new requests get UNAVAILABLE, open
+    streams have ``opts.drain_s`` seconds, or until ``hurry`` is set, to finish).
 
     Raises ConnectionError (Redis not answering at start), FileNotFoundError / ValueError
     (model file), OSError (port taken)."""
@@ -67,6 +72,7 @@ async def run_gateway(opts: GatewayOptions, until: Awaitable) -> None:
              model.name, opts.kv_failure_policy, opts.max_inflight)
     try:
         await until
+        await drain_gateway(readiness, core, opts.drain_s, hurry)
     finally:
         if http:
             http[0].should_exit = True
@@ -89,6 +95,8 @@ async def _start_http(opts: GatewayOptions, core: GatewayCore, readiness: Readin
 
     server = HttpServer(uvicorn.Config(create_app(core, readiness), host=opts.host, port=opts.http_port,
                                        log_level="warning", lifespan="off", access_log=False,
+                                       # after the drain: streams still open are cut, bounded
+                                       timeout_graceful_shutdown=STOP_GRACE_S,
                                        log_config=None))  # NOTE: uvicorn logs via ours (json too)
     task = asyncio.ensure_future(server.serve())
     while not server.started:

@@ -73,6 +73,15 @@ class ReadinessMonitor:
             await self.health.set(name, NOT_SERVING)
         self._task = asyncio.get_running_loop().create_task(self._run(), name="readiness")
 
+    async def drain(self) -> None:
+        """The gateway is stopping: stop checking and report NOT_SERVING (``/ready`` 503,
+        reason "draining") for good."""
+        await self.stop()
+        self.ready, self.reason = False, "draining: the gateway is shutting down"
+        for name in self.names:
+            await self.health.set(name, NOT_SERVING)
+        log.info("gateway not ready: draining")
+
     async def stop(self) -> None:
         if self._task is not None:
             self._task.cancel()

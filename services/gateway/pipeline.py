@@ -77,6 +77,12 @@ class GatewayCore:
         self._tokenize = ThreadPoolExecutor(tokenize_threads, thread_name_prefix="tokenize")
         self._inflight: dict[str, RequestRecord] = {}
         self._closing: set[asyncio.Task] = set()  # requests recording their outcome
+        self.draining = False  # stopping (services/drain.py): new requests get UNAVAILABLE
+
+    @property
+    def num_inflight(self) -> int:
+        """Requests admitted and not finished."""
+        return len(self._inflight)
 
     async def close(self) -> None:
         self._tokenize.shutdown(wait=False, cancel_futures=True)
@@ -119,7 +125,8 @@ class GatewayCore:
     async def admit(self, prepared: Prepared) -> RequestRecord:
         """Take one of ``max_inflight`` places and create the Redis record (QUEUED).
 
-        Raises ResourceExhausted (gateway full), ValueError (id in flight), Unavailable (Redis)."""
+        Raises ResourceExhausted (gateway full), ValueError (id in flight), Unavailable (Redis,
+        or the gateway draining)."""
         try:
             return await self._admit(prepared)
         except BaseException as exc:
@@ -144,7 +151,7 @@ class GatewayCore:
         failure the ones admitted are released (recorded ABORTED) and it raises as ``admit``."""
         try:
             self._check_room(len(prepared))
-        except ResourceExhausted as exc:
+        except BaseException as exc:  # full or draining
             prepared[0].trace.fail(exc)  # the choices share one request span
             raise
         records: list[RequestRecord] = []
@@ -219,6 +226,8 @@ class GatewayCore:
         return task
 
     def _check_room(self, count: int) -> None:
+        if self.draining:
+            raise Unavailable("gateway is draining (shutting down); retry on another gateway")
         if len(self._inflight) + count > self.max_inflight:
             raise ResourceExhausted(f"gateway overloaded: {self.max_inflight} requests in flight "
                                     "(--max-inflight); retry later")

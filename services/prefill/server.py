@@ -24,7 +24,7 @@ from services.kv_transfer import KVLeaseRefusedError, KVTransferError
 from services.observability import tracing
 from services.observability.logs import bind_request
 from services.prefill.faults import Faults
-from services.rpc import Aborted
+from services.rpc import Aborted, Unavailable
 from services.api.convert import params_from_proto
 from services.worker import WorkerRuntime
 
@@ -68,6 +68,16 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
     def close(self) -> None:
         self.transport.close()
 
+    def busy(self) -> bool:
+        """Whether a handoff is still running (computing, or writing KV)."""
+        return bool(self._handoffs)
+
+    def hand_back(self) -> int:
+        """Drain deadline (services/drain.py): every prompt still queued or computing ends with
+        UNAVAILABLE (after telling its decode worker "not written"), so the gateway retries it
+        on another prefill worker; a write already under way finishes by its deadline."""
+        return self.rt.hand_back_streams()
+
     async def Prefill(self, request: worker_pb2.PrefillRequest, context):
         rid, dest = request.request_id, request.destination
         if dest.transport != self.rt.options.kv_transport:
@@ -75,6 +85,10 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
                              f"with {self.rt.options.kv_transport!r}")
         if rid in self._handoffs:
             raise ValueError(f"request_id: {rid!r} is already in flight on this worker")
+        if self.rt.draining:  # the decode worker frees the reservation now, not at its lease's end
+            why = f"prefill worker {self.rt.worker_id} is draining (shutting down)"
+            await self._send_not_written(dest, rid, why)
+            raise Unavailable(f"{why}: use another prefill worker")
         trace = tracing.worker_trace("prefill", context, rid, len(request.prompt_token_ids))
         bind_request(rid, trace)
         task = asyncio.create_task(self._handoff(request, _Lease(dest.lease_s), trace))
@@ -142,8 +156,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
                                       "failed", _reason(exc, write))
             if write is None or _failed(write):
                 await self._send_not_written(dest, rid, _reason(exc, write))
-            if isinstance(exc, (ValueError, Aborted)):
-                raise  # argument errors keep their status; ABORTED already
+            if isinstance(exc, (ValueError, Aborted, Unavailable)):
+                raise  # argument errors keep their status; ABORTED already; UNAVAILABLE: retry
             raise Aborted(f"prefill worker: {_reason(exc, write)}") from exc
         finally:
             self.rt.streams.pop(rid, None)

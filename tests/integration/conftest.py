@@ -32,11 +32,15 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="package", autouse=True)
-def no_default_http_port() -> Iterator[None]:
+def test_defaults() -> Iterator[None]:
     """Stacks and `tandem up` runs here serve no HTTP unless a test asks (``--http-port``):
-    the default port 8000 would collide between stacks run in parallel."""
+    the default port 8000 would collide between stacks run in parallel. And they run in the
+    oracle mode (float32, dense weights: token-exact against transformers' greedy output) unless
+    a test asks for a precision with ``--dtype``/``--quantization`` (flags beat the environment)."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("TANDEM_HTTP_PORT", "0")
+        mp.setenv("TANDEM_DTYPE", "float32")
+        mp.setenv("TANDEM_QUANTIZATION", "none")
         yield
 
 

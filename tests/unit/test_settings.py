@@ -12,7 +12,7 @@ import pytest
 
 from services import cli
 from services.engine.engine import EngineConfig
-from services.settings import DType, KVFailurePolicy, KVTransportKind, LogLevel, Settings
+from services.settings import DType, Quantization, KVFailurePolicy, KVTransportKind, LogLevel, Settings
 from services.settings_sources import (
     SettingsError, leaves, load_settings, markdown_table, show_lines, write_settings_file)
 
@@ -31,10 +31,11 @@ OLD_FLAGS = ["--model", "--device", "--dtype", "--block-size", "--kv-cache-gib",
              "--kv-port", "--worker-id", "--kv-transport", "--log-level"]
 
 
-def test_engine_defaults_are_engine_configs_own():
+def test_engine_defaults_are_engine_configs_own_but_a_served_worker_picks_its_precision():
     engine = Settings().engine
-    assert engine.engine_config() == EngineConfig()
-    assert engine.dtype is DType.float32
+    assert engine.dtype is DType.auto and engine.quantization is Quantization.auto
+    assert engine.engine_config() == EngineConfig(dtype="auto", quantization="auto")
+    assert (EngineConfig().dtype, EngineConfig().quantization) == ("float32", "none")
 
 
 def test_every_old_env_var_and_flag_still_names_a_setting_and_none_twice():

@@ -1,0 +1,194 @@
+"""Worker time-to-ready, end to end and phase by phase (``python -m scripts.bench_ready``).
+
+Three measurements per precision (``--modes dtype:quantization,...``), each in a fresh process:
+
+- ``phases``: where a worker's start goes, timed in-process with ``time.perf_counter`` (wall)
+  and ``time.process_time`` (CPU of all threads, which a loaded machine inflates less):
+  ``import_torch``, ``import_engine``, ``read_gguf`` (header and tensor map),
+  ``build_model`` (weights, kernel load), ``kv_cache`` and the rest of the engine,
+  ``warm_up``.
+- ``worker_s``: ``python -m services.cli serve decode`` from process start to gRPC health
+  SERVING (a private ``redis-server`` is started once for the run).
+- ``up_s`` (``--up``): ``python -m services.cli up`` from process start to its "Tandem is up"
+  log line (every worker registered, gateway SERVING).
+
+Prints a table and writes JSON (``--out``). Compare figures only within one run; on a shared
+machine the CPU-time column is the steadier one.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+PHASES_CODE = r"""
+import json, time
+marks = [("start", time.perf_counter(), time.process_time())]
+def mark(name):
+    marks.append((name, time.perf_counter(), time.process_time()))
+import torch
+torch.set_num_threads({threads})
+mark("import_torch")
+from services.engine.engine import EngineConfig, LLMEngine
+from services.engine.quantized import build_model
+from services.engine.quantized_loader import file_weight_formats
+from services.engine.model_files import default_model_path
+mark("import_engine")
+path = str(default_model_path())
+file_weight_formats(path)
+mark("read_gguf")
+import services.engine.engine as engine_module
+built = {{}}
+def timed_build(*args, **kw):
+    out = build_model(*args, **kw)
+    mark("build_model")
+    return out
+engine_module.build_model = timed_build
+e = LLMEngine(EngineConfig(dtype={dtype!r}, quantization={quant!r}, num_kv_blocks={blocks}))
+mark("kv_cache_and_engine")
+e.warm_up()
+mark("warm_up")
+print(json.dumps({{"phases": {{n: {{"wall_s": w - pw, "cpu_s": c - pc}} for (n, w, c), (_, pw, pc)
+                              in zip(marks[1:], marks)}},
+                   "total_wall_s": marks[-1][1] - marks[0][1],
+                   "total_cpu_s": marks[-1][2] - marks[0][2],
+                   "resolved": e.precision.dtype + ":" + e.precision.quantization,
+                   "weight_bytes": e.weight_bytes}}))
+"""
+
+
+def phases(dtype: str, quant: str, threads: int, blocks: int) -> dict:
+    """One fresh interpreter timing each phase of an engine's start (see the module doc)."""
+    code = PHASES_CODE.format(dtype=dtype, quant=quant, threads=threads, blocks=blocks)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _serving(address: str) -> bool:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        try:
+            resp = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(),
+                                                             timeout=0.5)
+        except grpc.RpcError:
+            return False
+    return resp.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def _env(dtype: str, quant: str, threads: int) -> dict[str, str]:
+    return {**os.environ, "TANDEM_DTYPE": dtype, "TANDEM_QUANTIZATION": quant,
+            "TANDEM_NUM_THREADS": str(threads), "TANDEM_NUM_KV_BLOCKS": "1024"}
+
+
+def worker_ready(redis_url: str, dtype: str, quant: str, threads: int, timeout_s: float) -> float:
+    """Seconds from spawning one decode worker to its health check answering SERVING."""
+    port = _free_port()
+    t0 = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-m", "services.cli", "serve", "decode",
+                             "--redis-url", redis_url, "--worker-port", str(port)],
+                            env=_env(dtype, quant, threads), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        while not _serving(f"127.0.0.1:{port}"):
+            if proc.poll() is not None:
+                raise RuntimeError(f"worker exited {proc.returncode} (run it by hand to see why)")
+            if time.perf_counter() - t0 > timeout_s:
+                raise TimeoutError(f"worker not SERVING within {timeout_s:.0f}s")
+            time.sleep(0.02)
+        return time.perf_counter() - t0
+    finally:
+        _stop(proc)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def up_ready(dtype: str, quant: str, threads: int, timeout_s: float) -> float:
+    """Seconds from spawning ``tandem up`` to its "Tandem is up" line (own Redis included)."""
+    t0 = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--port",
+                             str(_free_port())], env=_env(dtype, quant, threads),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        for line in proc.stderr:
+            if "Tandem is up" in line:
+                return time.perf_counter() - t0
+            if time.perf_counter() - t0 > timeout_s:
+                break
+        raise RuntimeError(f"`tandem up` did not report ready (exit {proc.poll()})")
+    finally:
+        _stop(proc)
+
+
+def run(args) -> dict:
+    from services.state.redis_server import start_redis_server
+
+    results = {}
+    redis = start_redis_server()
+    try:
+        for spec in args.modes.split(","):
+            dtype, quant = spec.split(":")
+            row = {"phases": phases(dtype, quant, args.threads, 1024)}
+            row["worker_s"] = [worker_ready(redis.url, dtype, quant, args.threads, args.timeout_s)
+                               for _ in range(args.repeat)]
+            if args.up:
+                row["up_s"] = up_ready(dtype, quant, args.threads, args.timeout_s)
+            results[spec] = row
+            print(json.dumps({spec: row}), flush=True)
+    finally:
+        redis.stop()
+    return results
+
+
+def print_table(results: dict) -> None:
+    names = list(next(iter(results.values()))["phases"]["phases"])
+    print(f"{'mode':<18}" + "".join(f"{n[:12]:>13}" for n in names)
+          + f"{'total':>8}{'worker s':>10}{'up s':>7}")
+    for spec, r in results.items():
+        ph = r["phases"]
+        for kind in ("wall_s", "cpu_s"):
+            cells = "".join(f"{ph['phases'][n][kind]:>13.2f}" for n in names)
+            total = ph["total_" + kind.split("_")[0] + "_s"]
+            tail = (f"{min(r['worker_s']):>10.2f}{r.get('up_s', float('nan')):>7.2f}"
+                    if kind == "wall_s" else "")
+            print(f"{spec + ' ' + kind[:-2]:<18}{cells}{total:>8.2f}{tail}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m scripts.bench_ready", description=__doc__)
+    p.add_argument("--modes", default="float32:auto,float32:none",
+                   help="comma-separated dtype:quantization")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    p.add_argument("--repeat", type=int, default=3, help="worker starts per mode (min reported)")
+    p.add_argument("--up", action="store_true", help="also time `tandem up` (1 prefill + 1 decode)")
+    p.add_argument("--timeout-s", type=float, default=300.0)
+    p.add_argument("--out", default="bench-results/ready.json")
+    args = p.parse_args(argv)
+    results = run(args)
+    print_table(results)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
