@@ -9,8 +9,11 @@ and output lengths, ignore_eos) with ``--concurrency`` clients through loadtest'
 client of `tandem bench serve`). Prints the figures and writes them as JSON (``--out``);
 ``cost`` is ``1 - on/off`` of the mean output throughput (target: under 3%).
 
-    python scripts/bench_tracing_overhead.py --num-prompts 256 --concurrency 16 --rounds 4
-    python scripts/bench_tracing_overhead.py --num-prompts 8 --output-len 8 --rounds 1   # smoke
+    python -m scripts.bench_tracing_overhead --num-prompts 256 --concurrency 16 --rounds 4
+    python -m scripts.bench_tracing_overhead --num-prompts 8 --output-len 8 --rounds 1   # smoke
+
+Run it with ``-m`` from the checkout, so that this process and the stack it starts import the
+same ``services``.
 """
 from __future__ import annotations
 
