@@ -12,6 +12,7 @@ import sys
 
 import grpc
 
+from services.observability.logs import configure_logging
 from services.settings_sources import (
     FLAG_PREFIX, LoadedSettings, SettingsError, add_setting_flags, flag_values, load_settings,
     markdown_table, show_lines)
@@ -109,15 +110,14 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     name = f"tandem {args.command}"
     if args.command == "bench":
-        logging.basicConfig(level=getattr(args, FLAG_PREFIX + "log_level", "INFO").upper())
+        configure_logging(getattr(args, FLAG_PREFIX + "log_level", "INFO").upper())
         return _run(name, cmd_bench, args)
     try:
         loaded = _load(args)
     except SettingsError as exc:
         print(f"{name}: error: {exc}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=loaded.settings.log_level.value,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(loaded.settings.log_level.value, loaded.settings.observability.log_format.value)
     commands = {"up": cmd_up, "serve": cmd_serve, "chat": cmd_chat, "generate": cmd_generate,
                 "config": cmd_config}
     return _run(name, commands[args.command], args, loaded)
@@ -137,15 +137,21 @@ def _run(name: str, command, *args) -> int:
 def cmd_serve(args, loaded: LoadedSettings) -> int:
     import uvloop
 
+    from services.observability import tracing
     from services.serve import serve_gateway, serve_worker
 
     s = loaded.settings
     if not s.state.redis_url:
         raise ValueError("state.redis_url: required for `tandem serve` (--redis-url or REDIS_URL)")
-    if args.role == "gateway":
-        uvloop.run(serve_gateway(gateway_options(s)))
-        return 0
-    uvloop.run(serve_worker(worker_options(s, args.role), s.worker.num_threads))
+    tracing.configure(args.role, s.observability.otlp_traces_endpoint,
+                      "" if args.role == "gateway" else s.worker.worker_id)
+    try:
+        if args.role == "gateway":
+            uvloop.run(serve_gateway(gateway_options(s)))
+        else:
+            uvloop.run(serve_worker(worker_options(s, args.role), s.worker.num_threads))
+    finally:
+        tracing.shutdown()  # export the spans still buffered
     return 0
 
 

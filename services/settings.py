@@ -233,6 +233,24 @@ class TransportSection(BaseModel):
         "host of its endpoint)")
 
 
+class LogFormat(str, Enum):
+    """Log lines: text for a terminal, json (one object per line) for a log collector."""
+    text = "text"
+    json = "json"
+
+
+class ObservabilitySection(BaseModel):
+    """Logs and traces (services/observability/); OTEL_* variables configure the exporter."""
+    model_config = _SECTION
+    log_format: LogFormat = setting(
+        LogFormat.text, help="log lines as text, or json (one object per line, with request_id, "
+        "trace_id, span_id)")
+    otlp_traces_endpoint: str | None = setting(
+        None, help="OTLP endpoint to export traces to (e.g. http://collector:4317; "
+        "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL grpc or http/protobuf); unset: tracing off unless "
+        "OTEL_EXPORTER_OTLP_ENDPOINT is set")
+
+
 class SupervisorSection(BaseModel):
     """How `tandem up` restarts a child that exits (as Kubernetes restarts a container)."""
     model_config = _SECTION
@@ -273,6 +291,7 @@ class Settings(BaseSettings):
     transport: TransportSection = Field(default_factory=TransportSection)
     supervisor: SupervisorSection = Field(default_factory=SupervisorSection)
     up: UpSection = Field(default_factory=UpSection)
+    observability: ObservabilitySection = Field(default_factory=ObservabilitySection)
 
     @classmethod
     def settings_customise_sources(cls, settings_cls, init_settings, *args, **kwargs):
@@ -295,4 +314,5 @@ class Settings(BaseSettings):
         return None
 
 
-SECTIONS = ("engine", "worker", "gateway", "state", "transport", "supervisor", "up")
+SECTIONS = ("engine", "worker", "gateway", "state", "transport", "supervisor", "up",
+            "observability")

@@ -24,6 +24,8 @@ from services.engine import commands
 from services.engine.outputs import RequestOutput
 from services.engine.sampler import TokenLogprobs
 from services.kv_transfer.grants import new_token
+from services.observability import tracing
+from services.observability.logs import bind_request
 from services.rpc import Aborted, ResourceExhausted, Unavailable
 from services.api.convert import logprobs_to_proto, params_from_proto
 from services.worker import WorkerRuntime
@@ -95,6 +97,9 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         queue = self.rt.open_stream(rid)
         owned = finished = False  # owned: the engine may hold a request of ours under rid
         lease = _StreamLease(self.rt, rid, queue, self.rt.options.kv_lease_s)
+        trace = tracing.worker_trace("decode", context, rid, len(request.prompt_token_ids))
+        bind_request(rid, trace)
+        req = None
         try:
             req = await self.rt.call(
                 commands.MakeRequest(rid, list(request.prompt_token_ids), params))
@@ -111,7 +116,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                     transport_metadata=self.transport.metadata(),
                     block_ids=list(req.block_table), lease_s=self.rt.options.kv_lease_s,
                     write_token=token))
-                await self._start(rid, await outcome, request.kv_failure_policy, queue)
+                await self._start(rid, await trace.kv_wait(outcome, request.kv_failure_policy != FAIL),
+                                  request.kv_failure_policy, queue)
             async for outs in _batches(queue):
                 for out in outs:
                     self.rt.check_output(out)  # failed alone, or the engine died: an error
@@ -124,7 +130,11 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 lease.renew()
                 if finished:
                     return
+        except BaseException as exc:
+            trace.fail(exc)
+            raise
         finally:  # client gone, abort or error: free what the request holds, unless a KV write
+            trace.end_decode(req)
             lease.close()
             self.rt.streams.pop(rid, None)  # may still land in it (quarantined until closed)
             if owned and not finished and not self.reservations.detach(rid):

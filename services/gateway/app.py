@@ -111,7 +111,8 @@ async def _start_http(opts: GatewayOptions, core: GatewayCore, readiness: Readin
         log_level="warning", lifespan="off", access_log=False,
         ssl_context_factory=(lambda config, default: certs.context) if certs else None,
         # after the drain: streams still open are cut, bounded
-        timeout_graceful_shutdown=STOP_GRACE_S))
+        timeout_graceful_shutdown=STOP_GRACE_S,
+        log_config=None))  # NOTE: uvicorn logs via ours (json too)
     task = asyncio.ensure_future(server.serve())
     while not server.started:
         if task.done():  # bind failed: uvicorn logged it and returned

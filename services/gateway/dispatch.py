@@ -26,11 +26,13 @@ import time
 from contextlib import aclosing
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 
 from services.api import worker_pb2, worker_pb2_grpc
 from services.gateway.routing import WorkerPool
+from services.observability.tracing import NO_TRACE
 from services.rpc import ResourceExhausted, Unavailable
 from services.state.registry import WorkerInfo
 
@@ -61,6 +63,7 @@ class Job:
     track: Callable[[object], object]  # registers a call or task that Abort must cancel
     on_dispatch: Callable[[str, str, bool], None]  # (decode worker, prefill worker, resumed)
     on_prefilled: Callable[[worker_pb2.PrefillResponse], None]  # its timings go to the record
+    trace: Any = NO_TRACE  # the request's span (services.observability.tracing)
 
 
 @dataclass
@@ -102,6 +105,8 @@ class Dispatcher:
                             return
             except WorkerLost as exc:
                 self.pool.lost(exc.worker, str(exc))
+                job.trace.event("migration" if generated else "retry", reason=str(exc),
+                                **{"tandem.num_generated_tokens": len(generated)})
                 log.warning("request %s: %s; %s with %d tokens generated", job.request_id, exc,
                             "migrating" if generated else "retrying", len(generated))
         raise Unavailable(f"workers failed {MAX_ATTEMPTS} times in a row; retry later")
@@ -109,7 +114,11 @@ class Dispatcher:
     async def _attempt(self, job: Job, n: int, prompt: list[int], params: worker_pb2.SamplingParams):
         att = _Attempt(job.request_id if n == 0 else f"{job.request_id}~{n}")
         try:
-            await self._reserve(job, att, prompt, params, resumed=n > 0)
+            with job.trace.child("kv_reservation", **{"tandem.attempt": n}) as span:
+                await self._reserve(job, att, prompt, params, resumed=n > 0)
+                span.set(**{"tandem.decode_worker": att.decode.worker_id,
+                            "tandem.kv_reservation.blocks":
+                                len(att.reservation.block_ids) if att.reservation else 0})
             if att.reservation is not None:  # else a unified worker computes the prompt itself
                 att.prefill = job.track(asyncio.ensure_future(
                     self._prefill(job, att, prompt, params, resumed=n > 0)))
@@ -136,7 +145,8 @@ class Dispatcher:
                 self.pool.channel(w.endpoint)).Decode(worker_pb2.DecodeRequest(
                     request_id=att.worker_request_id, prompt_token_ids=prompt,
                     sampling_params=params, kv_failure_policy=self.policy,
-                    local_prefill=unified), timeout=self.rpc_timeout_s))
+                    local_prefill=unified), timeout=self.rpc_timeout_s,
+                metadata=job.trace.metadata()))
             try:
                 first = await call.read()
             except grpc.aio.AioRpcError as exc:
@@ -178,7 +188,8 @@ class Dispatcher:
                 result = await stub.Prefill(worker_pb2.PrefillRequest(
                     request_id=att.worker_request_id, prompt_token_ids=prompt,
                     sampling_params=params, destination=dest),
-                    timeout=self.rpc_timeout_s)  # NOTE: the prefill worker renews the lease
+                    timeout=self.rpc_timeout_s, metadata=job.trace.metadata())  # NOTE: the
+                # prefill worker renews the lease
             except grpc.aio.AioRpcError as exc:
                 code, details = exc.code(), exc.details()
                 if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
@@ -207,7 +218,7 @@ class Dispatcher:
             done, _ = await asyncio.wait({read} if prefill is None else {read, prefill},
                                          return_when=asyncio.FIRST_COMPLETED)
             if prefill in done:
-                _check_prefill(prefill, got_tokens, job.request_id)
+                _check_prefill(prefill, got_tokens, job)
                 prefill = None
             if read in done:
                 msg = _decode_message(att.decode, read)
@@ -231,7 +242,7 @@ class Dispatcher:
             task.add_done_callback(_forget(self._background))
 
 
-def _check_prefill(prefill: asyncio.Task, got_tokens: bool, request_id: str) -> None:
+def _check_prefill(prefill: asyncio.Task, got_tokens: bool, job: Job) -> None:
     """Raise what the finished prefill means for the attempt; return if it can go on."""
     if prefill.cancelled():
         raise asyncio.CancelledError()
@@ -240,7 +251,8 @@ def _check_prefill(prefill: asyncio.Task, got_tokens: bool, request_id: str) -> 
         return
     if isinstance(exc, _HandoffFailed):
         log.info("request %s: KV handoff failed (%s); the decode worker's policy decides",
-                 request_id, exc)
+                 job.request_id, exc)
+        job.trace.event("kv_transfer_failed", reason=str(exc))
         return
     if isinstance(exc, WorkerLost) and got_tokens:
         return  # the KV had landed: the prefill worker is no longer needed

@@ -34,6 +34,7 @@ from services.gateway.health import ReadinessMonitor
 from services.gateway.http_auth import ApiKeyMiddleware, request_identity
 from services.gateway.openai_api import ChatCompletionRequest, Chunker, CompletionRequest, error_body
 from services.gateway.pipeline import GatewayCore
+from services.observability import tracing
 from services.rpc import ResourceExhausted, Unavailable
 
 log = logging.getLogger(__name__)
@@ -87,7 +88,8 @@ async def _complete(core: GatewayCore, request: Request, body_cls, kind: str, ac
         access.check_request(identity)
         body = body_cls.model_validate_json(await _read_body(request, core.limits.max_request_bytes))
         body.check_n(core.limits.max_n)
-        prepared = await core.prepare(body.to_proto(rid))
+        prepared = await core.prepare(body.to_proto(rid),
+                                      request.headers if tracing.enabled() else None)
         choices = await Choices.admit(core, prepared, body.n, access, identity)
     except Exception as exc:  # noqa: BLE001 — every failure becomes OpenAI's error JSON
         return _error_response(exc, headers)

@@ -38,6 +38,8 @@ from services.gateway.model_card import ModelCard
 from services.gateway.records import RequestRecord, redis_call
 from services.gateway.routing import WorkerPool
 from services.gateway.validation import RequestLimits
+from services.observability import tracing
+from services.observability.logs import bind_request
 from services.rpc import ResourceExhausted, Unavailable
 from services.state.store import RequestState, RequestStateStore
 
@@ -51,6 +53,7 @@ class Prepared:
     request_id: str
     prompt: list[int]  # prompt token ids (chat template applied)
     params: SamplingParams
+    trace: tracing.RequestTrace | object = tracing.NO_TRACE  # the request's span (if tracing)
 
 
 class GatewayCore:
@@ -85,28 +88,39 @@ class GatewayCore:
         self._tokenize.shutdown(wait=False, cancel_futures=True)
         await self.pool.close()
 
-    async def generate(self, request: gateway_pb2.GenerateRequest,
+    async def generate(self, request: gateway_pb2.GenerateRequest, carrier=None,
                        ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
         """The whole pipeline for one request. Raises ValueError (bad input, naming the field),
-        ResourceExhausted, Unavailable; the last response carries finish_reason and usage."""
-        prepared = await self.prepare(request)
+        ResourceExhausted, Unavailable; the last response carries finish_reason and usage.
+        ``carrier``: the caller's W3C trace context (``traceparent``; None without tracing)."""
+        prepared = await self.prepare(request, carrier)
         record = await self.admit(prepared)
         async with aclosing(self.relay(prepared, record)) as responses:
             async for response in responses:
                 yield response
 
-    async def prepare(self, request: gateway_pb2.GenerateRequest) -> Prepared:
-        """Validate; render and tokenize the prompt off the event loop. Raises ValueError."""
-        if request.model and request.model != self.model.name:
-            raise ValueError(f"model: {request.model!r} is not served here (serving {self.model.name!r})")
-        validation.check_request(request, self.limits)
-        rid = request.request_id or uuid.uuid4().hex
-        self._check_new(rid)
-        prompt = await asyncio.get_running_loop().run_in_executor(
-            self._tokenize, validation.prompt_token_ids, request, self.tokenizer,
-            self.model.max_model_len)
-        return Prepared(rid, prompt, validation.sampling_params(
-            request, len(prompt), self.model, self.limits.max_tokens_cap))
+    async def prepare(self, request: gateway_pb2.GenerateRequest, carrier=None) -> Prepared:
+        """Validate; render and tokenize the prompt off the event loop; start the request's
+        span (child of the trace context in ``carrier``, if tracing). Raises ValueError."""
+        trace = tracing.request_trace(carrier, "chat" if request.messages else "text_completion",
+                                      self.model.name)
+        try:
+            if request.model and request.model != self.model.name:
+                raise ValueError(f"model: {request.model!r} is not served here (serving {self.model.name!r})")
+            validation.check_request(request, self.limits)
+            rid = request.request_id or uuid.uuid4().hex
+            bind_request(rid, trace)
+            self._check_new(rid)
+            prompt = await asyncio.get_running_loop().run_in_executor(
+                self._tokenize, validation.prompt_token_ids, request, self.tokenizer,
+                self.model.max_model_len)
+            params = validation.sampling_params(request, len(prompt), self.model,
+                                                self.limits.max_tokens_cap)
+        except BaseException as exc:
+            trace.fail(exc)
+            raise
+        trace.requested(rid, params, len(prompt))
+        return Prepared(rid, prompt, params, trace)
 
     async def admit(self, prepared: Prepared, key_id: str = "") -> RequestRecord:
         """Take one of ``max_inflight`` places and create the Redis record (QUEUED), owned by
@@ -114,6 +128,13 @@ class GatewayCore:
 
         Raises ResourceExhausted (gateway full), ValueError (id in flight), Unavailable (Redis,
         or the gateway draining)."""
+        try:
+            return await self._admit(prepared)
+        except BaseException as exc:
+            prepared.trace.fail(exc)
+            raise
+
+    async def _admit(self, prepared: Prepared) -> RequestRecord:
         rid = prepared.request_id
         self._check_new(rid)
         self._check_room(1)
@@ -129,7 +150,11 @@ class GatewayCore:
     async def admit_all(self, prepared: list[Prepared], key_id: str = "") -> list[RequestRecord]:
         """``admit`` each of ``prepared`` (the n choices of one request), all or none: on a
         failure the ones admitted are released (recorded ABORTED) and it raises as ``admit``."""
-        self._check_room(len(prepared))
+        try:
+            self._check_room(len(prepared))
+        except BaseException as exc:  # full or draining
+            prepared[0].trace.fail(exc)  # the choices share one request span
+            raise
         records: list[RequestRecord] = []
         try:
             for p in prepared:
@@ -170,16 +195,17 @@ class GatewayCore:
             record.cancel()  # no-op for finished calls; frees worker blocks otherwise
             # NOTE: shielded: a front end on anyio (Starlette) cancels a gone client's stream
             # at every await, which would drop the outcome's Redis write half done.
-            await asyncio.shield(self._background(self._close(prepared.request_id, tokens, record)))
+            await asyncio.shield(self._background(self._close(prepared, tokens, record)))
         if record.aborted:
             yield gateway_pb2.GenerateResponse(
                 request_id=prepared.request_id, finish_reason="abort",
                 usage=_usage(len(prepared.prompt), record))
 
-    async def _close(self, rid: str, tokens: AsyncIterator, record: RequestRecord) -> None:
+    async def _close(self, prepared: Prepared, tokens: AsyncIterator, record: RequestRecord) -> None:
         await tokens.aclose()
-        self._inflight.pop(rid, None)
+        self._inflight.pop(prepared.request_id, None)
         await record.finish()
+        prepared.trace.finish(record)
 
     def abort(self, request_id: str, key_id: str | None = None) -> bool:
         """Cancel a request in flight on this gateway; False when there is none by that id
@@ -215,6 +241,8 @@ class GatewayCore:
     def _response(self, prepared: Prepared, record: RequestRecord, text_out: OutputProcessor,
                   msg: worker_pb2.DecodeResponse) -> gateway_pb2.GenerateResponse:
         """Detokenize one decode message (stop strings included) and note it in the record."""
+        if not record.num_output_tokens:
+            prepared.trace.first_token()
         record.on_tokens(len(msg.token_ids))
         text, stopped = text_out.process(list(msg.token_ids))
         reason = "stop" if stopped else msg.finish_reason
@@ -237,6 +265,7 @@ class GatewayCore:
                                                    prefill_start_time=time.time(), **workers))
 
         def on_prefilled(result: worker_pb2.PrefillResponse) -> None:
+            prepared.trace.prefilled(result)
             record.num_cached_tokens = result.num_cached_tokens
             record.write(self.store.update(
                 prepared.request_id, prefill_end_time=time.time(),
@@ -244,7 +273,7 @@ class GatewayCore:
                 kv_transfer_time=result.transfer_time_s))
 
         return Job(prepared.request_id, prepared.prompt, params_to_proto(prepared.params),
-                   record.track, on_dispatch, on_prefilled)
+                   record.track, on_dispatch, on_prefilled, prepared.trace)
 
     def _logprob(self, lp: worker_pb2.SampledLogprobs) -> gateway_pb2.TokenLogprob:
         decode = lambda t: self.tokenizer.decode([t], skip_special_tokens=False)  # noqa: E731

@@ -13,6 +13,7 @@ from services.gateway.access import Access, current_identity
 from services.gateway.limits import RateLimited
 from services.gateway.pipeline import GatewayCore
 from services.gateway.wire import raw_handlers
+from services.observability.tracing import grpc_carrier
 
 SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
 
@@ -30,7 +31,7 @@ class GatewayServicer:
         identity = current_identity()
         try:
             self.access.check_request(identity)
-            prepared = await self.core.prepare(request)
+            prepared = await self.core.prepare(request, grpc_carrier(context))
             record = await self.access.admit(self.core, prepared, identity)
         except RateLimited as exc:  # RESOURCE_EXHAUSTED, with when to retry (as HTTP's header)
             context.set_trailing_metadata((("retry-after", str(exc.retry_after_s)),))

@@ -21,6 +21,8 @@ import time
 from services.api import worker_pb2, worker_pb2_grpc
 from services.engine import commands
 from services.kv_transfer import KVLeaseRefusedError, KVTransferError
+from services.observability import tracing
+from services.observability.logs import bind_request
 from services.prefill.faults import Faults
 from services.rpc import Aborted, Unavailable
 from services.api.convert import params_from_proto
@@ -58,6 +60,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         # a sender only: its listener is never written to, but costs nothing
         self.transport = runtime.create_transport(port=0)
         self.transfer_timeout_s = runtime.options.kv_transfer_timeout_s
+        layout = runtime.engine.layout
+        self.kv_block_bytes = 2 * layout.num_layers * layout.block_bytes  # K and V, every layer
         self._handoffs: dict[str, asyncio.Task] = {}
         self.GetLoad = runtime.GetLoad
 
@@ -85,7 +89,10 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             why = f"prefill worker {self.rt.worker_id} is draining (shutting down)"
             await self._send_not_written(dest, rid, why)
             raise Unavailable(f"{why}: use another prefill worker")
-        task = asyncio.create_task(self._handoff(request, _Lease(dest.lease_s)))
+        trace = tracing.worker_trace("prefill", context, rid, len(request.prompt_token_ids))
+        bind_request(rid, trace)
+        task = asyncio.create_task(self._handoff(request, _Lease(dest.lease_s), trace))
+        task.add_done_callback(trace.end_prefill)
         self._handoffs[rid] = task
         task.add_done_callback(lambda t: (self._handoffs.pop(rid, None),
                                           t.cancelled() or t.exception()))  # retrieved: no warning
@@ -103,11 +110,11 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             task.cancel()
         return worker_pb2.WorkerAbortResponse(found=task is not None)
 
-    async def _handoff(self, request: worker_pb2.PrefillRequest,
-                       lease: _Lease) -> worker_pb2.PrefillResponse:
+    async def _handoff(self, request: worker_pb2.PrefillRequest, lease: _Lease,
+                       trace=tracing.NO_TRACE) -> worker_pb2.PrefillResponse:
         """Compute the prompt (renewing the ``lease`` meanwhile), write its KV before the lease
         ends, answer; on any failure tell the destination that nothing will be written, once no
-        write is in flight."""
+        write is in flight. The write is ``trace``'s ``kv_transfer`` span."""
         rid, dest = request.request_id, request.destination
         faults = Faults.parse(rid, self.rt.options.fault_injection)
         # the prefill worker samples only the first token; the decode worker decides stopping
@@ -138,10 +145,15 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
                 faults))
             await asyncio.shield(write)
             t_done = time.monotonic()
+            trace.kv_transfer(t_first, t_done, n_blocks, n_blocks * self.kv_block_bytes,
+                              dest.transport, "landed")
         except BaseException as exc:
             keeper.cancel()
             if write is not None:
                 await _wait_out(write)
+                if _failed(write):
+                    trace.kv_transfer(t_first, time.monotonic(), n_blocks, 0, dest.transport,
+                                      "failed", _reason(exc, write))
             if write is None or _failed(write):
                 await self._send_not_written(dest, rid, _reason(exc, write))
             if isinstance(exc, (ValueError, Aborted, Unavailable)):

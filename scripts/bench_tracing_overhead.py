@@ -1,0 +1,140 @@
+"""What tracing costs: output tokens/s of one stack configuration with tracing off and on.
+
+Each round starts a fresh stack (gateway + prefill + decode workers, `tandem up`'s launcher,
+a private Redis) once with tracing off (no OTEL_* variables: the default, no-op path) and once
+with tracing on (sampler always_on, every span exported over OTLP/gRPC to a receiver this
+script runs, 200 ms batches), in alternating order (off/on, then on/off, ...) so that drift of
+a shared machine does not favour one side. Each run sends the same random dataset (fixed prompt
+and output lengths, ignore_eos) with ``--concurrency`` clients through loadtest's runner (the
+client of `tandem bench serve`). Prints the figures and writes them as JSON (``--out``);
+``cost`` is ``1 - on/off`` of the mean output throughput (target: under 3%).
+
+    python -m scripts.bench_tracing_overhead --num-prompts 256 --concurrency 16 --rounds 4
+    python -m scripts.bench_tracing_overhead --num-prompts 8 --output-len 8 --rounds 1   # smoke
+
+Run it with ``-m`` from the checkout, so that this process and the stack it starts import the
+same ``services``.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import platform
+import socket
+import statistics
+import threading
+import time
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+
+from loadtest.arrivals import ArrivalSchedule
+from loadtest.datasets import DatasetOptions, random_dataset
+from loadtest.metrics import summarize
+from loadtest.runner import RunConfig, run_benchmark
+from loadtest.serve import load_tokenizer
+from services.launcher import Stack, UpOptions
+
+
+class SpanCounter(trace_service_pb2_grpc.TraceServiceServicer):
+    """An OTLP/gRPC trace receiver that counts the spans it is sent."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._lock = threading.Lock()
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+        trace_service_pb2_grpc.add_TraceServiceServicer_to_server(self, self.server)
+        self.endpoint = f"http://127.0.0.1:{self.server.add_insecure_port('127.0.0.1:0')}"
+        self.server.start()
+
+    def Export(self, request, context):
+        n = sum(len(ss.spans) for rs in request.resource_spans for ss in rs.scope_spans)
+        with self._lock:
+            self.count += n
+        return trace_service_pb2.ExportTraceServiceResponse()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_once(args, requests, env: dict[str, str]) -> dict:
+    """Start a stack with ``env``, run the load, stop it; the run's loadtest summary."""
+    stack = Stack(UpOptions(host="127.0.0.1", port=free_port(), num_prefill=args.num_prefill,
+                            num_decode=args.num_decode, redis_url=None,
+                            worker_args=args.worker_args.split(), gateway_args=["--http-port", "0"],
+                            env=env, ready_timeout_s=600))
+    try:
+        stack.start()
+        stack.wait_ready()
+        cfg = RunConfig(f"grpc://{stack.address}", ArrivalSchedule(math.inf),
+                        max_concurrency=args.concurrency, num_warmups=args.num_warmups,
+                        request_timeout_s=args.request_timeout, progress=False)
+        outcome = asyncio.run(run_benchmark(cfg, requests))
+    finally:
+        stack.stop()
+    return summarize(outcome.records, outcome.duration_s, {}, [50, 99])
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--num-prompts", type=int, default=256)
+    p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--input-len", type=int, default=128, help="prompt tokens")
+    p.add_argument("--output-len", type=int, default=64, help="output tokens (exact: ignore_eos)")
+    p.add_argument("--rounds", type=int, default=4, help="stack pairs (off + on) to run")
+    p.add_argument("--num-warmups", type=int, default=16)
+    p.add_argument("--num-prefill", type=int, default=1)
+    p.add_argument("--num-decode", type=int, default=1)
+    p.add_argument("--worker-args", default="--num-threads 1", help="extra flags of every worker")
+    p.add_argument("--request-timeout", type=float, default=600.0)
+    p.add_argument("--out", default="results/tracing_overhead.json")
+    args = p.parse_args(argv)
+    for key in [k for k in os.environ if k.startswith("OTEL_")]:
+        del os.environ[key]  # "off" is the default: no OTEL_* at all
+    requests = random_dataset(args.num_prompts, load_tokenizer(""),
+                              DatasetOptions(input_len=args.input_len, output_len=args.output_len))
+    receiver = SpanCounter()
+    on_env = {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": receiver.endpoint,
+              "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "grpc", "OTEL_TRACES_SAMPLER": "always_on",
+              "OTEL_BSP_SCHEDULE_DELAY": "200"}
+    runs: dict[str, list[dict]] = {"off": [], "on": []}
+    for r in range(args.rounds):
+        for mode in ("off", "on") if r % 2 == 0 else ("on", "off"):
+            before = receiver.count
+            summary = run_once(args, requests, on_env if mode == "on" else {})
+            summary["spans_received"] = receiver.count - before
+            runs[mode].append(summary)
+            print(f"round {r} tracing {mode:3s}: {summary['output_throughput']:8.2f} output tok/s, "
+                  f"{summary['completed']} completed, {summary['failed']} failed, "
+                  f"{summary['spans_received']} spans received", flush=True)
+    receiver.server.stop(grace=None)
+    result = report(args, runs)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2))
+    print(f"wrote {args.out}")
+    return 0
+
+
+def report(args, runs: dict[str, list[dict]]) -> dict:
+    mean = {m: statistics.fmean(s["output_throughput"] for s in runs[m]) for m in runs}
+    cost = 1 - mean["on"] / mean["off"]
+    print(f"output tok/s at {args.concurrency} clients: off {mean['off']:.2f}, on {mean['on']:.2f}; "
+          f"tracing costs {100 * cost:.2f}% (target < 3%)")
+    return {"config": vars(args), "host": platform.node(), "cpu_count": os.cpu_count(),
+            "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "output_throughput_off": mean["off"], "output_throughput_on": mean["on"], "cost": cost,
+            "runs": {m: [{k: s[k] for k in ("output_throughput", "completed", "failed", "duration",
+                                              "mean_ttft_ms", "mean_tpot_ms", "spans_received")}
+                         for s in runs[m]] for m in runs}}
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
