@@ -162,7 +162,7 @@ def gateway_options(s):
         s.host, g.port, s.state.redis_url, s.engine.model, s.transport.rpc_timeout_s,
         s.state.heartbeat_s, g.kv_failure_policy.value, g.max_inflight,
         RequestLimits(g.max_request_bytes, g.max_messages), g.tokenize_threads, g.http_port,
-        internal_secret=s.internal_secret())
+        internal_secret=s.internal_secret(), metrics_port=g.metrics_port)
 
 
 def worker_options(s, role: str):
@@ -177,7 +177,7 @@ def worker_options(s, role: str):
         heartbeat_s=s.state.heartbeat_s, kv_lease_s=w.kv_lease_s, worker_id=w.worker_id,
         max_waiting=w.max_waiting, rpc_timeout_s=t.rpc_timeout_s,
         kv_transfer_timeout_s=t.kv_transfer_timeout_s, fault_injection=w.fault_injection,
-        internal_secret=s.internal_secret())
+        internal_secret=s.internal_secret(), metrics_port=w.metrics_port)
 
 
 def cmd_up(args, loaded: LoadedSettings) -> int:

@@ -16,6 +16,7 @@ import os
 import secrets
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -29,6 +30,7 @@ import redis.exceptions as redis_errors
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pydantic import SecretStr
 
+from services.observability.scrape import write_scrape_config
 from services.process import die_with_parent
 from services.settings import Settings
 from services.settings_sources import leaves, load_settings, write_settings_file
@@ -80,6 +82,12 @@ class RedisUnit:
         self.server.restart()
 
 
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
 def _spawn(argv: list[str], env: dict[str, str]) -> subprocess.Popen:
     # own session: a terminal's Ctrl-C reaches only us, and we stop children in order;
     # the parent-death signal ends a child even if we are killed with SIGKILL
@@ -95,6 +103,7 @@ class Stack:
         self.redis_url = opts.redis_url
         self.children: list[Child] = []
         self.run_dir: Path | None = None
+        self.metrics_targets: dict[str, str] = {}  # child name -> host:port of its /metrics
 
     @property
     def procs(self) -> list[tuple[str, subprocess.Popen]]:
@@ -116,6 +125,9 @@ class Stack:
         for i in range(self.opts.num_prefill):
             self.add_worker("prefill", f"prefill-{i}")
         self.add_gateway("gateway", self.opts.port)
+        scrape = write_scrape_config(self.run_dir / "prometheus.yml", self.metrics_targets)
+        log.info("Prometheus metrics: %s (scrape config: %s)",
+                 ", ".join(f"{n} http://{a}/metrics" for n, a in self.metrics_targets.items()), scrape)
 
     def _write_settings(self) -> None:
         base = self.opts.settings or load_settings().settings
@@ -145,13 +157,32 @@ class Stack:
 
     def add_worker(self, role: str, worker_id: str, extra_args: list[str] = ()) -> subprocess.Popen:
         """Start one more worker (it joins through the registry; nothing else restarts)."""
+        port = self._metrics_port(worker_id, self.settings.worker.metrics_port, "worker.metrics_port")
         return self._add(worker_id, [*self._serve(role), "--worker-id", worker_id,
-                                     *self.opts.worker_args, *extra_args])
+                                     "--metrics-port", str(port), *self.opts.worker_args, *extra_args])
 
     def add_gateway(self, name: str, port: int, extra_args: list[str] = ()) -> subprocess.Popen:
         """Start a gateway on ``port``; several gateways share the workers and Redis."""
-        return self._add(name, [*self._serve("gateway"), "--port", str(port),
+        g, metrics = self.settings.gateway, []
+        if g.http_port is None:  # /metrics on a port of its own
+            metrics = ["--gateway-metrics-port",
+                       str(self._metrics_port(name, g.metrics_port, "gateway.metrics_port"))]
+        elif g.http_port:
+            self.metrics_targets[name] = f"{self.opts.host}:{g.http_port}"
+        return self._add(name, [*self._serve("gateway"), "--port", str(port), *metrics,
                                 *self.opts.gateway_args, *extra_args])
+
+    def _metrics_port(self, name: str, configured: int, setting: str) -> int:
+        """The /metrics port of child ``name``: ``configured``, or a free one when it is 0 (kept
+        across restarts: the scrape config stays true). Raises ValueError naming ``setting``
+        when two children would share one fixed port."""
+        port = configured or _free_port(self.opts.host)
+        taken = {int(a.rsplit(":", 1)[1]) for a in self.metrics_targets.values()}
+        if port in taken:
+            raise ValueError(f"{setting}: port {port} would be shared by several processes of "
+                             "this stack; use 0 (a free port each)")
+        self.metrics_targets[name] = f"{self.opts.host}:{port}"
+        return port
 
     def _serve(self, role: str) -> list[str]:
         return [sys.executable, "-m", "services.cli", "serve", role,

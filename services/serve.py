@@ -52,6 +52,8 @@ async def serve_worker(opts: WorkerOptions, num_threads: int) -> None:
 
     from services.decode.server import DecodeServicer
     from services.engine.engine import LLMEngine
+    from services.gateway.model_card import served_model_name
+    from services.observability.metrics import MetricsServer, WorkerMetrics
     from services.prefill.server import PrefillServicer
     from services.worker import WorkerRuntime
 
@@ -64,6 +66,9 @@ async def serve_worker(opts: WorkerOptions, num_threads: int) -> None:
                                      fault_injection=opts.fault_injection)
     log.info("%s engine warmed up in %.2fs", opts.role, await asyncio.to_thread(engine.warm_up))
     runtime = WorkerRuntime(opts, engine)
+    runtime.metrics = WorkerMetrics(served_model_name(opts.engine.model), opts.role,
+                                    runtime.worker_id, engine, lambda: runtime.reservations)
+    metrics = MetricsServer(runtime.metrics.registry, opts.host, opts.metrics_port)
     if opts.role == "decode":
         servicer, add, name = DecodeServicer(runtime), worker_pb2_grpc.add_DecodeWorkerServicer_to_server, "DecodeWorker"
     else:
@@ -76,7 +81,8 @@ async def serve_worker(opts: WorkerOptions, num_threads: int) -> None:
     await server.start()
     runtime.start(f"{opts.advertise_host}:{port}")
     await mark_serving(health, [full_name])
-    log.info("%s worker %s ready on %s:%d", opts.role, runtime.worker_id, opts.host, port)
+    log.info("%s worker %s ready on %s:%d (Prometheus metrics on http://%s:%d/metrics)",
+             opts.role, runtime.worker_id, opts.host, port, opts.host, metrics.port)
     try:
         await _wait_for_signal_or(runtime.died)
     finally:
@@ -84,6 +90,7 @@ async def serve_worker(opts: WorkerOptions, num_threads: int) -> None:
         await runtime.heartbeater.stop()  # leave the registry first: no new requests
         await server.stop(grace=5.0)
         servicer.close()
+        await asyncio.to_thread(metrics.close)
         await runtime.stop()
     if runtime.died.is_set():
         log.critical("%s worker %s exits: its engine died", opts.role, runtime.worker_id)

@@ -13,6 +13,7 @@ from services.gateway.pipeline import GatewayCore
 from services.gateway.routing import WorkerPool
 from services.gateway.server import SERVICE_NAME, GatewayServicer, add_gateway_to_server
 from services.gateway.validation import RequestLimits
+from services.observability.metrics import MetricsServer
 from services.rpc import bind, create_server
 from services.state.client import redis_client
 from services.state.redis_server import check_redis
@@ -38,6 +39,7 @@ class GatewayOptions:
     tokenize_threads: int = 2  # threads rendering chat templates and tokenizing
     http_port: int | None = None  # OpenAI-compatible HTTP on host:http_port (0: free port); None: off
     internal_secret: str | None = None  # sent on every call to a worker (services.auth)
+    metrics_port: int = 0  # Prometheus /metrics while http_port is None (0: a free port)
 
 
 async def run_gateway(opts: GatewayOptions, until: Awaitable) -> None:
@@ -61,13 +63,18 @@ async def run_gateway(opts: GatewayOptions, until: Awaitable) -> None:
     bound = bind(server, opts.host, opts.port)
     await server.start()
     http = await _start_http(opts, core, readiness)
+    metrics = None if http else MetricsServer(core.metrics.registry, opts.host, opts.metrics_port)
     log.info("gateway listening on %s:%d (gRPC)%s (model %s, kv failure policy %s, max %d in "
-             "flight); health SERVING once a prefill and a decode worker are live",
-             opts.host, bound, f" and http://{opts.host}:{http[1]} (OpenAI HTTP)" if http else "",
-             model.name, opts.kv_failure_policy, opts.max_inflight)
+             "flight); health SERVING once a prefill and a decode worker are live; Prometheus "
+             "metrics on http://%s:%d/metrics", opts.host, bound,
+             f" and http://{opts.host}:{http[1]} (OpenAI HTTP)" if http else "",
+             model.name, opts.kv_failure_policy, opts.max_inflight, opts.host,
+             http[1] if http else metrics.port)
     try:
         await until
     finally:
+        if metrics:
+            await asyncio.to_thread(metrics.close)
         if http:
             http[0].should_exit = True
             await http[2]

@@ -23,11 +23,12 @@ from contextlib import aclosing
 import pydantic
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from services.gateway.health import ReadinessMonitor
 from services.gateway.openai_api import ChatCompletionRequest, Chunker, CompletionRequest, error_body
 from services.gateway.pipeline import GatewayCore
+from services.observability.metrics import render
 from services.rpc import ResourceExhausted, Unavailable
 
 log = logging.getLogger(__name__)
@@ -51,6 +52,11 @@ def create_app(core: GatewayCore, readiness: ReadinessMonitor) -> FastAPI:
     async def ready() -> JSONResponse:
         ok = bool(readiness.ready)
         return JSONResponse({"ready": ok, "reason": "" if ok else readiness.reason}, status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:  # Prometheus; like /health, open without an API key
+        body, content_type = render(core.metrics.registry)
+        return Response(body, media_type=content_type)
 
     @app.get("/v1/models")
     async def models() -> dict:

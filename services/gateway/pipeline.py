@@ -23,7 +23,7 @@ import uuid
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -38,7 +38,8 @@ from services.gateway.model_card import ModelCard
 from services.gateway.records import RequestRecord, redis_call
 from services.gateway.routing import WorkerPool
 from services.gateway.validation import RequestLimits
-from services.rpc import ResourceExhausted, Unavailable
+from services.observability.metrics import GatewayMetrics
+from services.rpc import ResourceExhausted, Unavailable, status_for
 from services.state.store import RequestState, RequestStateStore
 
 log = logging.getLogger(__name__)
@@ -51,6 +52,7 @@ class Prepared:
     request_id: str
     prompt: list[int]  # prompt token ids (chat template applied)
     params: SamplingParams
+    arrival_time: float = field(default_factory=time.monotonic)  # at the gateway, monotonic s
 
 
 class GatewayCore:
@@ -70,9 +72,10 @@ class GatewayCore:
         self.pool = pool
         self.max_inflight = max_inflight
         self.limits = limits
-        self.dispatcher = Dispatcher(pool, rpc_timeout_s, kv_failure_policy)
-        self._tokenize = ThreadPoolExecutor(tokenize_threads, thread_name_prefix="tokenize")
         self._inflight: dict[str, RequestRecord] = {}
+        self.metrics = GatewayMetrics(model.name, lambda: len(self._inflight))
+        self.dispatcher = Dispatcher(pool, rpc_timeout_s, kv_failure_policy, self.metrics.worker_lost)
+        self._tokenize = ThreadPoolExecutor(tokenize_threads, thread_name_prefix="tokenize")
         self._closing: set[asyncio.Task] = set()  # requests recording their outcome
 
     async def close(self) -> None:
@@ -91,6 +94,14 @@ class GatewayCore:
 
     async def prepare(self, request: gateway_pb2.GenerateRequest) -> Prepared:
         """Validate; render and tokenize the prompt off the event loop. Raises ValueError."""
+        t0 = time.monotonic()
+        try:
+            return await self._prepare(request, t0)
+        except BaseException as exc:
+            self.metrics.request_ended(_code(exc))
+            raise
+
+    async def _prepare(self, request: gateway_pb2.GenerateRequest, t0: float) -> Prepared:
         if request.model and request.model != self.model.name:
             raise ValueError(f"model: {request.model!r} is not served here (serving {self.model.name!r})")
         validation.check_request(request, self.limits)
@@ -99,7 +110,7 @@ class GatewayCore:
         prompt = await asyncio.get_running_loop().run_in_executor(
             self._tokenize, validation.prompt_token_ids, request, self.tokenizer,
             self.model.max_model_len)
-        return Prepared(rid, prompt, validation.sampling_params(request, len(prompt), self.model))
+        return Prepared(rid, prompt, validation.sampling_params(request, len(prompt), self.model), t0)
 
     async def admit(self, prepared: Prepared) -> RequestRecord:
         """Take one of ``max_inflight`` places and create the Redis record (QUEUED).
@@ -108,14 +119,16 @@ class GatewayCore:
         rid = prepared.request_id
         self._check_new(rid)
         if len(self._inflight) >= self.max_inflight:
+            self.metrics.request_ended("RESOURCE_EXHAUSTED")
             raise ResourceExhausted(f"gateway overloaded: {self.max_inflight} requests in flight "
                                     "(--max-inflight); retry later")
         record = self._inflight[rid] = RequestRecord(self.store, rid)
         try:
             await redis_call(self.store.create(rid, prompt_tokens=len(prepared.prompt),
                                                model=self.model.name))
-        except BaseException:
+        except BaseException as exc:
             del self._inflight[rid]
+            self.metrics.request_ended(_code(exc))
             raise
         return record
 
@@ -124,22 +137,28 @@ class GatewayCore:
         """Stream the workers' tokens as detokenized responses; record the outcome at the end."""
         text_out = OutputProcessor(self.tokenizer, prepared.params)
         tokens = self.dispatcher.stream(self._job(prepared, record))
+        clock, code = _TokenClock(self.metrics, prepared.arrival_time), "CANCELLED"
         try:
             async for msg in tokens:
                 response = self._response(prepared, record, text_out, msg)
+                clock.sent(len(msg.token_ids))
                 yield response
                 if response.finish_reason:
                     break  # a stop string: the finally below cancels the decode stream
+            code = "OK"
         except asyncio.CancelledError:
             if not record.aborted or asyncio.current_task().cancelling():
                 raise  # the client went away: nothing more to send
         except grpc.aio.AioRpcError as exc:  # a worker error the dispatcher did not translate
             record.error = f"{exc.code().name}: {exc.details()}"
+            code = "UNAVAILABLE"
             raise Unavailable(f"worker failed: {exc.details()}") from exc
         except Exception as exc:
             record.error = f"{type(exc).__name__}: {exc}"
+            code = _code(exc)
             raise
         finally:
+            clock.ended(code)
             record.cancel()  # no-op for finished calls; frees worker blocks otherwise
             # NOTE: shielded: a front end on anyio (Starlette) cancels a gone client's stream
             # at every await, which would drop the outcome's Redis write half done.
@@ -212,6 +231,37 @@ class GatewayCore:
             token_id=lp.token_id, logprob=lp.logprob, text=decode(lp.token_id),
             top_logprobs=[gateway_pb2.TopLogprob(token_id=t, logprob=v, text=decode(t))
                           for t, v in zip(lp.top_token_ids, lp.top_logprobs)])
+
+
+def _code(exc: BaseException) -> str:
+    """The gRPC status code name a front end answers ``exc`` with."""
+    return "CANCELLED" if isinstance(exc, asyncio.CancelledError) else status_for(exc)[0].name
+
+
+class _TokenClock:
+    """One request's latencies as its client sees them, into ``GatewayMetrics``: TTFT (gateway
+    arrival to the first token sent), one ITL sample per token (the gap since the previous
+    message for its first token, 0 for the others that came with it), e2e when it finished."""
+
+    def __init__(self, metrics: GatewayMetrics, arrival_time: float) -> None:
+        self.metrics, self.arrival_time = metrics, arrival_time
+        self.last: float | None = None
+
+    def sent(self, num_tokens: int) -> None:
+        if not num_tokens:
+            return
+        now = time.monotonic()
+        if self.last is None:
+            self.metrics.ttft.observe(now - self.arrival_time)
+        else:
+            self.metrics.itl.observe(now - self.last)
+        for _ in range(num_tokens - 1):
+            self.metrics.itl.observe(0.0)
+        self.last = now
+
+    def ended(self, code: str) -> None:
+        e2e = time.monotonic() - self.arrival_time if code == "OK" else None
+        self.metrics.request_ended(code, e2e)
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> gateway_pb2.Usage:

@@ -124,10 +124,12 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
                 faults))
             await asyncio.shield(write)
             t_done = time.monotonic()
+            self._count_transfer(t_done - t_first, n_blocks, None)
         except BaseException as exc:
             keeper.cancel()
             if write is not None:
                 await _wait_out(write)
+            self._count_transfer(0.0, 0, _failure_kind(exc, write))
             if write is None or _failed(write):
                 await self._send_not_written(dest, rid, _reason(exc, write))
             if isinstance(exc, (ValueError, Aborted)):
@@ -141,6 +143,16 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             worker_id=self.rt.worker_id, first_token_id=out.new_token_ids[0],
             queue_time_s=req.first_scheduled_time - t_arrival,
             compute_time_s=t_first - req.first_scheduled_time, transfer_time_s=t_done - t_first)
+
+    def _count_transfer(self, seconds: float, num_blocks: int, failure: str | None) -> None:
+        """Metrics of one handoff: its write's duration and bytes, or why it did not land."""
+        if self.rt.metrics is None:
+            return
+        if failure is not None:
+            self.rt.metrics.kv_transfer_failures[failure].inc()
+        elif num_blocks:
+            layout = self.rt.engine.layout
+            self.rt.metrics.transferred(seconds, num_blocks * layout.block_bytes * 2 * layout.num_layers)
 
     def _write(self, dest: worker_pb2.KVReservation, local_ids: list[int], note: bytes,
                deadline: float, faults: Faults) -> None:
@@ -218,6 +230,17 @@ async def _wait_out(write: asyncio.Future) -> None:
             await asyncio.wait({write})
         except asyncio.CancelledError:
             continue
+
+
+def _failure_kind(exc: BaseException, write: asyncio.Future | None) -> str | None:
+    """The KV transfer failure a handoff's ``exc`` means (a ``KV_FAILURE_REASONS`` entry of
+    ``services.observability.metrics``), or None when it was no transfer failure (cancelled,
+    bad input, the engine's error)."""
+    if write is not None and not write.cancelled() and write.exception() is not None:
+        return "transfer_error"
+    if isinstance(exc, Aborted) and "lease" in str(exc):
+        return "lease"  # it ran out (or was refused) before the prompt was computed
+    return None
 
 
 def _failed(write: asyncio.Future) -> bool:
