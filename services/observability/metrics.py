@@ -18,11 +18,14 @@ No torch here: the gateway imports this module.
 from __future__ import annotations
 
 import socket
+import threading
 from collections.abc import Callable, Iterable
 from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, make_server
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
@@ -182,12 +185,23 @@ class GatewayMetrics:
 
 class MetricsServer:
     """``/metrics`` of ``registry`` on ``host:port`` (0: a free port; ``port`` then says which)
-    from prometheus-client's threaded HTTP server: scrapes run on its threads, never on an
-    event loop or the engine thread. Raises OSError when the port cannot be bound."""
+    from prometheus-client's threaded WSGI server: scrapes run on its threads, never on an
+    event loop or the engine thread. Raises OSError when the port cannot be bound.
+
+    NOTE: always the classic text format (0.0.4), whatever the scraper's Accept header asks:
+    prometheus-client 0.26 escapes ':' to '_' in sample names of its OpenMetrics output, which
+    would rename every ``tandem:`` series that Prometheus (it asks for OpenMetrics) stores."""
 
     def __init__(self, registry: CollectorRegistry, host: str, port: int) -> None:
-        self._httpd, self._thread = prometheus_client.start_http_server(port, host, registry)
+        app = prometheus_client.make_wsgi_app(registry)
+
+        def text_only(environ, start_response):
+            return app({**environ, "HTTP_ACCEPT": "text/plain"}, start_response)
+
+        self._httpd = make_server(host, port, text_only, ThreadingWSGIServer,
+                                  handler_class=_QuietHandler)
         self.port: int = self._httpd.server_port
+        threading.Thread(target=self._httpd.serve_forever, name="metrics", daemon=True).start()
 
     def close(self) -> None:
         """Stop serving (blocks up to half a second: call it off an event loop)."""
@@ -195,6 +209,12 @@ class MetricsServer:
         self._httpd.server_close()
 
 
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - no line per scrape
+        pass
+
+
 def render(registry: CollectorRegistry) -> tuple[bytes, str]:
-    """(body, content type) of a scrape of ``registry`` (Prometheus text format)."""
+    """(body, content type) of a scrape of ``registry`` (the classic text format: see
+    ``MetricsServer``)."""
     return prometheus_client.generate_latest(registry), prometheus_client.CONTENT_TYPE_LATEST

@@ -169,3 +169,21 @@ def test_every_metric_the_dashboard_queries_exists_in_a_live_scrape(stack):
     queried = set(re.findall(r"tandem:[a-z0-9_:]+", DASHBOARD.read_text()))
     assert len(queried) >= 20, sorted(queried)
     assert not queried - live, f"queried by the dashboard, absent from every scrape: {sorted(queried - live)}"
+
+
+def test_metrics_server_keeps_tandem_names_whatever_format_is_asked():
+    """prometheus-client would escape ':' to '_' in OpenMetrics, which Prometheus asks for."""
+    from services.observability.metrics import GatewayMetrics, MetricsServer
+
+    server = MetricsServer(GatewayMetrics("m", gateway_id="gw").registry, "127.0.0.1", 0)
+    try:
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{server.port}/metrics",
+            headers={"Accept": "application/openmetrics-text;version=1.0.0,text/plain;q=0.5"})
+        with urllib.request.urlopen(request, timeout=10) as resp:
+            assert resp.headers["Content-Type"].startswith("text/plain; version=0.0.4")
+            text = resp.read().decode()
+    finally:
+        server.close()
+    assert 'tandem:requests_total{code="OK",model_name="m",role="gateway",worker_id="gw"} 0.0' in text
+    assert "tandem_" not in text
