@@ -1,8 +1,9 @@
 """OpenAI-compatible HTTP front end (FastAPI, served by uvicorn on the gateway's own event loop):
 ``POST /v1/chat/completions`` and ``/v1/completions`` (SSE streaming or whole), ``GET
-/v1/models``, ``/health`` (the process answers) and ``/ready`` (Redis and a prefill and a decode
-worker are live). It translates formats and errors only; every request goes through the same
-``GatewayCore`` pipeline as gRPC.
+/v1/models``, ``/health`` (the process answers), ``/ready`` (Redis and a prefill and a decode
+worker are live) and ``/metrics`` (Prometheus, ``services/observability/metrics.py``). It
+translates formats and errors only; every request goes through the same ``GatewayCore``
+pipeline as gRPC.
 
 Errors use OpenAI's JSON ``{"error": {"message", "type", "param", "code"}}``: 400 bad input
 (``param`` names the field; a prompt over the context has code ``context_length_exceeded``),
