@@ -17,14 +17,16 @@ from pathlib import Path
 
 import grpc
 import pytest
+import yaml
 
 from services.api import gateway_pb2, gateway_pb2_grpc
-from services.observability.scrape import write_scrape_config
+from services.observability.scrape import scrape_config, write_scrape_config
 from tests.integration.conftest import free_port
 
 PROMETHEUS = shutil.which("prometheus")
-pytestmark = pytest.mark.skipif(PROMETHEUS is None, reason="the prometheus binary is not installed "
-                                "(Debian package `prometheus`; scripts/setup.sh --test installs it)")
+pytestmark = [pytest.mark.integration, pytest.mark.skipif(
+    PROMETHEUS is None, reason="the prometheus binary is not installed (Debian package "
+    "`prometheus`; scripts/setup.sh --test installs it)")]
 DASHBOARD = Path(__file__).parents[2] / "k8s/components/observability/grafana-dashboard.json"
 PROMPTS = ["Name three colours.", "What is 2 + 2?", "Say hello in French."]
 MAX_TOKENS = 6
@@ -119,6 +121,8 @@ def wait_for(prom: Prometheus, promql: str, expected: float, timeout_s: float = 
 
 def test_promql_counts_equal_what_the_client_saw(stack, prometheus):
     assert set(stack.metrics_targets) == {"gateway", "prefill-0", "decode-0"}
+    written = yaml.safe_load((stack.run_dir / "prometheus.yml").read_text())  # what `up` logs
+    assert written == scrape_config(stack.metrics_targets)
     wait_for(prometheus, 'sum(up{job="tandem"})', 3)
 
     async def run_all():
@@ -187,3 +191,35 @@ def test_metrics_server_keeps_tandem_names_whatever_format_is_asked():
         server.close()
     assert 'tandem:requests_total{code="OK",model_name="m",role="gateway",worker_id="gw"} 0.0' in text
     assert "tandem_" not in text
+
+
+def gateway_samples(url: str) -> dict[tuple[str, str], float]:
+    """(sample name, its ``code`` label or "") -> value, from the gateway's HTTP /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = http_get(f"{url}/metrics").decode()
+    return {(s.name, s.labels.get("code", "")): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def test_gateway_serves_metrics_on_its_http_port_counting_http_requests(stack):
+    import httpx
+
+    from tests.integration.test_gateway_http import HttpGateway, chat_body
+
+    gateway = HttpGateway(stack.redis_url, stack.internal_secret)
+    try:
+        gateway.wait_ready()
+        ok = httpx.post(f"{gateway.url}/v1/chat/completions", json=chat_body(), timeout=300)
+        assert ok.status_code == 200
+        bad = httpx.post(f"{gateway.url}/v1/chat/completions", json=chat_body(temperature=-1), timeout=60)
+        assert bad.status_code == 400
+        samples = gateway_samples(gateway.url)
+    finally:
+        gateway.close()
+    assert samples[("tandem:requests_total", "OK")] == 1
+    assert samples[("tandem:requests_total", "INVALID_ARGUMENT")] == 1
+    assert samples[("tandem:time_to_first_token_seconds_count", "")] == 1
+    assert samples[("tandem:e2e_request_latency_seconds_count", "")] == 1
+    assert samples[("tandem:inter_token_latency_seconds_count", "")] == ok.json()["usage"]["completion_tokens"] - 1
+    assert samples[("tandem:num_requests_in_flight", "")] == 0
