@@ -2,7 +2,8 @@
 # Set up a fresh clone: .venv with CPU torch, tandem, the default model file, redis-server, and a
 # C compiler, with which it builds the CPU decode-attention kernel.
 #   scripts/setup.sh          what `tandem up` needs
-#   scripts/setup.sh --test   plus the test dependencies (transformers oracle, pytest, ...)
+#   scripts/setup.sh --test   plus the test dependencies (transformers oracle, pytest, a
+#                             Prometheus server, ...)
 # Idempotent: a second run only checks.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -21,6 +22,8 @@ scripts/python_packages.sh "$py" "$extras"
 missing=""
 command -v redis-server >/dev/null 2>&1 || missing="$missing redis-server"
 command -v cc >/dev/null 2>&1 || missing="$missing gcc"
+# the Prometheus server that tests/integration/test_prometheus.py starts (Debian's package)
+if [ -n "$extras" ]; then command -v prometheus >/dev/null 2>&1 || missing="$missing prometheus"; fi
 if [ -n "$missing" ]; then
   echo "setup: installing$missing (apt-get)" >&2
   if [ "$(id -u)" -eq 0 ]; then sudo=""; else sudo="sudo"; fi

@@ -166,7 +166,8 @@ def gateway_options(s):
         s.state.heartbeat_s, g.kv_failure_policy.value, g.max_inflight,
         RequestLimits(g.max_request_bytes, g.max_messages, g.max_tokens_cap, g.max_n),
         g.tokenize_threads, g.http_port or None,
-        internal_secret=s.internal_secret(), drain_s=g.drain_s, **exposure_options(s))
+        internal_secret=s.internal_secret(), drain_s=g.drain_s, metrics_port=g.metrics_port,
+        **exposure_options(s))
 
 
 def exposure_options(s) -> dict:
@@ -193,7 +194,8 @@ def worker_options(s, role: str):
         internal_secret=s.internal_secret(),
         drain_s=w.prefill_drain_s if role == "prefill" else w.decode_drain_s,  # unified: decode's
         internal_tls=InternalTls.from_settings(t.internal_tls_cert_file, t.internal_tls_key_file,
-                                               t.internal_tls_ca_file, t.internal_tls_server_name))
+                                               t.internal_tls_ca_file, t.internal_tls_server_name),
+        metrics_port=w.metrics_port)
 
 
 def cmd_up(args, loaded: LoadedSettings) -> int:

@@ -17,6 +17,7 @@ import os
 import secrets
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -30,6 +31,7 @@ import redis.exceptions as redis_errors
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pydantic import SecretStr
 
+from services.observability.scrape import write_scrape_config
 from services.process import die_with_parent
 from services.settings import Settings
 from services.settings_sources import leaves, load_settings, write_settings_file
@@ -85,6 +87,12 @@ class RedisUnit:
         self.server.restart()
 
 
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
 def _spawn(argv: list[str], env: dict[str, str]) -> subprocess.Popen:
     # own session: a terminal's Ctrl-C reaches only us, and we stop children in order;
     # the parent-death signal ends a child even if we are killed with SIGKILL
@@ -100,6 +108,7 @@ class Stack:
         self.redis_url = opts.redis_url
         self.children: list[Child] = []
         self.run_dir: Path | None = None
+        self.metrics_targets: dict[str, str] = {}  # child name -> host:port of its /metrics
 
     @property
     def procs(self) -> list[tuple[str, subprocess.Popen]]:
@@ -123,6 +132,9 @@ class Stack:
                 self.add_worker(role, f"{role}-{i}",
                                 ["--num-threads", str(threads)] if threads else [])
         self.add_gateway("gateway", self.opts.port)
+        scrape = write_scrape_config(self.run_dir / "prometheus.yml", self.metrics_targets)
+        log.info("Prometheus metrics: %s (scrape config: %s)",
+                 ", ".join(f"{n} http://{a}/metrics" for n, a in self.metrics_targets.items()), scrape)
 
     def _write_settings(self) -> None:
         base = self.opts.settings or load_settings().settings
@@ -152,17 +164,38 @@ class Stack:
 
     def add_worker(self, role: str, worker_id: str, extra_args: list[str] = ()) -> subprocess.Popen:
         """Start one more worker (it joins through the registry; nothing else restarts)."""
+        port = self._metrics_port(worker_id, self.settings.worker.metrics_port, "worker.metrics_port")
         return self._add(worker_id, [*self._serve(role), "--worker-id", worker_id,
-                                     *self.opts.worker_args, *extra_args])
+                                     "--metrics-port", str(port), *self.opts.worker_args, *extra_args])
 
     def add_gateway(self, name: str, port: int, extra_args: list[str] = ()) -> subprocess.Popen:
         """Start a gateway on ``port``; several gateways share the workers and Redis. Only the
-        first serves HTTP on the settings' ``http_port``; later ones serve none (their own
-        ``--http-port`` in ``extra_args`` overrides), so no two gateways claim one port."""
-        serve = self._serve("gateway")
-        http_off = ["--http-port", "0"] if any(c.argv[:len(serve)] == serve for c in self.children) else []
+        first serves HTTP on the settings' ``http_port`` (and /metrics there); later ones serve
+        none (their own ``--http-port`` in ``extra_args`` overrides), so no two gateways claim
+        one port, and serve /metrics on a port of their own."""
+        serve, g = self._serve("gateway"), self.settings.gateway
+        first = not any(c.argv[:len(serve)] == serve for c in self.children)
+        http_off = [] if first else ["--http-port", "0"]
+        metrics = []
+        if first and g.http_port:
+            self.metrics_targets[name] = f"{self.opts.host}:{g.http_port}"
+        else:  # /metrics on a port of its own
+            metrics = ["--gateway-metrics-port",
+                       str(self._metrics_port(name, g.metrics_port, "gateway.metrics_port"))]
         return self._add(name, [*serve, "--port", str(port), *self.opts.gateway_args, *http_off,
-                                *extra_args])
+                                *metrics, *extra_args])
+
+    def _metrics_port(self, name: str, configured: int, setting: str) -> int:
+        """The /metrics port of child ``name``: ``configured``, or a free one when it is 0 (kept
+        across restarts: the scrape config stays true). Raises ValueError naming ``setting``
+        when two children would share one fixed port."""
+        port = configured or _free_port(self.opts.host)
+        taken = {int(a.rsplit(":", 1)[1]) for a in self.metrics_targets.values()}
+        if port in taken:
+            raise ValueError(f"{setting}: port {port} would be shared by several processes of "
+                             "this stack; use 0 (a free port each)")
+        self.metrics_targets[name] = f"{self.opts.host}:{port}"
+        return port
 
     def _serve(self, role: str) -> list[str]:
         return [sys.executable, "-m", "services.cli", "serve", role,

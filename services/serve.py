@@ -46,6 +46,8 @@ async def serve_worker(opts: WorkerOptions, num_threads: int) -> None:
 
     from services.decode.server import DecodeServicer
     from services.engine.engine import LLMEngine
+    from services.gateway.model_card import served_model_name
+    from services.observability.metrics import MetricsServer, WorkerMetrics
     from services.prefill.server import PrefillServicer
     from services.unified.server import UnifiedServicer
     from services.worker import WorkerRuntime
@@ -59,6 +61,9 @@ async def serve_worker(opts: WorkerOptions, num_threads: int) -> None:
                                      fault_injection=opts.fault_injection)
     log.info("%s engine warmed up in %.2fs", opts.role, await asyncio.to_thread(engine.warm_up))
     runtime = WorkerRuntime(opts, engine)
+    runtime.metrics = WorkerMetrics(served_model_name(opts.engine.model), opts.role,
+                                    runtime.worker_id, engine, lambda: runtime.reservations)
+    metrics = MetricsServer(runtime.metrics.registry, opts.host, opts.metrics_port)
     if opts.role in ("decode", "unified"):  # unified: the DecodeWorker service, prefilling locally
         servicer_cls = UnifiedServicer if opts.role == "unified" else DecodeServicer
         servicer, add, name = servicer_cls(runtime), worker_pb2_grpc.add_DecodeWorkerServicer_to_server, "DecodeWorker"
@@ -73,7 +78,8 @@ async def serve_worker(opts: WorkerOptions, num_threads: int) -> None:
     await server.start()
     runtime.start(f"{opts.advertise_host}:{port}")
     await mark_serving(health, [full_name])
-    log.info("%s worker %s ready on %s:%d", opts.role, runtime.worker_id, opts.host, port)
+    log.info("%s worker %s ready on %s:%d (Prometheus metrics on http://%s:%d/metrics)",
+             opts.role, runtime.worker_id, opts.host, port, opts.host, metrics.port)
     signals = Signals()
     try:
         await _wait_for_signal_or(signals.received, runtime.died)
@@ -87,6 +93,7 @@ async def serve_worker(opts: WorkerOptions, num_threads: int) -> None:
         await runtime.heartbeater.stop()
         await server.stop(grace=STOP_GRACE_S)
         servicer.close()
+        await asyncio.to_thread(metrics.close)
         await runtime.stop()
     if runtime.died.is_set():
         log.critical("%s worker %s exits: its engine died", opts.role, runtime.worker_id)

@@ -131,6 +131,8 @@ class WorkerSection(BaseModel):
         None, help="address peers use to reach this worker (default: host)")
     num_threads: int = setting(1, help="torch threads per worker process (`tandem up` without "
                                "it: the usable cores shared among its workers)", gt=0)
+    metrics_port: int = setting(0, help="Prometheus /metrics port of a worker (0: any free "
+                                "port; the port is logged at start)", ge=0, le=65535)
     kv_lease_s: float = setting(
         30.0, help="decode: seconds a KV reservation waits for its KV, and ready tokens for "
              "their reader, before the request's blocks are freed", gt=0)
@@ -162,6 +164,10 @@ class GatewaySection(BaseModel):
         1024, help="requests in flight before new ones get RESOURCE_EXHAUSTED", gt=0)
     http_port: int = setting(
         8000, help="OpenAI-compatible HTTP port (0: no HTTP listener)", ge=0, le=65535)
+    metrics_port: int = setting(
+        0, help="Prometheus /metrics port while http_port is 0 (0: any free port, logged at "
+        "start); with HTTP on, /metrics is on the HTTP port", env="TANDEM_GATEWAY_METRICS_PORT",
+        flag="--gateway-metrics-port", ge=0, le=65535)
     max_request_bytes: int = setting(
         4 * 1024 * 1024, help="largest request body in bytes (gRPC and HTTP), refused before "
         "it is parsed", gt=0)

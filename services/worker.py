@@ -51,6 +51,7 @@ class WorkerOptions:
     fault_injection: bool = False  # TEST ONLY: honour fault tags in request ids (prefill, engine)
     internal_secret: str | None = None  # services.auth: proven on gRPC and KV ports; None: open
     internal_tls: InternalTls | None = None  # services.auth: mutual TLS on the gRPC port; None: off
+    metrics_port: int = 0  # Prometheus /metrics on host:metrics_port (0: a free port)
 
 
 class WorkerRuntime:
@@ -64,6 +65,7 @@ class WorkerRuntime:
         self.streams: dict[str, asyncio.Queue[RequestOutput]] = {}
         self.max_num_queued = 0  # high-water mark of num_queued(), taken at each admission
         self.reservations = None  # decode role: its Reservations (GetLoad reports their closes)
+        self.metrics = None  # its services.observability.metrics.WorkerMetrics, once serving
         self.engine_loop = EngineLoop(engine, self._on_outputs, self._on_fatal)
         self.died = asyncio.Event()  # set once the engine has died (see the module docstring)
         self.draining = False  # told to stop (services/drain.py): new requests get UNAVAILABLE

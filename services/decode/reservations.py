@@ -68,6 +68,7 @@ class Reservations:
         self._open: dict[str, _Reservation] = {}
         # how the latest reservations closed, oldest first (reported by GetLoad, for tests)
         self.closed: OrderedDict[str, Outcome] = OrderedDict()
+        self.closes: dict[str, int] = {}  # reservations closed so far, by kind (for metrics)
 
     def __len__(self) -> int:
         return len(self._open)
@@ -114,6 +115,7 @@ class Reservations:
         r.timer.cancel()
         r.on_close()
         self.closed[request_id] = outcome
+        self.closes[outcome.kind] = self.closes.get(outcome.kind, 0) + 1
         if len(self.closed) > MAX_CLOSED_KEPT:
             self.closed.popitem(last=False)
         if r.attached and not r.outcome.done():

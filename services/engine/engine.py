@@ -99,7 +99,7 @@ class LLMEngine:
             self.block_manager,
         )
         self.runner = ModelRunner(model, self.kv_cache, config.block_size)
-        self.metrics = EngineMetrics()
+        self.metrics = EngineMetrics(max_model_len=self.max_model_len)
         self._faults = EngineFaults() if fault_injection else None
         self._steps_lost_all = 0  # failed steps in a row whose every request failed alone
         log.info("engine ready in %.1fs: %d KV blocks of %d tokens, max_model_len %d",
@@ -119,7 +119,7 @@ class LLMEngine:
         while self.has_work():
             self.step()
         s.num_preemptions, s.prefix_cache_queries, s.prefix_cache_hits = counters
-        self.metrics = EngineMetrics()
+        self.metrics = EngineMetrics(max_model_len=self.max_model_len)
         return time.perf_counter() - t0
 
     # -- requests ----------------------------------------------------------------------------
@@ -171,6 +171,7 @@ class LLMEngine:
         output = self.scheduler.finish_remote_prefill(request_id, first_token_id)
         if output is None:
             return None
+        self.metrics.requests.on_remote_first_token(request, time.monotonic())
         if logprobs is not None:
             output.logprobs = [logprobs]
         if output.finish_reason:
@@ -196,7 +197,12 @@ class LLMEngine:
         self.runner.remove_request(request_id)
         if self._faults is not None:
             self._faults.forget(request_id)
-        return self.scheduler.abort(request_id)
+        request = self.scheduler.requests.get(request_id)
+        if not self.scheduler.abort(request_id):
+            return False
+        if request is not None and request.status == RequestStatus.FINISHED_ABORTED:
+            self.metrics.requests.on_finish(request, time.monotonic())
+        return True
 
     def release(self, request_id: str) -> None:
         """Prefill role: free a finished request's blocks once its KV has been sent."""
@@ -218,7 +224,7 @@ class LLMEngine:
         if self._faults is not None:
             self._faults.after_execute(out)
         outputs = self.metrics.timed("postprocess", self._update, out, sampled, logprobs)
-        self.metrics.record_step(out, self.scheduler, len(outputs))
+        self.metrics.record_step(out, self.scheduler, outputs)
         return failed + outputs
 
     def _run_model(self, out: SchedulerOutput):

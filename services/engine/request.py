@@ -54,6 +54,8 @@ class Request:
     num_preemptions: int = 0
     first_scheduled_time: float | None = None  # time.monotonic() when first admitted
     num_cached_tokens: int = -1  # prompt tokens found in the prefix cache when first admitted
+    first_token_time: float | None = None  # time.monotonic() of the first output token
+    last_token_time: float | None = None  # time.monotonic() of the newest output token
     # static batching: a row that keeps a finished member's slot computing until the batch
     # drains (greedy, its tokens discarded); never in ``Scheduler.requests``, never output
     is_padding: bool = False

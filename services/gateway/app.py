@@ -17,6 +17,7 @@ from services.gateway.routing import WorkerPool
 from services.gateway.server import SERVICE_NAME, GatewayServicer, add_gateway_to_server
 from services.gateway.tls import CertReloader, TlsFiles, grpc_server_credentials
 from services.gateway.validation import RequestLimits
+from services.observability.metrics import MetricsServer
 from services.rpc import bind, create_server
 from services.state.client import redis_client
 from services.state.redis_server import check_redis
@@ -46,6 +47,7 @@ class GatewayOptions:
     access: Access = field(default_factory=Access)  # API keys and per-key limits (default: open)
     tls: TlsFiles | None = None  # TLS on the gRPC and HTTP listeners (None: plaintext)
     internal_tls: InternalTls | None = None  # mutual TLS to the workers (None: plaintext)
+    metrics_port: int = 0  # Prometheus /metrics while http_port is None (0: a free port)
 
 
 async def run_gateway(opts: GatewayOptions, until: Awaitable,
@@ -74,16 +76,21 @@ async def run_gateway(opts: GatewayOptions, until: Awaitable,
     await readiness.start()
     bound = bind(server, opts.host, opts.port, grpc_server_credentials(opts.tls) if opts.tls else None)
     await server.start()
+    metrics = None if http else MetricsServer(core.metrics.registry, opts.host, opts.metrics_port)
     log.info("gateway listening on %s:%d (gRPC%s)%s (model %s, kv failure policy %s, max %d in "
-             "flight, API keys %s); health SERVING once a prefill and a decode worker are live",
+             "flight, API keys %s); health SERVING once a prefill and a decode worker are live; "
+             "Prometheus metrics on http://%s:%d/metrics",
              opts.host, bound, ", TLS" if opts.tls else "",
              f" and http{'s' if opts.tls else ''}://{opts.host}:{http[1]} (OpenAI HTTP)" if http else "",
              model.name, opts.kv_failure_policy, opts.max_inflight,
-             "required" if opts.access.keys.enabled else "off (open)")
+             "required" if opts.access.keys.enabled else "off (open)", opts.host,
+             http[1] if http else metrics.port)
     try:
         await until
         await drain_gateway(readiness, core, opts.drain_s, hurry)
     finally:
+        if metrics:
+            await asyncio.to_thread(metrics.close)
         if http:
             http[0].should_exit = True
             await http[2]

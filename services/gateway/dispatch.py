@@ -83,8 +83,10 @@ class Dispatcher:
     whole request) across retries and migrations. Raises ResourceExhausted, Unavailable,
     ValueError; CancelledError when aborted."""
 
-    def __init__(self, pool: WorkerPool, rpc_timeout_s: float, kv_failure_policy: str) -> None:
+    def __init__(self, pool: WorkerPool, rpc_timeout_s: float, kv_failure_policy: str,
+                 on_worker_lost: Callable[[bool], None] = lambda had_tokens: None) -> None:
         self.pool = pool
+        self.on_worker_lost = on_worker_lost  # (tokens already sent: a migration, else a retry)
         self.rpc_timeout_s = rpc_timeout_s
         self.policy = {"recompute": worker_pb2.KV_FAILURE_POLICY_RECOMPUTE,
                        "fail": worker_pb2.KV_FAILURE_POLICY_FAIL}[kv_failure_policy]
@@ -107,6 +109,8 @@ class Dispatcher:
                 self.pool.lost(exc.worker, str(exc))
                 job.trace.event("migration" if generated else "retry", reason=str(exc),
                                 **{"tandem.num_generated_tokens": len(generated)})
+                if n + 1 < MAX_ATTEMPTS:  # another attempt follows
+                    self.on_worker_lost(bool(generated))
                 log.warning("request %s: %s; %s with %d tokens generated", job.request_id, exc,
                             "migrating" if generated else "retrying", len(generated))
         raise Unavailable(f"workers failed {MAX_ATTEMPTS} times in a row; retry later")

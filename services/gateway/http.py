@@ -1,8 +1,9 @@
 """OpenAI-compatible HTTP front end (FastAPI, served by uvicorn on the gateway's own event loop):
 ``POST /v1/chat/completions`` and ``/v1/completions`` (SSE streaming or whole), ``GET
-/v1/models``, ``/health`` (the process answers) and ``/ready`` (Redis and a prefill and a decode
-worker are live). It translates formats and errors only; every request goes through the same
-``GatewayCore`` pipeline as gRPC.
+/v1/models``, ``/health`` (the process answers), ``/ready`` (Redis and a prefill and a decode
+worker are live) and ``/metrics`` (Prometheus, ``services/observability/metrics.py``). It
+translates formats and errors only; every request goes through the same ``GatewayCore``
+pipeline as gRPC.
 
 Errors use OpenAI's JSON ``{"error": {"message", "type", "param", "code"}}``: 400 bad input
 (``param`` names the field; a prompt over the context has code ``context_length_exceeded``),
@@ -35,6 +36,7 @@ from services.gateway.http_auth import ApiKeyMiddleware, request_identity
 from services.gateway.openai_api import ChatCompletionRequest, Chunker, CompletionRequest, error_body
 from services.gateway.pipeline import GatewayCore
 from services.observability import tracing
+from services.observability.metrics import render
 from services.rpc import ResourceExhausted, Unavailable
 
 log = logging.getLogger(__name__)
@@ -62,6 +64,11 @@ def create_app(core: GatewayCore, readiness: ReadinessMonitor, access: Access | 
     async def ready() -> JSONResponse:
         ok = bool(readiness.ready)
         return JSONResponse({"ready": ok, "reason": "" if ok else readiness.reason}, status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:  # Prometheus; like /health, open without an API key
+        body, content_type = render(core.metrics.registry)
+        return Response(body, media_type=content_type)
 
     @app.get("/v1/models")
     async def models() -> dict:

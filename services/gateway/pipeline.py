@@ -23,7 +23,7 @@ import uuid
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -40,7 +40,8 @@ from services.gateway.routing import WorkerPool
 from services.gateway.validation import RequestLimits
 from services.observability import tracing
 from services.observability.logs import bind_request
-from services.rpc import ResourceExhausted, Unavailable
+from services.observability.metrics import GatewayMetrics, TokenClock
+from services.rpc import ResourceExhausted, Unavailable, status_for
 from services.state.store import RequestState, RequestStateStore
 
 log = logging.getLogger(__name__)
@@ -54,6 +55,7 @@ class Prepared:
     prompt: list[int]  # prompt token ids (chat template applied)
     params: SamplingParams
     trace: tracing.RequestTrace | object = tracing.NO_TRACE  # the request's span (if tracing)
+    arrival_time: float = field(default_factory=time.monotonic)  # at the gateway, monotonic s
 
 
 class GatewayCore:
@@ -73,9 +75,10 @@ class GatewayCore:
         self.pool = pool
         self.max_inflight = max_inflight
         self.limits = limits
-        self.dispatcher = Dispatcher(pool, rpc_timeout_s, kv_failure_policy)
-        self._tokenize = ThreadPoolExecutor(tokenize_threads, thread_name_prefix="tokenize")
         self._inflight: dict[str, RequestRecord] = {}
+        self.metrics = GatewayMetrics(model.name, lambda: len(self._inflight))
+        self.dispatcher = Dispatcher(pool, rpc_timeout_s, kv_failure_policy, self.metrics.worker_lost)
+        self._tokenize = ThreadPoolExecutor(tokenize_threads, thread_name_prefix="tokenize")
         self._closing: set[asyncio.Task] = set()  # requests recording their outcome
         self.draining = False  # stopping (services/drain.py): new requests get UNAVAILABLE
 
@@ -102,6 +105,7 @@ class GatewayCore:
     async def prepare(self, request: gateway_pb2.GenerateRequest, carrier=None) -> Prepared:
         """Validate; render and tokenize the prompt off the event loop; start the request's
         span (child of the trace context in ``carrier``, if tracing). Raises ValueError."""
+        t0 = time.monotonic()
         trace = tracing.request_trace(carrier, "chat" if request.messages else "text_completion",
                                       self.model.name)
         try:
@@ -118,9 +122,10 @@ class GatewayCore:
                                                 self.limits.max_tokens_cap)
         except BaseException as exc:
             trace.fail(exc)
+            self.metrics.request_ended(_code(exc))
             raise
         trace.requested(rid, params, len(prompt))
-        return Prepared(rid, prompt, params, trace)
+        return Prepared(rid, prompt, params, trace, t0)
 
     async def admit(self, prepared: Prepared, key_id: str = "") -> RequestRecord:
         """Take one of ``max_inflight`` places and create the Redis record (QUEUED), owned by
@@ -129,12 +134,12 @@ class GatewayCore:
         Raises ResourceExhausted (gateway full), ValueError (id in flight), Unavailable (Redis,
         or the gateway draining)."""
         try:
-            return await self._admit(prepared)
+            return await self._admit(prepared, key_id)
         except BaseException as exc:
             prepared.trace.fail(exc)
             raise
 
-    async def _admit(self, prepared: Prepared) -> RequestRecord:
+    async def _admit(self, prepared: Prepared, key_id: str) -> RequestRecord:
         rid = prepared.request_id
         self._check_new(rid)
         self._check_room(1)
@@ -142,8 +147,9 @@ class GatewayCore:
         try:
             await redis_call(self.store.create(rid, prompt_tokens=len(prepared.prompt),
                                                model=self.model.name, key_id=key_id))
-        except BaseException:
+        except BaseException as exc:
             del self._inflight[rid]
+            self.metrics.request_ended(_code(exc))
             raise
         return record
 
@@ -176,22 +182,28 @@ class GatewayCore:
         """Stream the workers' tokens as detokenized responses; record the outcome at the end."""
         text_out = OutputProcessor(self.tokenizer, prepared.params)
         tokens = self.dispatcher.stream(self._job(prepared, record))
+        clock, code = TokenClock(self.metrics, prepared.arrival_time), "CANCELLED"
         try:
             async for msg in tokens:
                 response = self._response(prepared, record, text_out, msg)
+                clock.sent(len(msg.token_ids))
                 yield response
                 if response.finish_reason:
                     break  # a stop string: the finally below cancels the decode stream
+            code = "OK"
         except asyncio.CancelledError:
             if not record.aborted or asyncio.current_task().cancelling():
                 raise  # the client went away: nothing more to send
         except grpc.aio.AioRpcError as exc:  # a worker error the dispatcher did not translate
             record.error = f"{exc.code().name}: {exc.details()}"
+            code = "UNAVAILABLE"
             raise Unavailable(f"worker failed: {exc.details()}") from exc
         except Exception as exc:
             record.error = f"{type(exc).__name__}: {exc}"
+            code = _code(exc)
             raise
         finally:
+            clock.ended(code)
             record.cancel()  # no-op for finished calls; frees worker blocks otherwise
             # NOTE: shielded: a front end on anyio (Starlette) cancels a gone client's stream
             # at every await, which would drop the outcome's Redis write half done.
@@ -229,8 +241,10 @@ class GatewayCore:
 
     def _check_room(self, count: int) -> None:
         if self.draining:
+            self.metrics.request_ended("UNAVAILABLE")
             raise Unavailable("gateway is draining (shutting down); retry on another gateway")
         if len(self._inflight) + count > self.max_inflight:
+            self.metrics.request_ended("RESOURCE_EXHAUSTED")
             raise ResourceExhausted(f"gateway overloaded: {self.max_inflight} requests in flight "
                                     "(--max-inflight); retry later")
 
@@ -281,6 +295,11 @@ class GatewayCore:
             token_id=lp.token_id, logprob=lp.logprob, text=decode(lp.token_id),
             top_logprobs=[gateway_pb2.TopLogprob(token_id=t, logprob=v, text=decode(t))
                           for t, v in zip(lp.top_token_ids, lp.top_logprobs)])
+
+
+def _code(exc: BaseException) -> str:
+    """The gRPC status code name a front end answers ``exc`` with."""
+    return "CANCELLED" if isinstance(exc, asyncio.CancelledError) else status_for(exc)[0].name
 
 
 def _usage(prompt_tokens: int, record: RequestRecord) -> gateway_pb2.Usage:

@@ -147,6 +147,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             t_done = time.monotonic()
             trace.kv_transfer(t_first, t_done, n_blocks, n_blocks * self.kv_block_bytes,
                               dest.transport, "landed")
+            self._count_transfer(t_done - t_first, n_blocks, None)
         except BaseException as exc:
             keeper.cancel()
             if write is not None:
@@ -154,6 +155,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
                 if _failed(write):
                     trace.kv_transfer(t_first, time.monotonic(), n_blocks, 0, dest.transport,
                                       "failed", _reason(exc, write))
+            self._count_transfer(0.0, 0, _failure_kind(exc, write))
             if write is None or _failed(write):
                 await self._send_not_written(dest, rid, _reason(exc, write))
             if isinstance(exc, (ValueError, Aborted, Unavailable)):
@@ -168,6 +170,16 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             queue_time_s=req.first_scheduled_time - t_arrival,
             compute_time_s=t_first - req.first_scheduled_time, transfer_time_s=t_done - t_first,
             num_cached_tokens=max(req.num_cached_tokens, 0))
+
+    def _count_transfer(self, seconds: float, num_blocks: int, failure: str | None) -> None:
+        """Metrics of one handoff: its write's duration and bytes, or why it did not land."""
+        if self.rt.metrics is None:
+            return
+        if failure is not None:
+            self.rt.metrics.kv_transfer_failures[failure].inc()
+        elif num_blocks:
+            layout = self.rt.engine.layout
+            self.rt.metrics.transferred(seconds, num_blocks * layout.block_bytes * 2 * layout.num_layers)
 
     def _write(self, dest: worker_pb2.KVReservation, local_ids: list[int], note: bytes,
                deadline: float, faults: Faults) -> None:
@@ -245,6 +257,17 @@ async def _wait_out(write: asyncio.Future) -> None:
             await asyncio.wait({write})
         except asyncio.CancelledError:
             continue
+
+
+def _failure_kind(exc: BaseException, write: asyncio.Future | None) -> str | None:
+    """The KV transfer failure a handoff's ``exc`` means (a ``KV_FAILURE_REASONS`` entry of
+    ``services.observability.metrics``), or None when it was no transfer failure (cancelled,
+    bad input, the engine's error)."""
+    if write is not None and not write.cancelled() and write.exception() is not None:
+        return "transfer_error"
+    if isinstance(exc, Aborted) and "lease" in str(exc):
+        return "lease"  # it ran out (or was refused) before the prompt was computed
+    return None
 
 
 def _failed(write: asyncio.Future) -> bool:
