@@ -99,7 +99,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         lease = _StreamLease(self.rt, rid, queue, self.rt.options.kv_lease_s)
         trace = tracing.worker_trace("decode", context, rid, len(request.prompt_token_ids))
         bind_request(rid, trace)
-        req = None
+        req, recomputed = None, ""
         try:
             req = await self.rt.call(
                 commands.MakeRequest(rid, list(request.prompt_token_ids), params))
@@ -116,8 +116,9 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                     transport_metadata=self.transport.metadata(),
                     block_ids=list(req.block_table), lease_s=self.rt.options.kv_lease_s,
                     write_token=token))
-                await self._start(rid, await trace.kv_wait(outcome, request.kv_failure_policy != FAIL),
-                                  request.kv_failure_policy, queue)
+                kv = await trace.kv_wait(outcome, request.kv_failure_policy != FAIL)
+                await self._start(rid, kv, request.kv_failure_policy, queue)
+                recomputed = "" if kv.kind == "landed" else f"{kv.kind}: {kv.why}"
             async for outs in _batches(queue):
                 for out in outs:
                     self.rt.check_output(out)  # failed alone, or the engine died: an error
@@ -126,7 +127,9 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 yield worker_pb2.DecodeResponse(
                     token_ids=[t for o in outs for t in o.new_token_ids],
                     finish_reason=last.finish_reason or "", num_output_tokens=last.num_output_tokens,
-                    logprobs=[logprobs_to_proto(lp) for o in outs for lp in o.logprobs or ()])
+                    logprobs=[logprobs_to_proto(lp) for o in outs for lp in o.logprobs or ()],
+                    kv_recomputed=recomputed)
+                recomputed = ""
                 lease.renew()
                 if finished:
                     return

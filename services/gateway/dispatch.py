@@ -228,6 +228,11 @@ class Dispatcher:
                 msg = _decode_message(att.decode, read)
                 read = None
                 got_tokens = True
+                if msg.kv_recomputed:  # the decode worker computed the prompt itself
+                    kind, _, why = msg.kv_recomputed.partition(": ")
+                    if kind == "expired":  # (a failed transfer is an event already: _prefill)
+                        job.trace.event("kv_lease_expired", reason=why)
+                    job.trace.event("recompute", reason=why)
                 yield msg
                 if msg.finish_reason:
                     return

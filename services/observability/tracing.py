@@ -13,9 +13,10 @@ conventions and vLLM's ``vllm/tracing.py``)::
 
 The gateway sends its request span's context as gRPC metadata with both worker calls, so the
 prefill worker's transfer and the decode worker's wait for the same KV are in one trace.
-Retries, migrations and failed transfers are events on the request span (with a ``reason``);
-lease expiry and recompute are events on the decode span, which sees them. An error sets the
-span's status and ``error.type``.
+Retries, migrations, failed transfers, lease expiries and recomputes are events on the request
+span (with a ``reason``; the last two also on the decode span, which sees them first and tells
+the gateway in ``DecodeResponse.kv_recomputed``). An error sets the span's status and
+``error.type``.
 
 Off (the default), every factory returns ``NO_TRACE``, whose methods do nothing: no span,
 recording or not, is created; nothing is ever done per token. The engine never calls

@@ -181,3 +181,19 @@ def test_a_migrated_request_shows_the_migration_and_both_decode_workers(ts):
     assert len(failed) == 1 and failed[0].attributes["error.type"] == "Unavailable"
     assert root.attributes["gen_ai.usage.output_tokens"] == 6 and not root.error
     assert len([s for s in spans if s.name == "kv_reservation"]) == 2
+
+
+def test_a_kv_transfer_that_failed_shows_the_recompute_on_the_request_span(ts):
+    # the prefill worker's KV write fails; the decode worker computes the prompt itself (policy
+    # recompute) and says so on its first token message: both are events on the request span
+    rid = "traced-recompute+fail_kv_write"
+    tokens, last = asyncio.run(generate(ts.stack.address, chat(rid, 5)))
+    assert len(tokens) == 5 and last.finish_reason == "length"
+
+    async def root_arrived():
+        return [s for s in ts.receiver.spans() if s.attributes.get("gen_ai.response.id") == rid]
+    [root] = asyncio.run(wait_until(root_arrived, SPAN_TIMEOUT_S, "the recomputed request's span"))
+    events = dict(root.events)
+    assert "kv_transfer_failed" in events and "recompute" in events, list(events)
+    assert "was not written" in events["recompute"]["reason"]
+    assert "migration" not in events and not root.error
