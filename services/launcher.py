@@ -17,7 +17,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -32,7 +31,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pydantic import SecretStr
 
 from services.observability.scrape import write_scrape_config
-from services.process import die_with_parent
+from services.process import Child, free_port, listening, spawn, terminate
 from services.settings import Settings
 from services.settings_sources import leaves, load_settings, write_settings_file
 from services.state.redis_server import RedisServer, check_redis, start_redis_server
@@ -61,21 +60,6 @@ class UpOptions:
 
 
 @dataclass
-class Child:
-    """One supervised child process; ``restart()`` runs the same argv again."""
-    name: str
-    argv: list[str]
-    env: dict[str, str]
-    proc: subprocess.Popen
-
-    def exit_code(self) -> int | None:
-        return self.proc.poll()  # reaps it
-
-    def restart(self) -> None:
-        self.proc = _spawn(self.argv, self.env)
-
-
-@dataclass
 class RedisUnit:
     server: RedisServer
     name: str = "redis-server"
@@ -85,18 +69,6 @@ class RedisUnit:
 
     def restart(self) -> None:
         self.server.restart()
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def _spawn(argv: list[str], env: dict[str, str]) -> subprocess.Popen:
-    # own session: a terminal's Ctrl-C reaches only us, and we stop children in order;
-    # the parent-death signal ends a child even if we are killed with SIGKILL
-    return subprocess.Popen(argv, start_new_session=True, preexec_fn=die_with_parent, env=env)
 
 
 class Stack:
@@ -189,7 +161,7 @@ class Stack:
         """The /metrics port of child ``name``: ``configured``, or a free one when it is 0 (kept
         across restarts: the scrape config stays true). Raises ValueError naming ``setting``
         when two children would share one fixed port."""
-        port = configured or _free_port(self.opts.host)
+        port = configured or free_port(self.opts.host)
         taken = {int(a.rsplit(":", 1)[1]) for a in self.metrics_targets.values()}
         if port in taken:
             raise ValueError(f"{setting}: port {port} would be shared by several processes of "
@@ -202,7 +174,7 @@ class Stack:
                 "--config", str(self.settings_file)]
 
     def _add(self, name: str, argv: list[str]) -> subprocess.Popen:
-        child = Child(name, argv, self.child_env, _spawn(argv, self.child_env))
+        child = Child(name, argv, self.child_env, spawn(argv, self.child_env))
         self.children.append(child)
         return child.proc
 
@@ -252,7 +224,7 @@ class Stack:
         finally:
             await redis.aclose()
         if self.settings.gateway.tls_cert_file:  # NOTE: TLS: this process may not trust its CA
-            return await _listening(self.opts.host, self.opts.port)
+            return await listening(self.opts.host, self.opts.port)
         async with grpc.aio.insecure_channel(f"{self.opts.host}:{self.opts.port}") as channel:
             try:
                 resp = await health_pb2_grpc.HealthStub(channel).Check(
@@ -269,8 +241,8 @@ class Stack:
         gateways = [(n, p) for n, p in self.procs if n.startswith("gateway")]
         workers = [(n, p) for n, p in self.procs if not n.startswith("gateway")]
         gateway_s, worker_s = (timeout_s, timeout_s) if timeout_s is not None else self._drain_bounds()
-        _terminate(gateways, gateway_s)
-        _terminate(workers, worker_s)
+        terminate(gateways, gateway_s)
+        terminate(workers, worker_s)
         if self.redis_server is not None:
             self.redis_server.stop()
         if self.run_dir is not None:
@@ -294,31 +266,6 @@ class Stack:
     @property
     def address(self) -> str:
         return f"{self.opts.host}:{self.opts.port}"
-
-
-def _terminate(procs: list[tuple[str, subprocess.Popen]], timeout_s: float) -> None:
-    """SIGTERM each live process, wait for all within ``timeout_s``, SIGKILL the rest."""
-    for _, proc in procs:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + timeout_s
-    for name, proc in procs:
-        try:
-            proc.wait(max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            log.warning("%s did not stop within %.0fs: killing it", name, timeout_s)
-            proc.kill()
-            proc.wait()
-
-
-async def _listening(host: str, port: int) -> bool:
-    """True when something accepts TCP connections on ``host:port``."""
-    try:
-        _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout=1.0)
-    except (OSError, asyncio.TimeoutError):
-        return False
-    writer.close()
-    return True
 
 
 def run_until_interrupted(stack: Stack) -> None:

@@ -1,8 +1,17 @@
-"""Child-process hygiene shared by ``tandem up`` and the throwaway redis-server."""
+"""Child-process hygiene shared by ``tandem up`` and the throwaway redis-server: spawning,
+stopping, and the ports and listeners they need."""
 from __future__ import annotations
 
+import asyncio
 import ctypes
+import logging
 import signal
+import socket
+import subprocess
+import time
+from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
@@ -15,3 +24,57 @@ def die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
     except (OSError, AttributeError):
         pass
+
+
+def free_port(host: str) -> int:
+    """A TCP port free on ``host`` now (the OS picks it)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def spawn(argv: list[str], env: dict[str, str]) -> subprocess.Popen:
+    """Start a child of ``tandem up`` (its own session; dies with its parent)."""
+    # own session: a terminal's Ctrl-C reaches only us, and we stop children in order;
+    # the parent-death signal ends a child even if we are killed with SIGKILL
+    return subprocess.Popen(argv, start_new_session=True, preexec_fn=die_with_parent, env=env)
+
+
+def terminate(procs: list[tuple[str, subprocess.Popen]], timeout_s: float) -> None:
+    """SIGTERM each live process, wait for all within ``timeout_s``, SIGKILL the rest."""
+    for _, proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    for name, proc in procs:
+        try:
+            proc.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            log.warning("%s did not stop within %.0fs: killing it", name, timeout_s)
+            proc.kill()
+            proc.wait()
+
+
+async def listening(host: str, port: int) -> bool:
+    """True when something accepts TCP connections on ``host:port``."""
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout=1.0)
+    except (OSError, asyncio.TimeoutError):
+        return False
+    writer.close()
+    return True
+
+
+@dataclass
+class Child:
+    """One supervised child process; ``restart()`` runs the same argv again."""
+    name: str
+    argv: list[str]
+    env: dict[str, str]
+    proc: subprocess.Popen
+
+    def exit_code(self) -> int | None:
+        return self.proc.poll()  # reaps it
+
+    def restart(self) -> None:
+        self.proc = spawn(self.argv, self.env)

@@ -2,6 +2,8 @@
 interceptor that turns exceptions into status codes (no stack traces reach clients)."""
 from __future__ import annotations
 
+import asyncio
+
 import contextlib
 import logging
 from collections.abc import Iterable, Sequence
@@ -43,6 +45,11 @@ def validation_message(exc: pydantic.ValidationError) -> str:
         loc = ".".join(str(p) for p in e["loc"])
         parts.append(f"{loc}: {msg}" if loc else msg)  # model-level checks name their fields
     return "; ".join(parts)
+
+
+def status_name(exc: BaseException) -> str:
+    """The gRPC status code name a front end answers ``exc`` with (CANCELLED: the caller left)."""
+    return "CANCELLED" if isinstance(exc, asyncio.CancelledError) else status_for(exc)[0].name
 
 
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:

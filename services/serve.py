@@ -34,6 +34,19 @@ def role_engine_config(opts: WorkerOptions) -> EngineConfig:
                                   max(1, cfg.max_num_batched_tokens // 4)})
 
 
+def _servicer(runtime):
+    """(servicer, add-to-server function, gRPC service name) of the runtime's role."""
+    if runtime.options.role in ("decode", "unified"):  # unified: DecodeWorker, prefilling locally
+        from services.decode.server import DecodeServicer
+        from services.unified.server import UnifiedServicer
+
+        cls = UnifiedServicer if runtime.options.role == "unified" else DecodeServicer
+        return cls(runtime), worker_pb2_grpc.add_DecodeWorkerServicer_to_server, "DecodeWorker"
+    from services.prefill.server import PrefillServicer
+
+    return PrefillServicer(runtime), worker_pb2_grpc.add_PrefillWorkerServicer_to_server, "PrefillWorker"
+
+
 async def serve_worker(opts: WorkerOptions, num_threads: int) -> None:
     """Load the model, start the engine thread and the gRPC server, heartbeat until signalled,
     then drain (``services/drain.py``: NOT_SERVING, refuse new requests, leave the registry,
@@ -44,12 +57,9 @@ async def serve_worker(opts: WorkerOptions, num_threads: int) -> None:
     ``SystemExit(EXIT_ENGINE_DIED)``."""
     import torch  # NOTE: here, not at the top: the gateway process must not load torch
 
-    from services.decode.server import DecodeServicer
     from services.engine.engine import LLMEngine
     from services.gateway.model_card import served_model_name
     from services.observability.metrics import MetricsServer, WorkerMetrics
-    from services.prefill.server import PrefillServicer
-    from services.unified.server import UnifiedServicer
     from services.worker import WorkerRuntime
 
     torch.set_num_threads(num_threads)
@@ -64,11 +74,7 @@ async def serve_worker(opts: WorkerOptions, num_threads: int) -> None:
     runtime.metrics = WorkerMetrics(served_model_name(opts.engine.model), opts.role,
                                     runtime.worker_id, engine, lambda: runtime.reservations)
     metrics = MetricsServer(runtime.metrics.registry, opts.host, opts.metrics_port)
-    if opts.role in ("decode", "unified"):  # unified: the DecodeWorker service, prefilling locally
-        servicer_cls = UnifiedServicer if opts.role == "unified" else DecodeServicer
-        servicer, add, name = servicer_cls(runtime), worker_pb2_grpc.add_DecodeWorkerServicer_to_server, "DecodeWorker"
-    else:
-        servicer, add, name = PrefillServicer(runtime), worker_pb2_grpc.add_PrefillWorkerServicer_to_server, "PrefillWorker"
+    servicer, add, name = _servicer(runtime)
     full_name = worker_pb2.DESCRIPTOR.services_by_name[name].full_name
     server, health = create_server([full_name], opts.internal_secret)
     await mark_not_serving(health, [full_name])

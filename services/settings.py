@@ -9,68 +9,14 @@ holds no literal host or port; it receives these values as constructor arguments
 """
 from __future__ import annotations
 
-from enum import Enum
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from services.engine.engine import EngineConfig
-
-
-class Device(str, Enum):
-    """Torch device of a worker's model and KV cache."""
-    cpu = "cpu"
-    cuda = "cuda"
-
-
-class DType(str, Enum):
-    """Model and KV cache dtype (float32: the exact oracle mode; bfloat16 on GPUs and on CPUs
-    that compute it natively; auto: the fastest the machine supports)."""
-    float32 = "float32"
-    bfloat16 = "bfloat16"
-    auto = "auto"
-
-
-class Quantization(str, Enum):
-    """Linear layers: dense (none), or run on a GGUF block format as stored (auto: the file's)."""
-    none = "none"
-    auto = "auto"
-    q4_0 = "q4_0"
-    q4_1 = "q4_1"
-    q8_0 = "q8_0"
-
-
-class KVTransportKind(str, Enum):
-    """KV transfer backend: a pure-Python TCP path, or NIXL over UCX."""
-    tcp = "tcp"
-    nixl = "nixl"
-
-
-class KVFailurePolicy(str, Enum):
-    """When a prompt's KV transfer fails: the decode worker recomputes it, or the request fails."""
-    recompute = "recompute"
-    fail = "fail"
-
-
-class Layout(str, Enum):
-    """Workers `tandem up` starts: auto (chosen for the machine's cores, logged), prefill and
-    decode workers with KV transfer (disaggregated), or workers that do both (unified)."""
-    auto = "auto"
-    disaggregated = "disaggregated"
-    unified = "unified"
-
-
-class LogLevel(str, Enum):
-    DEBUG = "DEBUG"
-    INFO = "INFO"
-    WARNING = "WARNING"
-    ERROR = "ERROR"
-    CRITICAL = "CRITICAL"
-
-    @classmethod
-    def _missing_(cls, value: object) -> LogLevel | None:  # accept "info", "debug", ...
-        return cls.__members__.get(str(value).upper())
+from services.settings_choices import (  # noqa: F401 - re-exported: callers name them from here
+    Device, DType, KVFailurePolicy, KVTransportKind, Layout, LogFormat, LogLevel, Quantization)
 
 
 def setting(default: Any = ..., *, help: str, env: str | None = None, flag: str | None = "",
@@ -237,12 +183,6 @@ class TransportSection(BaseModel):
     internal_tls_server_name: str | None = setting(
         None, help="name internal clients expect in a worker's certificate (default: the "
         "host of its endpoint)")
-
-
-class LogFormat(str, Enum):
-    """Log lines: text for a terminal, json (one object per line) for a log collector."""
-    text = "text"
-    json = "json"
 
 
 class ObservabilitySection(BaseModel):

@@ -31,6 +31,7 @@ from typing import Any
 import grpc
 
 from services.api import worker_pb2, worker_pb2_grpc
+from services.gateway.resume import only_new, resumed_params
 from services.gateway.routing import WorkerPool
 from services.observability.tracing import NO_TRACE
 from services.rpc import ResourceExhausted, Unavailable
@@ -96,11 +97,11 @@ class Dispatcher:
         generated: list[int] = []
         for n in range(MAX_ATTEMPTS):
             base = len(generated)
-            params = _resumed(job.params, base)
+            params = resumed_params(job.params, base)
             try:
                 async with aclosing(self._attempt(job, n, job.prompt + generated, params)) as msgs:
                     async for msg in msgs:
-                        msg = _only_new(msg, base, len(generated))
+                        msg = only_new(msg, base, len(generated))
                         generated.extend(msg.token_ids)
                         yield msg
                         if msg.finish_reason:
@@ -288,29 +289,6 @@ def _status_error(worker: WorkerInfo, exc: grpc.aio.AioRpcError) -> Exception:
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
         return ResourceExhausted(details)
     return Unavailable(f"{worker.role} worker {worker.worker_id} failed: {code.name}: {details}")
-
-
-def _resumed(params: worker_pb2.SamplingParams, num_generated: int) -> worker_pb2.SamplingParams:
-    """The sampling settings for the rest of a request that has ``num_generated`` tokens."""
-    if not num_generated:
-        return params
-    resumed = worker_pb2.SamplingParams()
-    resumed.CopyFrom(params)
-    resumed.max_tokens = params.max_tokens - num_generated
-    resumed.min_tokens = max(params.min_tokens - num_generated, 0)
-    return resumed
-
-
-def _only_new(msg: worker_pb2.DecodeResponse, base: int, num_sent: int) -> worker_pb2.DecodeResponse:
-    """Drop tokens the client already has. ``msg.num_output_tokens`` counts the attempt's
-    tokens; the attempt started after ``base`` tokens; ``num_sent`` were sent so far."""
-    first = base + msg.num_output_tokens - len(msg.token_ids)  # position of msg.token_ids[0]
-    if first > num_sent:
-        raise RuntimeError(f"token stream gap: next token is #{num_sent}, the worker sent #{first}")
-    skip = num_sent - first
-    return worker_pb2.DecodeResponse(
-        token_ids=msg.token_ids[skip:], finish_reason=msg.finish_reason,
-        num_output_tokens=base + msg.num_output_tokens, logprobs=msg.logprobs[skip:])
 
 
 def _forget(tasks: set) -> Callable[[asyncio.Task], None]:

@@ -41,7 +41,7 @@ from services.gateway.validation import RequestLimits
 from services.observability import tracing
 from services.observability.logs import bind_request
 from services.observability.metrics import GatewayMetrics, TokenClock
-from services.rpc import ResourceExhausted, Unavailable, status_for
+from services.rpc import ResourceExhausted, Unavailable, status_name
 from services.state.store import RequestState, RequestStateStore
 
 log = logging.getLogger(__name__)
@@ -122,7 +122,7 @@ class GatewayCore:
                                                 self.limits.max_tokens_cap)
         except BaseException as exc:
             trace.fail(exc)
-            self.metrics.request_ended(_code(exc))
+            self.metrics.request_ended(status_name(exc))
             raise
         trace.requested(rid, params, len(prompt))
         return Prepared(rid, prompt, params, trace, t0)
@@ -149,7 +149,7 @@ class GatewayCore:
                                                model=self.model.name, key_id=key_id))
         except BaseException as exc:
             del self._inflight[rid]
-            self.metrics.request_ended(_code(exc))
+            self.metrics.request_ended(status_name(exc))
             raise
         return record
 
@@ -200,7 +200,7 @@ class GatewayCore:
             raise Unavailable(f"worker failed: {exc.details()}") from exc
         except Exception as exc:
             record.error = f"{type(exc).__name__}: {exc}"
-            code = _code(exc)
+            code = status_name(exc)
             raise
         finally:
             clock.ended(code)
@@ -211,7 +211,7 @@ class GatewayCore:
         if record.aborted:
             yield gateway_pb2.GenerateResponse(
                 request_id=prepared.request_id, finish_reason="abort",
-                usage=_usage(len(prepared.prompt), record))
+                usage=record.usage(len(prepared.prompt)))
 
     async def _close(self, prepared: Prepared, tokens: AsyncIterator, record: RequestRecord) -> None:
         await tokens.aclose()
@@ -267,7 +267,7 @@ class GatewayCore:
         return gateway_pb2.GenerateResponse(
             request_id=prepared.request_id, token_ids=msg.token_ids, text=text,
             finish_reason=reason, logprobs=[self._logprob(lp) for lp in msg.logprobs],
-            usage=_usage(len(prepared.prompt), record) if reason else None)
+            usage=record.usage(len(prepared.prompt)) if reason else None)
 
     def _job(self, prepared: Prepared, record: RequestRecord) -> Job:
         def on_dispatch(decode_worker: str, prefill_worker: str, resumed: bool) -> None:
@@ -295,15 +295,3 @@ class GatewayCore:
             token_id=lp.token_id, logprob=lp.logprob, text=decode(lp.token_id),
             top_logprobs=[gateway_pb2.TopLogprob(token_id=t, logprob=v, text=decode(t))
                           for t, v in zip(lp.top_token_ids, lp.top_logprobs)])
-
-
-def _code(exc: BaseException) -> str:
-    """The gRPC status code name a front end answers ``exc`` with."""
-    return "CANCELLED" if isinstance(exc, asyncio.CancelledError) else status_for(exc)[0].name
-
-
-def _usage(prompt_tokens: int, record: RequestRecord) -> gateway_pb2.Usage:
-    completion_tokens = record.num_output_tokens
-    return gateway_pb2.Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                             total_tokens=prompt_tokens + completion_tokens,
-                             cached_tokens=record.num_cached_tokens)

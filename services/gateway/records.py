@@ -10,6 +10,7 @@ from typing import Any
 
 import redis
 
+from services.api import gateway_pb2
 from services.rpc import Unavailable
 from services.state.store import RequestState, RequestStateStore
 
@@ -77,6 +78,14 @@ class RequestRecord:
         if self.error is not None:
             return RequestState.FAILED, {"error": self.error}
         return RequestState.FINISHED, {"finish_reason": self.finish_reason}
+
+    def usage(self, prompt_tokens: int) -> gateway_pb2.Usage:
+        """The request's token counts so far (OpenAI's ``usage``; ``cached_tokens``: prefix-cache
+        hits the prefill worker reported)."""
+        completion = self.num_output_tokens
+        return gateway_pb2.Usage(prompt_tokens=prompt_tokens, completion_tokens=completion,
+                                 total_tokens=prompt_tokens + completion,
+                                 cached_tokens=self.num_cached_tokens)
 
     def on_finish(self, callback) -> None:
         """Call ``callback(record)`` when the request ends (e.g. a per-key limit's release)."""

@@ -13,7 +13,7 @@ from prometheus_client import generate_latest
 from services.engine import metrics as em
 from services.engine.metrics import EngineMetrics, Histogram, buckets_1_2_5
 from services.engine.sampling_params import SamplingParams
-from services.gateway.pipeline import _code
+from services.rpc import status_name as _code
 from services.observability.metrics import TokenClock
 from services.observability.metrics import GatewayMetrics, WorkerMetrics
 from services.observability.scrape import scrape_config, write_scrape_config

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from services.launcher import Child
+from services.process import Child
 from services.supervisor import CrashLoop, RestartPolicy, Supervisor
 
 
