@@ -4,6 +4,7 @@ read the workers' own state (``GetLoad``) and to wait on a condition with a dead
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import threading
 import time
@@ -57,6 +58,17 @@ def start_stack(worker_args: list[str], redis_url: str | None,
         s.stop()
         raise
     return s
+
+
+@contextlib.contextmanager
+def running(s: Stack) -> Iterator[Stack]:
+    """``s`` started and ready for the block; stopped after it, whatever happens."""
+    try:
+        s.start()
+        s.wait_ready()
+        yield s
+    finally:
+        s.stop()
 
 
 @pytest.fixture(scope="module")

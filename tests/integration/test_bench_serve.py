@@ -66,29 +66,16 @@ def test_result_json_has_every_field_and_all_requests_completed(serve_run):
 
 def test_token_counts_equal_the_servers_records(serve_run, stack):
     _, result, _ = serve_run
-    records = result["requests"]
-    infos = asyncio.run(server_records(stack.address, [r["request_id"] for r in records]))
-    for record, info in zip(records, infos):
-        assert info.status == "FINISHED", info
-        assert record["prompt_len"] == info.prompt_tokens > 0
-        assert record["output_tokens"] == info.output_tokens > 0
-        if record["kind"] == "long":
-            assert record["output_tokens"] == LONG_OUTPUT  # ignore_eos: exact
-    assert result["total_input_tokens"] == sum(i.prompt_tokens for i in infos)
-    assert result["total_output_tokens"] == sum(i.output_tokens for i in infos)
+    assert_counts_equal_the_servers(result, stack.address)
 
 
 def test_an_slo_no_request_can_meet_gives_zero_goodput(serve_run):
     _, result, _ = serve_run
-    assert result["request_goodput"] == 0.0 and result["slo_attainment"] == 0.0
-    assert result["request_throughput"] > 0
+    assert_zero_goodput(result)
 
 
 def test_plots_are_png_files(serve_run):
-    out, _, _ = serve_run
-    for kind in ("latency_cdf", "timeline", "throughput"):
-        data = (out / f"run-{kind}.png").read_bytes()
-        assert data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 2000, kind
+    assert_plots_are_png(serve_run[0])
 
 
 def test_workers_load_was_sampled_over_the_run(serve_run):
@@ -101,3 +88,30 @@ def test_workers_load_was_sampled_over_the_run(serve_run):
     assert 0.0 <= decode["mean_kv_usage"] <= decode["max_kv_usage"] <= 1.0
     assert set(decode) == {"role", "mean_running_batch", "max_running_batch", "mean_waiting",
                            "mean_kv_usage", "max_kv_usage", "preemptions", "migrations"}
+
+
+def assert_counts_equal_the_servers(result: dict, address: str, long_output: int = LONG_OUTPUT) -> list:
+    """Every request FINISHED with the token counts the gateway's records hold (a long-mix
+    long request exactly ``long_output``); returns the records."""
+    records = result["requests"]
+    infos = asyncio.run(server_records(address, [r["request_id"] for r in records]))
+    for record, info in zip(records, infos):
+        assert info.status == "FINISHED", info
+        assert record["prompt_len"] == info.prompt_tokens > 0
+        assert record["output_tokens"] == info.output_tokens > 0
+        if record["kind"] == "long":
+            assert record["output_tokens"] == long_output  # ignore_eos: exact
+    assert result["total_input_tokens"] == sum(i.prompt_tokens for i in infos)
+    assert result["total_output_tokens"] == sum(i.output_tokens for i in infos)
+    return infos
+
+
+def assert_zero_goodput(result: dict) -> None:
+    assert result["request_goodput"] == 0.0 and result["slo_attainment"] == 0.0
+    assert result["request_throughput"] > 0
+
+
+def assert_plots_are_png(out) -> None:
+    for kind in ("latency_cdf", "timeline", "throughput"):
+        data = (out / f"run-{kind}.png").read_bytes()
+        assert data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 2000, kind

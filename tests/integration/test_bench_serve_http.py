@@ -5,7 +5,6 @@ token counts equal the server's records, the plots are PNGs, the unified worker'
 sampled, and a goodput SLO no request can meet gives 0 goodput."""
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import subprocess
@@ -15,7 +14,8 @@ import pytest
 
 from services.launcher import Stack, UpOptions
 from tests.integration.conftest import WORKER_ARGS, free_port
-from tests.integration.test_bench_serve import REPO, VLLM_FIELDS, server_records
+from tests.integration.test_bench_serve import (
+    REPO, VLLM_FIELDS, assert_counts_equal_the_servers, assert_plots_are_png, assert_zero_goodput)
 
 pytestmark = pytest.mark.integration
 
@@ -74,30 +74,17 @@ def test_http_result_json_has_every_field_and_all_requests_completed(http_run):
 def test_http_token_counts_equal_the_servers_records(http_run, http_stack):
     _, result, _ = http_run
     stack, _ = http_stack
-    records = result["requests"]
-    infos = asyncio.run(server_records(stack.address, [r["request_id"] for r in records]))
-    for record, info in zip(records, infos):
-        assert info.status == "FINISHED", info
-        assert record["prompt_len"] == info.prompt_tokens > 0
-        assert record["output_tokens"] == info.output_tokens > 0
-        assert info.prefill_worker == info.decode_worker == "unified-0"
-        if record["kind"] == "long":
-            assert record["output_tokens"] == LONG_OUTPUT  # ignore_eos: exact
-    assert result["total_input_tokens"] == sum(i.prompt_tokens for i in infos)
-    assert result["total_output_tokens"] == sum(i.output_tokens for i in infos)
+    infos = assert_counts_equal_the_servers(result, stack.address, LONG_OUTPUT)
+    assert all(i.prefill_worker == i.decode_worker == "unified-0" for i in infos)
 
 
 def test_http_slo_no_request_can_meet_gives_zero_goodput(http_run):
     _, result, _ = http_run
-    assert result["request_goodput"] == 0.0 and result["slo_attainment"] == 0.0
-    assert result["request_throughput"] > 0
+    assert_zero_goodput(result)
 
 
 def test_http_plots_are_png_files(http_run):
-    out, _, _ = http_run
-    for kind in ("latency_cdf", "timeline", "throughput"):
-        data = (out / f"run-{kind}.png").read_bytes()
-        assert data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 2000, kind
+    assert_plots_are_png(http_run[0])
 
 
 def test_unified_workers_load_was_sampled(http_run):

@@ -33,7 +33,8 @@ from services.api import gateway_pb2, gateway_pb2_grpc
 from services.launcher import Stack, UpOptions
 from services.state.redis_server import start_redis_server
 from tests.integration.conftest import (
-    WORKER_ARGS, assert_all_blocks_freed, free_port, registered_workers, wait_until, worker_loads)
+    WORKER_ARGS, assert_all_blocks_freed, free_port, registered_workers, running, wait_until,
+    worker_loads)
 from tests.reference import CHAT_PROMPTS, NUM_TOKENS, hf_greedy_outputs
 
 pytestmark = pytest.mark.integration
@@ -54,11 +55,9 @@ def stack() -> Iterator[Stack]:
         gateway_args=["--heartbeat-s", str(HEARTBEAT_S)],
         env={"TANDEM_TEST_FAULT_INJECTION": "1"}, ready_timeout_s=240))
     try:
-        s.start()
-        s.wait_ready()
-        yield s
+        with running(s):
+            yield s
     finally:
-        s.stop()
         redis.stop()
 
 

@@ -22,7 +22,7 @@ from services.kv_transfer import KVTransferError, create_transport
 from services.kv_transfer.grants import new_token
 from services.launcher import Stack, UpOptions
 from services.state.registry import WorkerInfo, WorkerRegistry
-from tests.integration.conftest import WORKER_ARGS, free_port
+from tests.integration.conftest import WORKER_ARGS, free_port, running
 from tests.reference import CHAT_PROMPTS, chat_prompt_ids
 
 pytestmark = pytest.mark.integration
@@ -40,12 +40,8 @@ def stack(redis_server) -> Iterator[Stack]:
         gateway_args=["--heartbeat-s", "0.5", "--kv-failure-policy", "fail"],
         env={"TANDEM_INTERNAL_SECRET": SECRET, "TANDEM_TEST_FAULT_INJECTION": "1"},
         ready_timeout_s=180))
-    try:
-        s.start()
-        s.wait_ready()
+    with running(s):
         yield s
-    finally:
-        s.stop()
 
 
 @pytest.fixture

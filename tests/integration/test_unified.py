@@ -12,7 +12,8 @@ import pytest
 
 from services.api import gateway_pb2, gateway_pb2_grpc
 from services.launcher import Stack, UpOptions
-from tests.integration.conftest import WORKER_ARGS, assert_all_blocks_freed, free_port, wait_until
+from tests.integration.conftest import (
+    WORKER_ARGS, assert_all_blocks_freed, free_port, running, wait_until)
 from tests.integration.test_stack import chat_request, generate
 from tests.reference import CHAT_PROMPTS, NUM_TOKENS, hf_greedy_outputs
 
@@ -26,12 +27,8 @@ def unified_stack(redis_server):
     s = Stack(UpOptions(host="127.0.0.1", port=free_port(), num_prefill=0, num_decode=0,
                         num_unified=2, redis_url=redis_server.url, worker_args=WORKER_ARGS,
                         gateway_args=["--heartbeat-s", "0.5"], ready_timeout_s=240))
-    try:
-        s.start()
-        s.wait_ready()
+    with running(s):
         yield s
-    finally:
-        s.stop()
 
 
 async def info_of(address: str, request_id: str) -> gateway_pb2.RequestInfo:
