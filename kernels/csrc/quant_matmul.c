@@ -16,9 +16,14 @@
  *   dot(w_b, x_b) = dw dx sum(u q_x) + cw dx sum(q_x).
  * Work: tiles of TILE_N weight rows spread over OpenMP threads; a thread unpacks its tile once
  * (L1-resident) and runs every activation row against it, so a batch of M rows reads the
- * weights from memory once. Paths: AVX512-VNNI (vpdpbusd, two blocks per register), AVX2
- * (widen to 16 bits, vpmaddwd), scalar; chosen at compile time (-march=native, the build is
- * keyed by the CPU's flags).
+ * weights from memory once. Paths: AVX512-VNNI (vpdpbusd), AVX2 (widen to 16 bits,
+ * vpmaddwd), scalar; compiled in by -march=native (the build is keyed by the CPU's flags), the
+ * best one run unless the caller caps it (isa argument: tests force AVX2 and scalar).
+ * AVX512-VNNI at batch >= 6 (PANEL_MIN): activation rows go in 16-row panels, interleaved so a
+ * register holds 4 int8 of each of 16 rows and every unpacked weight dword is broadcast against
+ * it (PANEL_MICRO): each weight load serves 16-32 rows and the float scaling runs once per
+ * block per 8 vpdpbusd. Fewer rows (decode at small batch) run the row kernels: 4 weight rows x
+ * 1-2 activation rows, two blocks per 512-bit register (MICRO).
  */
 #include <math.h>
 #include <stdint.h>
@@ -41,6 +46,13 @@
 #define TANDEM_BAD_FORMAT 1
 #define TANDEM_BAD_SHAPE 2
 #define TANDEM_NO_MEMORY 3
+/* dot-product paths, best last; the caller may cap the path (tests force AVX2 and scalar) */
+#define ISA_SCALAR 0
+#define ISA_AVX2 1
+#define ISA_AVX512_ROWS 2 /* VNNI on row-major blocks, 4 weight x 1-2 activation rows */
+#define ISA_AVX512 3      /* ISA_AVX512_ROWS plus 16-row activation panels (batch >= PANEL_MIN) */
+#define PANEL 16
+#define PANEL_MIN 6
 
 static float fp16_to_f32(uint16_t h) {
     uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
@@ -61,13 +73,14 @@ int tandem_quant_block_bytes(int fmt) {
     return fmt == FMT_Q4_0 ? 18 : fmt == FMT_Q4_1 ? 20 : fmt == FMT_Q8_0 ? 34 : 0;
 }
 
-const char *tandem_quant_isa(void) {
+/* The best path this build has: ISA_AVX512, ISA_AVX2 or ISA_SCALAR. */
+int tandem_quant_max_isa(void) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-    return "avx512_vnni";
+    return ISA_AVX512;
 #elif defined(__AVX2__)
-    return "avx2";
+    return ISA_AVX2;
 #else
-    return "scalar";
+    return ISA_SCALAR;
 #endif
 }
 
@@ -139,11 +152,12 @@ static void quantize_row(const float *x, int64_t nb, int8_t *q, float *dx, float
 
 /* sum_b dw_b dx_b sum(u_b q_b): the integer part of one (weight row, activation row) dot. */
 static float dot_blocks(const uint8_t *u, const float *dw, const int8_t *q, const float *dx,
-                        int64_t nb) {
+                        int64_t nb, int isa) {
     int64_t b = 0;
     float total = 0.0f;
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
     __m512 acc = _mm512_setzero_ps();
+    if (isa < ISA_AVX512_ROWS) b = nb; /* skip this path: an empty loop, acc stays zero */
     for (; b + 2 <= nb; b += 2) {
         __m512i wi = _mm512_loadu_si512((const void *)(u + b * QK));
         __m512i xi = _mm512_loadu_si512((const void *)(q + b * QK));
@@ -152,10 +166,11 @@ static float dot_blocks(const uint8_t *u, const float *dw, const int8_t *q, cons
         acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), scale, acc);
     }
     total = _mm512_reduce_add_ps(acc);
+    if (isa < ISA_AVX512_ROWS) b = 0;
 #endif
 #if defined(__AVX2__)
     __m256 acc8 = _mm256_setzero_ps();
-    for (; b < nb; b++) {
+    for (; isa >= ISA_AVX2 && b < nb; b++) {
         __m256i wi = _mm256_loadu_si256((const __m256i *)(u + b * QK));
         __m256i xi = _mm256_loadu_si256((const __m256i *)(q + b * QK));
         __m256i w_lo = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(wi));
@@ -227,19 +242,109 @@ static inline __m128 hsum4(__m512 a, __m512 b, __m512 c, __m512 d) {
     }
 MICRO(1)
 MICRO(2)
+
+/*
+ * NR weight rows x P panels of 16 activation rows (ggml's repacked-GEMM idea, transposed: the
+ * activations are interleaved so a register's 16 lanes are 16 activation rows, and each weight
+ * dword is broadcast to all of them). One vpdpbusd per 4 weights x 16 rows; per block of 32 the
+ * int32 sums are scaled once (cvt, mul, fma per 8 vpdpbusd). xt: per panel, per block, per
+ * group g of 4 elements, 16 rows x 4 int8 (64 bytes); dxt: per panel, per block, 16 scales.
+ * res[p][r][lane] = sum_b dw_rb dx_lane,b sum(u_rb q_lane,b).
+ */
+#define PANEL_MICRO(NR, P)                                                                     \
+    static void panel_##NR##x##P(const uint8_t *u, const float *dw, int64_t K,                 \
+                                 const uint8_t *xt, const float *dxt, int64_t nb,              \
+                                 float res[][NR][PANEL]) {                                     \
+        const int64_t ldw = nb * LANES, panel_bytes = nb * QK * PANEL;                         \
+        __m512 acc[P][NR];                                                                     \
+        for (int p = 0; p < P; p++)                                                            \
+            for (int r = 0; r < NR; r++) acc[p][r] = _mm512_setzero_ps();                      \
+        for (int64_t b = 0; b < nb; b++) {                                                     \
+            __m512i s[P][NR];                                                                  \
+            for (int p = 0; p < P; p++)                                                        \
+                for (int r = 0; r < NR; r++) s[p][r] = _mm512_setzero_si512();                 \
+            for (int g = 0; g < QK / 4; g++) {                                                 \
+                __m512i xv[P];                                                                 \
+                for (int p = 0; p < P; p++)                                                    \
+                    xv[p] = _mm512_loadu_si512(xt + p * panel_bytes + (b * 8 + g) * 64);       \
+                for (int r = 0; r < NR; r++) {                                                 \
+                    int32_t w4;                                                                \
+                    memcpy(&w4, u + r * K + b * QK + 4 * g, 4);                                \
+                    const __m512i wv = _mm512_set1_epi32(w4);                                  \
+                    for (int p = 0; p < P; p++) s[p][r] = _mm512_dpbusd_epi32(s[p][r], wv, xv[p]); \
+                }                                                                              \
+            }                                                                                  \
+            for (int p = 0; p < P; p++) {                                                      \
+                const __m512 dxv = _mm512_loadu_ps(dxt + (p * nb + b) * PANEL);                \
+                for (int r = 0; r < NR; r++) {                                                 \
+                    const __m512 sc = _mm512_mul_ps(dxv, _mm512_set1_ps(dw[r * ldw + b * LANES])); \
+                    acc[p][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[p][r]), sc, acc[p][r]);   \
+                }                                                                              \
+            }                                                                                  \
+        }                                                                                      \
+        for (int p = 0; p < P; p++)                                                            \
+            for (int r = 0; r < NR; r++) _mm512_storeu_ps(res[p][r], acc[p][r]);               \
+    }
+PANEL_MICRO(8, 1)
+PANEL_MICRO(4, 2)
+PANEL_MICRO(1, 1)
+PANEL_MICRO(1, 2)
+
+/* Activation rows [m0, m0 + PANEL * panels) of the tile, panels of 16 (lanes past M unset). */
+static void run_panels(const uint8_t *u, const float *dw, int64_t rows, const uint8_t *xt,
+                       const float *dxt, int64_t m0, int64_t panels, int64_t M, int64_t K,
+                       int64_t nb, float *out, int64_t ldo) {
+    float res[2][8][PANEL];
+    const int64_t panel_bytes = nb * QK * PANEL;
+    for (int64_t p = 0; p < panels;) {
+        const int two = p + 2 <= panels;
+        const uint8_t *xp = xt + p * panel_bytes;
+        const float *dp = dxt + p * nb * PANEL;
+        for (int64_t r0 = 0; r0 < rows;) {
+            const uint8_t *ur = u + r0 * K;
+            const float *dwr = dw + r0 * nb * LANES;
+            int nr = two ? (rows - r0 >= 4 ? 4 : 1) : (rows - r0 >= 8 ? 8 : 1);
+            if (two && nr == 4) panel_4x2(ur, dwr, K, xp, dp, nb, (float(*)[4][PANEL])res);
+            else if (two) panel_1x2(ur, dwr, K, xp, dp, nb, (float(*)[1][PANEL])res);
+            else if (nr == 8) panel_8x1(ur, dwr, K, xp, dp, nb, (float(*)[8][PANEL])res);
+            else panel_1x1(ur, dwr, K, xp, dp, nb, (float(*)[1][PANEL])res);
+            const float *flat = &res[0][0][0];
+            for (int pp = 0; pp < 1 + two; pp++)
+                for (int r = 0; r < nr; r++)
+                    for (int l = 0; l < PANEL; l++) {
+                        const int64_t m = m0 + (p + pp) * PANEL + l;
+                        if (m < M) out[m * ldo + r0 + r] = flat[(pp * nr + r) * PANEL + l];
+                    }
+            r0 += nr;
+        }
+        p += 1 + two;
+    }
+}
 #endif
+
+/* Activation rows served by the 16-row panels: whole panels, plus a padded last one when it
+ * holds at least PANEL_MIN rows (fewer run through the row kernels). */
+static int64_t panel_rows(int64_t M, int isa) {
+#ifdef HAVE_MICROKERNEL
+    if (isa >= ISA_AVX512) return M % PANEL >= PANEL_MIN ? M : M - M % PANEL;
+#endif
+    (void)M, (void)isa;
+    return 0;
+}
 
 /* out[m, r] for the tile's rows (u, dw, cw: row strides K, nb * LANES, nb), every m. */
 static void run_tile(const uint8_t *u, const float *dw, const float *cw, int64_t rows,
-                     const int8_t *xq, const float *dx, const float *sx, int64_t M, int64_t K,
-                     int64_t nb, float *out, int64_t ldo) {
-    int64_t r0 = 0;
+                     const int8_t *xq, const float *dx, const float *sx, const uint8_t *xt,
+                     const float *dxt, int64_t M, int64_t K, int64_t nb, float *out, int64_t ldo,
+                     int isa) {
+    int64_t r0 = 0, mp = panel_rows(M, isa);
 #ifdef HAVE_MICROKERNEL
+    if (mp > 0) run_panels(u, dw, rows, xt, dxt, 0, (mp + PANEL - 1) / PANEL, M, K, nb, out, ldo);
     float tmp[2 * 4];
-    for (; r0 + 4 <= rows; r0 += 4) {
+    for (; isa >= ISA_AVX512_ROWS && r0 + 4 <= rows; r0 += 4) {
         const uint8_t *ur = u + r0 * K;
         const float *dwr = dw + r0 * nb * LANES;
-        int64_t m = 0;
+        int64_t m = mp;
         for (; m + 2 <= M; m += 2) {
             micro_4x2(ur, dwr, K, xq + m * K, dx + m * nb * LANES, nb, tmp, 4);
             for (int i = 0; i < 2; i++)
@@ -251,16 +356,33 @@ static void run_tile(const uint8_t *u, const float *dw, const float *cw, int64_t
         }
     }
 #endif
-    for (int64_t m = 0; m < M; m++)
+    for (int64_t m = mp; m < M; m++)
         for (int64_t r = r0; r < rows; r++)
             out[m * ldo + r] = dot_blocks(u + r * K, dw + r * nb * LANES, xq + m * K,
-                                          dx + m * nb * LANES, nb);
+                                          dx + m * nb * LANES, nb, isa);
     for (int64_t m = 0; m < M; m++) { /* cw is [nb, TILE_N]: this loop runs across rows */
         float acc[TILE_N] = {0};
         for (int64_t b = 0; b < nb; b++)
             for (int r = 0; r < TILE_N; r++) acc[r] += sx[m * nb + b] * cw[b * TILE_N + r];
         for (int64_t r = 0; r < rows; r++) out[m * ldo + r] += acc[r];
     }
+}
+
+/* Rows [0, mp) of xq/dx interleaved into 16-row panels (layout in PANEL_MICRO); pad rows 0. */
+static void interleave_panels(const int8_t *xq, const float *dx, int64_t mp, int64_t M,
+                              int64_t nb, uint8_t *xt, float *dxt) {
+    const int64_t panels = (mp + PANEL - 1) / PANEL, K = nb * QK;
+    for (int64_t p = 0; p < panels; p++)
+        for (int64_t b = 0; b < nb; b++)
+            for (int l = 0; l < PANEL; l++) {
+                const int64_t m = p * PANEL + l;
+                uint8_t *dst = xt + p * nb * QK * PANEL + b * QK * PANEL + l * 4;
+                for (int g = 0; g < QK / 4; g++) {
+                    if (m < M) memcpy(dst + g * PANEL * 4, xq + m * K + b * QK + g * 4, 4);
+                    else memset(dst + g * PANEL * 4, 0, 4);
+                }
+                dxt[(p * nb + b) * PANEL + l] = m < M ? dx[(m * nb + b) * LANES] : 0.0f;
+            }
 }
 
 #define MAX_PARTS 8
@@ -273,9 +395,10 @@ static void run_tile(const uint8_t *u, const float *dw, const float *cw, int64_t
  */
 int tandem_quant_matmul_f32(const float *x, const uint8_t *const *parts, const int64_t *part_rows,
                             int num_parts, float *out, int64_t M, int64_t K, int64_t ldo, int fmt,
-                            int num_threads) {
+                            int num_threads, int isa) {
     const int bytes = tandem_quant_block_bytes(fmt);
     if (bytes == 0) return TANDEM_BAD_FORMAT;
+    if (isa < ISA_SCALAR || isa > tandem_quant_max_isa()) isa = tandem_quant_max_isa();
     if (num_parts < 1 || num_parts > MAX_PARTS) return TANDEM_BAD_SHAPE;
     int64_t tile_end[MAX_PARTS], row_start[MAX_PARTS], N = 0, tiles = 0;
     for (int p = 0; p < num_parts; p++) {
@@ -287,17 +410,22 @@ int tandem_quant_matmul_f32(const float *x, const uint8_t *const *parts, const i
     }
     if (K <= 0 || K % QK != 0 || M < 0 || ldo < N) return TANDEM_BAD_SHAPE;
     if (M == 0 || N == 0) return TANDEM_OK;
-    const int64_t nb = K / QK, row_bytes = nb * bytes;
+    const int64_t nb = K / QK, row_bytes = nb * bytes, mp = panel_rows(M, isa);
+    const int64_t padded = (mp + PANEL - 1) / PANEL * PANEL;
     int8_t *xq = malloc((size_t)(M * K));
     float *dx = malloc(sizeof(float) * (size_t)(M * nb * LANES));
     float *sx = malloc(sizeof(float) * (size_t)(M * nb));
-    int failed = !xq || !dx || !sx;
+    uint8_t *xt = padded ? malloc((size_t)(padded * K)) : NULL;
+    float *dxt = padded ? malloc(sizeof(float) * (size_t)(padded * nb)) : NULL;
+    int failed = !xq || !dx || !sx || (padded && (!xt || !dxt));
     if (failed) goto done;
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
 #pragma omp for schedule(static)
         for (int64_t m = 0; m < M; m++)
             quantize_row(x + m * K, nb, xq + m * K, dx + m * nb * LANES, sx + m * nb);
+#pragma omp single
+        if (padded) interleave_panels(xq, dx, mp, M, nb, xt, dxt);
         uint8_t *u = malloc((size_t)(TILE_N * K));
         float *dw = malloc(sizeof(float) * (size_t)(TILE_N * nb * LANES));
         float *cw = malloc(sizeof(float) * (size_t)(TILE_N * nb));
@@ -314,13 +442,16 @@ int tandem_quant_matmul_f32(const float *x, const uint8_t *const *parts, const i
             for (int64_t r = 0; r < rows; r++)
                 unpack_row(fmt, src + r * row_bytes, nb, u + r * K, dw + r * nb * LANES, cw + r,
                            TILE_N);
-            run_tile(u, dw, cw, rows, xq, dx, sx, M, K, nb, out + row_start[p] + r0, ldo);
+            run_tile(u, dw, cw, rows, xq, dx, sx, xt, dxt, M, K, nb, out + row_start[p] + r0, ldo,
+                     isa);
         }
         free(u);
         free(dw);
         free(cw);
     }
 done:
+    free(xt);
+    free(dxt);
     free(xq);
     free(dx);
     free(sx);

@@ -30,8 +30,8 @@ def make_weight(fmt: str, n: int, k: int, seed: int = 0, scale: float = 0.05) ->
     return QuantizedWeight(torch.from_numpy(data), fmt, n, k)
 
 
-def check_close(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
-    y = quant.quant_matmul(x, w)
+def check_close(x: torch.Tensor, w: QuantizedWeight, isa: str | None = None) -> torch.Tensor:
+    y = quant.quant_matmul(x, w, isa=isa)
     ref = x.float() @ quant.dequantize(w).T
     bound = quant.activation_error_bound(x, w)
     err = (y - ref).abs()
@@ -59,7 +59,7 @@ def test_dequantize_equals_gguf(fmt):
 
 @pytest.mark.parametrize("fmt", list(quant.FORMATS))
 @pytest.mark.parametrize("n,k", [(1, 32), (37, 96), (64, 576), (576, 1536), (1536, 576), (17, 64)])
-@pytest.mark.parametrize("m", [1, 2, 5, 16, 64])
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 16, 17, 64])
 def test_matches_dequantized_matmul(fmt, n, k, m):
     w = make_weight(fmt, n, k, seed=n * k + m)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
@@ -68,6 +68,28 @@ def test_matches_dequantized_matmul(fmt, n, k, m):
     scale = x.abs() @ quant.dequantize(w).abs().T
     assert (quant.activation_error_bound(x, w) <= 0.05 * scale + 1e-6).all()
     assert err.max() > 0  # activations really were quantized (a float path would be exact)
+
+
+@pytest.mark.parametrize("fmt", list(quant.FORMATS))
+@pytest.mark.parametrize("isa", quant.ISAS)
+@pytest.mark.parametrize("n,k", [(17, 64), (37, 96), (100, 576)])
+def test_every_path_matches_dequantized_matmul(fmt, isa, n, k):
+    """Each dot-product path of the build (the AVX2 and scalar ones too, forced, as on a CI
+    machine without AVX-512) at every tile shape: row kernels (batch 1-5), a padded 16-row
+    panel plus row kernels (6-17: 17 = one panel + one row), two-panel tiles (33, 64), and
+    output counts that leave partial 16-row tiles and 8/4/1-row remainders."""
+    if isa not in quant.isas():
+        pytest.skip(f"{isa} not in this build ({quant.isa()})")
+    w = make_weight(fmt, n, k, seed=n + k)
+    for m in (1, 2, 3, 5, 6, 15, 16, 17, 22, 33, 64):
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+        check_close(x, w, isa=isa)
+
+
+def test_unknown_path_is_rejected():
+    w = make_weight("q4_0", 16, 64)
+    with pytest.raises(ValueError, match="isa"):
+        quant.quant_matmul(torch.zeros(2, 64), w, isa="avx1024")
 
 
 def test_outlier_activations_stay_within_bound():
