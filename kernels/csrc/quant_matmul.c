@@ -134,7 +134,24 @@ static void unpack_row(int fmt, const uint8_t *src, int64_t nb, uint8_t *u, floa
 
 /* One activation row x[K] -> q[K] int8, dx[nb * LANES], sx[nb] = dx * sum(q) per block. */
 static void quantize_row(const float *x, int64_t nb, int8_t *q, float *dx, float *sx) {
-    for (int64_t b = 0; b < nb; b++) {
+    int64_t b = 0;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    /* the same arithmetic as the loop below (cvtps rounds to nearest even, as lrintf) */
+    const __m512 sign = _mm512_set1_ps(-0.0f);
+    for (; b < nb; b++) {
+        const __m512 lo = _mm512_loadu_ps(x + b * QK), hi = _mm512_loadu_ps(x + b * QK + 16);
+        const float amax = _mm512_reduce_max_ps(
+            _mm512_max_ps(_mm512_andnot_ps(sign, lo), _mm512_andnot_ps(sign, hi)));
+        const float d = amax / 127.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
+        const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, _mm512_set1_ps(inv)));
+        const __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, _mm512_set1_ps(inv)));
+        _mm_storeu_si128((__m128i *)(q + b * QK), _mm512_cvtsepi32_epi8(qlo));
+        _mm_storeu_si128((__m128i *)(q + b * QK + 16), _mm512_cvtsepi32_epi8(qhi));
+        _mm256_storeu_ps(dx + b * LANES, _mm256_set1_ps(d));
+        sx[b] = d * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
+    }
+#endif
+    for (; b < nb; b++) {
         const float *xb = x + b * QK;
         float amax = 0.0f;
         for (int j = 0; j < QK; j++) amax = fmaxf(amax, fabsf(xb[j]));
@@ -248,11 +265,12 @@ MICRO(2)
  * activations are interleaved so a register's 16 lanes are 16 activation rows, and each weight
  * dword is broadcast to all of them). One vpdpbusd per 4 weights x 16 rows; per block of 32 the
  * int32 sums are scaled once (cvt, mul, fma per 8 vpdpbusd). xt: per panel, per block, per
- * group g of 4 elements, 16 rows x 4 int8 (64 bytes); dxt: per panel, per block, 16 scales.
- * res[p][r][lane] = sum_b dw_rb dx_lane,b sum(u_rb q_lane,b).
+ * group g of 4 elements, 16 rows x 4 int8 (64 bytes); dxt: per panel, per block, 16 scales dx
+ * then 16 sx = dx sum(q); cw: [nb, TILE_N] (this tile's rows from u's first).
+ * res[p][r][lane] = sum_b dw_rb dx_lane,b sum(u_rb q_lane,b) + cw_rb sx_lane,b.
  */
 #define PANEL_MICRO(NR, P)                                                                     \
-    static void panel_##NR##x##P(const uint8_t *u, const float *dw, int64_t K,                 \
+    static void panel_##NR##x##P(const uint8_t *u, const float *dw, const float *cw, int64_t K, \
                                  const uint8_t *xt, const float *dxt, int64_t nb,              \
                                  float res[][NR][PANEL]) {                                     \
         const int64_t ldw = nb * LANES, panel_bytes = nb * QK * PANEL;                         \
@@ -275,10 +293,12 @@ MICRO(2)
                 }                                                                              \
             }                                                                                  \
             for (int p = 0; p < P; p++) {                                                      \
-                const __m512 dxv = _mm512_loadu_ps(dxt + (p * nb + b) * PANEL);                \
+                const float *dp = dxt + (p * nb + b) * 2 * PANEL;                              \
+                const __m512 dxv = _mm512_loadu_ps(dp), sxv = _mm512_loadu_ps(dp + PANEL);     \
                 for (int r = 0; r < NR; r++) {                                                 \
                     const __m512 sc = _mm512_mul_ps(dxv, _mm512_set1_ps(dw[r * ldw + b * LANES])); \
                     acc[p][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[p][r]), sc, acc[p][r]);   \
+                    acc[p][r] = _mm512_fmadd_ps(sxv, _mm512_set1_ps(cw[b * TILE_N + r]), acc[p][r]); \
                 }                                                                              \
             }                                                                                  \
         }                                                                                      \
@@ -291,7 +311,8 @@ PANEL_MICRO(1, 1)
 PANEL_MICRO(1, 2)
 
 /* Activation rows [m0, m0 + PANEL * panels) of the tile, panels of 16 (lanes past M unset). */
-static void run_panels(const uint8_t *u, const float *dw, int64_t rows, const uint8_t *xt,
+static void run_panels(const uint8_t *u, const float *dw, const float *cw, int64_t rows,
+                       const uint8_t *xt,
                        const float *dxt, int64_t m0, int64_t panels, int64_t M, int64_t K,
                        int64_t nb, float *out, int64_t ldo) {
     float res[2][8][PANEL];
@@ -299,15 +320,15 @@ static void run_panels(const uint8_t *u, const float *dw, int64_t rows, const ui
     for (int64_t p = 0; p < panels;) {
         const int two = p + 2 <= panels;
         const uint8_t *xp = xt + p * panel_bytes;
-        const float *dp = dxt + p * nb * PANEL;
+        const float *dp = dxt + p * nb * 2 * PANEL;
         for (int64_t r0 = 0; r0 < rows;) {
             const uint8_t *ur = u + r0 * K;
-            const float *dwr = dw + r0 * nb * LANES;
+            const float *dwr = dw + r0 * nb * LANES, *cwr = cw + r0;
             int nr = two ? (rows - r0 >= 4 ? 4 : 1) : (rows - r0 >= 8 ? 8 : 1);
-            if (two && nr == 4) panel_4x2(ur, dwr, K, xp, dp, nb, (float(*)[4][PANEL])res);
-            else if (two) panel_1x2(ur, dwr, K, xp, dp, nb, (float(*)[1][PANEL])res);
-            else if (nr == 8) panel_8x1(ur, dwr, K, xp, dp, nb, (float(*)[8][PANEL])res);
-            else panel_1x1(ur, dwr, K, xp, dp, nb, (float(*)[1][PANEL])res);
+            if (two && nr == 4) panel_4x2(ur, dwr, cwr, K, xp, dp, nb, (float(*)[4][PANEL])res);
+            else if (two) panel_1x2(ur, dwr, cwr, K, xp, dp, nb, (float(*)[1][PANEL])res);
+            else if (nr == 8) panel_8x1(ur, dwr, cwr, K, xp, dp, nb, (float(*)[8][PANEL])res);
+            else panel_1x1(ur, dwr, cwr, K, xp, dp, nb, (float(*)[1][PANEL])res);
             const float *flat = &res[0][0][0];
             for (int pp = 0; pp < 1 + two; pp++)
                 for (int r = 0; r < nr; r++)
@@ -339,7 +360,7 @@ static void run_tile(const uint8_t *u, const float *dw, const float *cw, int64_t
                      int isa) {
     int64_t r0 = 0, mp = panel_rows(M, isa);
 #ifdef HAVE_MICROKERNEL
-    if (mp > 0) run_panels(u, dw, rows, xt, dxt, 0, (mp + PANEL - 1) / PANEL, M, K, nb, out, ldo);
+    if (mp > 0) run_panels(u, dw, cw, rows, xt, dxt, 0, (mp + PANEL - 1) / PANEL, M, K, nb, out, ldo);
     float tmp[2 * 4];
     for (; isa >= ISA_AVX512_ROWS && r0 + 4 <= rows; r0 += 4) {
         const uint8_t *ur = u + r0 * K;
@@ -360,7 +381,7 @@ static void run_tile(const uint8_t *u, const float *dw, const float *cw, int64_t
         for (int64_t r = r0; r < rows; r++)
             out[m * ldo + r] = dot_blocks(u + r * K, dw + r * nb * LANES, xq + m * K,
                                           dx + m * nb * LANES, nb, isa);
-    for (int64_t m = 0; m < M; m++) { /* cw is [nb, TILE_N]: this loop runs across rows */
+    for (int64_t m = mp; m < M; m++) { /* cw is [nb, TILE_N]: this loop runs across rows */
         float acc[TILE_N] = {0};
         for (int64_t b = 0; b < nb; b++)
             for (int r = 0; r < TILE_N; r++) acc[r] += sx[m * nb + b] * cw[b * TILE_N + r];
@@ -369,8 +390,8 @@ static void run_tile(const uint8_t *u, const float *dw, const float *cw, int64_t
 }
 
 /* Rows [0, mp) of xq/dx interleaved into 16-row panels (layout in PANEL_MICRO); pad rows 0. */
-static void interleave_panels(const int8_t *xq, const float *dx, int64_t mp, int64_t M,
-                              int64_t nb, uint8_t *xt, float *dxt) {
+static void interleave_panels(const int8_t *xq, const float *dx, const float *sx, int64_t mp,
+                              int64_t M, int64_t nb, uint8_t *xt, float *dxt) {
     const int64_t panels = (mp + PANEL - 1) / PANEL, K = nb * QK;
     for (int64_t p = 0; p < panels; p++)
         for (int64_t b = 0; b < nb; b++)
@@ -381,7 +402,8 @@ static void interleave_panels(const int8_t *xq, const float *dx, int64_t mp, int
                     if (m < M) memcpy(dst + g * PANEL * 4, xq + m * K + b * QK + g * 4, 4);
                     else memset(dst + g * PANEL * 4, 0, 4);
                 }
-                dxt[(p * nb + b) * PANEL + l] = m < M ? dx[(m * nb + b) * LANES] : 0.0f;
+                dxt[(p * nb + b) * 2 * PANEL + l] = m < M ? dx[(m * nb + b) * LANES] : 0.0f;
+                dxt[(p * nb + b) * 2 * PANEL + PANEL + l] = m < M ? sx[m * nb + b] : 0.0f;
             }
 }
 
@@ -416,7 +438,7 @@ int tandem_quant_matmul_f32(const float *x, const uint8_t *const *parts, const i
     float *dx = malloc(sizeof(float) * (size_t)(M * nb * LANES));
     float *sx = malloc(sizeof(float) * (size_t)(M * nb));
     uint8_t *xt = padded ? malloc((size_t)(padded * K)) : NULL;
-    float *dxt = padded ? malloc(sizeof(float) * (size_t)(padded * nb)) : NULL;
+    float *dxt = padded ? malloc(sizeof(float) * (size_t)(padded * nb * 2)) : NULL;
     int failed = !xq || !dx || !sx || (padded && (!xt || !dxt));
     if (failed) goto done;
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
@@ -425,7 +447,7 @@ int tandem_quant_matmul_f32(const float *x, const uint8_t *const *parts, const i
         for (int64_t m = 0; m < M; m++)
             quantize_row(x + m * K, nb, xq + m * K, dx + m * nb * LANES, sx + m * nb);
 #pragma omp single
-        if (padded) interleave_panels(xq, dx, mp, M, nb, xt, dxt);
+        if (padded) interleave_panels(xq, dx, sx, mp, M, nb, xt, dxt);
         uint8_t *u = malloc((size_t)(TILE_N * K));
         float *dw = malloc(sizeof(float) * (size_t)(TILE_N * nb * LANES));
         float *cw = malloc(sizeof(float) * (size_t)(TILE_N * nb));
