@@ -178,7 +178,9 @@ def quant_matmul(x: torch.Tensor, weight: QuantizedWeight | Sequence[QuantizedWe
         raise ValueError(f"x: last dimension {x.shape[-1]} != in_features {k}")
     lead, dtype = x.shape[:-1], x.dtype
     n = sum(p.out_features for p in parts)
-    x2 = x.reshape(-1, k).to(torch.float32).contiguous()
+    # NOTE: a decode step makes ~150 of these calls: skip torch ops that would be no-ops
+    x2 = x if x.dim() == 2 and dtype == torch.float32 and x.is_contiguous() else (
+        x.reshape(-1, k).to(torch.float32).contiguous())
     lib = _library()
     if isa is not None and isa not in isas():
         raise ValueError(f"isa: {isa!r} is not a path of this kernel build; have {isas()}")
@@ -188,13 +190,19 @@ def quant_matmul(x: torch.Tensor, weight: QuantizedWeight | Sequence[QuantizedWe
         return (y if out is None else out.copy_(y)).reshape(*lead, n).to(dtype)
     if out is None:
         out = torch.empty(x2.shape[0], n, dtype=torch.float32)
-    ptrs = (_PTR * len(parts))(*[p.data.data_ptr() for p in parts])
-    rows = (_I64 * len(parts))(*[p.out_features for p in parts])
+    ptrs, rows = _part_arrays(tuple((p.data.data_ptr(), p.out_features) for p in parts))
     _check(lib.tandem_quant_matmul_f32(x2.data_ptr(), ptrs, rows, len(parts), out.data_ptr(),
                                        x2.shape[0], k, n, FORMATS[fmt][0], torch.get_num_threads(),
                                        level),
            "quant_matmul")
-    return out.reshape(*lead, n).to(dtype)
+    return out if x2 is x else out.reshape(*lead, n).to(dtype)
+
+
+@functools.lru_cache(maxsize=4096)
+def _part_arrays(parts: tuple[tuple[int, int], ...]) -> tuple[ctypes.Array, ctypes.Array]:
+    """The kernel's ``parts`` and ``part_rows`` arrays for ``(data address, rows)`` pairs
+    (plain numbers: the cache keeps no tensor alive)."""
+    return (_PTR * len(parts))(*[a for a, _ in parts]), (_I64 * len(parts))(*[r for _, r in parts])
 
 
 def block_scales(weight: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor]:
