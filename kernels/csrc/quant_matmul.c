@@ -22,8 +22,10 @@
  * AVX512-VNNI at batch >= 6 (PANEL_MIN): activation rows go in 16-row panels, interleaved so a
  * register holds 4 int8 of each of 16 rows and every unpacked weight dword is broadcast against
  * it (PANEL_MICRO): each weight load serves 16-32 rows and the float scaling runs once per
- * block per 8 vpdpbusd. Fewer rows (decode at small batch) run the row kernels: 4 weight rows x
- * 1-2 activation rows, two blocks per 512-bit register (MICRO).
+ * block per 8 vpdpbusd. Fewer rows (decode at batch 1-5) skip the unpacked copy: the direct
+ * kernels (DIRECT, direct_4rows) unpack each block pair of the file in registers and run it
+ * against all the activation rows. ISA_AVX512_ROWS keeps the earlier row kernels (4 weight rows
+ * x 1-2 activation rows on the unpacked tile, MICRO) selectable for benchmarks.
  */
 #include <math.h>
 #include <stdint.h>
@@ -341,6 +343,176 @@ static void run_panels(const uint8_t *u, const float *dw, const float *cw, int64
         p += 1 + two;
     }
 }
+/*
+ * Small batches (M < PANEL_MIN: decode at batch 1-5), AVX512-VNNI: weight rows read straight
+ * from the file's blocks, two blocks per 512-bit register, no unpacked copy (batch 1 streams
+ * ~96 MB of weights a token: every pass over them counts). A Q4 pair (b, b+1) unpacks to
+ * [b 0-15 | b+1 0-15 | b 16-31 | b+1 16-31] (low nibbles, then high); Q8_0 to [b | b+1]; the
+ * activations are permuted to match once per call (permute_pairs). Lanes hold one block's
+ * 4-element sums, so each pair is scaled by a per-lane dx (precomputed) times a blend of the two
+ * blocks' d; the c_w sum(q) term accumulates in scalar.
+ */
+#define PAIR 64 /* bytes of int8 activations per block pair */
+
+static void permute_pairs(int fmt, const int8_t *xq, const float *dx, const float *sx,
+                          int64_t M, int64_t nb, int8_t *xp, float *dxp) {
+    const int64_t np = (nb + 1) / 2;
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t j = 0; j < np; j++) {
+            int8_t *dst = xp + (m * np + j) * PAIR;
+            float *ds = dxp + (m * np + j) * 2 * PANEL; /* 16 dx, then 16 sx / 8 */
+            for (int h = 0; h < 2; h++) {
+                const int64_t b = 2 * j + h;
+                const int8_t *src = xq + m * nb * QK + b * QK;
+                const float d = b < nb ? dx[(m * nb + b) * LANES] : 0.0f;
+                const float sum = b < nb ? sx[m * nb + b] / 8.0f : 0.0f;
+                for (int l = 0; l < 8; l++) {
+                    const int lane = fmt == FMT_Q8_0 ? h * 8 + l : (l / 4) * 8 + h * 4 + l % 4;
+                    ds[lane] = d, ds[PANEL + lane] = sum;
+                }
+                if (fmt == FMT_Q8_0) {
+                    if (b < nb) memcpy(dst + h * QK, src, QK);
+                    else memset(dst + h * QK, 0, QK);
+                } else {
+                    if (b < nb) {
+                        memcpy(dst + h * 16, src, 16);
+                        memcpy(dst + 32 + h * 16, src + 16, 16);
+                    } else {
+                        memset(dst + h * 16, 0, 16);
+                        memset(dst + 32 + h * 16, 0, 16);
+                    }
+                }
+            }
+        }
+}
+
+static inline __attribute__((always_inline)) void load_pair(const int fmt, const uint8_t *b0,
+                                                           int has1, __m512i *wv, __m512 *dwv,
+                                                           __m512 *cwv) {
+    const int bytes = fmt == FMT_Q4_0 ? 18 : fmt == FMT_Q4_1 ? 20 : 34;
+    const uint8_t *b1 = b0 + bytes;
+    const float d0 = half_at(b0), d1 = has1 ? half_at(b1) : 0.0f;
+    if (fmt == FMT_Q8_0) {
+        const __m256i lo = _mm256_loadu_si256((const __m256i *)(b0 + 2));
+        const __m256i hi = has1 ? _mm256_loadu_si256((const __m256i *)(b1 + 2)) : _mm256_setzero_si256();
+        *wv = _mm512_xor_si512(_mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1),
+                               _mm512_set1_epi8((char)0x80));
+        *dwv = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(d0), _mm512_set1_ps(d1));
+        *cwv = _mm512_mul_ps(*dwv, _mm512_set1_ps(-128.0f));
+    } else {
+        const int off = fmt == FMT_Q4_1 ? 4 : 2;
+        const __m128i q0 = _mm_loadu_si128((const __m128i *)(b0 + off));
+        const __m128i q1 = has1 ? _mm_loadu_si128((const __m128i *)(b1 + off)) : _mm_setzero_si128();
+        const __m256i v = _mm256_inserti128_si256(_mm256_castsi128_si256(q0), q1, 1);
+        const __m256i mask = _mm256_set1_epi8(0x0f);
+        const __m256i lo = _mm256_and_si256(v, mask);
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+        *wv = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+        *dwv = _mm512_mask_blend_ps(0xF0F0, _mm512_set1_ps(d0), _mm512_set1_ps(d1));
+        if (fmt == FMT_Q4_1)
+            *cwv = _mm512_mask_blend_ps(0xF0F0, _mm512_set1_ps(half_at(b0 + 2)),
+                                        _mm512_set1_ps(has1 ? half_at(b1 + 2) : 0.0f));
+        else
+            *cwv = _mm512_mul_ps(*dwv, _mm512_set1_ps(-8.0f));
+    }
+}
+
+/* out[i * ldo] = row . activation row i, i < MR (xp, dxp: permute_pairs' layout). Two
+ * accumulators per row (even and odd pairs) keep two FMA chains in flight. */
+#define DIRECT(MR)                                                                             \
+    static inline __attribute__((always_inline)) void direct_##MR(                            \
+        const int fmt, const uint8_t *row, int64_t nb, const int8_t *xp, const float *dxp,    \
+        float *out, int64_t ldo) {                                                             \
+        const int bytes = fmt == FMT_Q4_0 ? 18 : fmt == FMT_Q4_1 ? 20 : 34;                    \
+        const int64_t np = (nb + 1) / 2;                                                       \
+        __m512 acc[2][MR];                                                                     \
+        for (int i = 0; i < MR; i++) acc[0][i] = acc[1][i] = _mm512_setzero_ps();              \
+        for (int64_t j = 0; j < np; j += 2) {                                                  \
+            for (int h = 0; h < 2; h++) {                                                      \
+                if (h == 1 && j + 1 >= np) break;                                              \
+                const int64_t jj = j + h;                                                      \
+                __m512i wv;                                                                    \
+                __m512 dwv, cwv;                                                               \
+                load_pair(fmt, row + 2 * jj * bytes, 2 * jj + 1 < nb, &wv, &dwv, &cwv);        \
+                for (int i = 0; i < MR; i++) {                                                 \
+                    const __m512i xv = _mm512_loadu_si512(xp + (i * np + jj) * PAIR);          \
+                    const __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv, xv);     \
+                    const float *dp = dxp + (i * np + jj) * 2 * PANEL;                         \
+                    const __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(s), _mm512_loadu_ps(dp)); \
+                    acc[h][i] = _mm512_fmadd_ps(f, dwv, acc[h][i]);                            \
+                    acc[h][i] = _mm512_fmadd_ps(cwv, _mm512_loadu_ps(dp + PANEL), acc[h][i]);  \
+                }                                                                              \
+            }                                                                                  \
+        }                                                                                      \
+        for (int i = 0; i < MR; i++)                                                           \
+            out[i * ldo] = _mm512_reduce_add_ps(_mm512_add_ps(acc[0][i], acc[1][i]));          \
+    }
+DIRECT(1)
+DIRECT(2)
+DIRECT(3)
+DIRECT(4)
+DIRECT(5)
+
+/* Batch 1: out[r] = row r . the activation row, r < 4 (rows row_bytes apart): four FMA chains
+ * and one combined horizontal sum (a lone row's reduction costs as much as two block pairs). */
+static inline __attribute__((always_inline)) void direct_4rows(
+    const int fmt, const uint8_t *src, int64_t row_bytes, int64_t nb, const int8_t *xp,
+    const float *dxp, float *out) {
+    const int bytes = fmt == FMT_Q4_0 ? 18 : fmt == FMT_Q4_1 ? 20 : 34;
+    const int64_t np = (nb + 1) / 2;
+    __m512 acc[4];
+    for (int r = 0; r < 4; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < np; j++) {
+        const __m512i xv = _mm512_loadu_si512(xp + j * PAIR);
+        const __m512 dxv = _mm512_loadu_ps(dxp + j * 2 * PANEL);
+        const __m512 sxv = _mm512_loadu_ps(dxp + j * 2 * PANEL + PANEL);
+        for (int r = 0; r < 4; r++) {
+            __m512i wv;
+            __m512 dwv, cwv;
+            load_pair(fmt, src + r * row_bytes + 2 * j * bytes, 2 * j + 1 < nb, &wv, &dwv, &cwv);
+            const __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv, xv);
+            acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(s), dxv), dwv, acc[r]);
+            acc[r] = _mm512_fmadd_ps(cwv, sxv, acc[r]);
+        }
+    }
+    _mm_storeu_ps(out, hsum4(acc[0], acc[1], acc[2], acc[3]));
+}
+
+/* out[m, r] for rows [0, rows) at src (row_bytes apart), every m < M (< PANEL_MIN). */
+static inline __attribute__((always_inline)) void direct_rows_fmt(
+    const int fmt, const uint8_t *src, int64_t row_bytes, int64_t rows, const int8_t *xp,
+    const float *dxp, int64_t M, int64_t nb, float *out, int64_t ldo) {
+    const int64_t np = (nb + 1) / 2;
+    int64_t r = 0;
+    if (M == 1) {
+        float tmp[4];
+        for (; r + 4 <= rows; r += 4) {
+            direct_4rows(fmt, src + r * row_bytes, row_bytes, nb, xp, dxp, tmp);
+            memcpy(out + r, tmp, sizeof tmp);
+        }
+    }
+    for (; r < rows; r++)
+        for (int64_t m = 0; m < M;) {
+            const int64_t left = M - m;
+            const int8_t *x = xp + m * np * PAIR;
+            const float *d = dxp + m * np * 2 * PANEL;
+            float *o = out + m * ldo + r;
+            if (left >= 5) direct_5(fmt, src + r * row_bytes, nb, x, d, o, ldo);
+            else if (left == 4) direct_4(fmt, src + r * row_bytes, nb, x, d, o, ldo);
+            else if (left == 3) direct_3(fmt, src + r * row_bytes, nb, x, d, o, ldo);
+            else if (left == 2) direct_2(fmt, src + r * row_bytes, nb, x, d, o, ldo);
+            else direct_1(fmt, src + r * row_bytes, nb, x, d, o, ldo);
+            m += left >= 5 ? 5 : left;
+        }
+}
+
+static void direct_rows(int fmt, const uint8_t *src, int64_t row_bytes, int64_t rows,
+                        const int8_t *xp, const float *dxp, int64_t M, int64_t nb, float *out,
+                        int64_t ldo) {
+    if (fmt == FMT_Q4_0) direct_rows_fmt(FMT_Q4_0, src, row_bytes, rows, xp, dxp, M, nb, out, ldo);
+    else if (fmt == FMT_Q4_1) direct_rows_fmt(FMT_Q4_1, src, row_bytes, rows, xp, dxp, M, nb, out, ldo);
+    else direct_rows_fmt(FMT_Q8_0, src, row_bytes, rows, xp, dxp, M, nb, out, ldo);
+}
 #endif
 
 /* Activation rows served by the 16-row panels: whole panels, plus a padded last one when it
@@ -432,14 +604,17 @@ int tandem_quant_matmul_f32(const float *x, const uint8_t *const *parts, const i
     }
     if (K <= 0 || K % QK != 0 || M < 0 || ldo < N) return TANDEM_BAD_SHAPE;
     if (M == 0 || N == 0) return TANDEM_OK;
-    const int64_t nb = K / QK, row_bytes = nb * bytes, mp = panel_rows(M, isa);
+    const int64_t nb = K / QK, row_bytes = nb * bytes, mp = panel_rows(M, isa), np = (nb + 1) / 2;
     const int64_t padded = (mp + PANEL - 1) / PANEL * PANEL;
+    const int direct = isa >= ISA_AVX512 && M < PANEL_MIN;
+    int8_t *xp = direct ? malloc((size_t)(M * np * PAIR)) : NULL;
+    float *dxp = direct ? malloc(sizeof(float) * (size_t)(M * np * 2 * PANEL)) : NULL;
     int8_t *xq = malloc((size_t)(M * K));
     float *dx = malloc(sizeof(float) * (size_t)(M * nb * LANES));
     float *sx = malloc(sizeof(float) * (size_t)(M * nb));
     uint8_t *xt = padded ? malloc((size_t)(padded * K)) : NULL;
     float *dxt = padded ? malloc(sizeof(float) * (size_t)(padded * nb * 2)) : NULL;
-    int failed = !xq || !dx || !sx || (padded && (!xt || !dxt));
+    int failed = !xq || !dx || !sx || (padded && (!xt || !dxt)) || (direct && (!xp || !dxp));
     if (failed) goto done;
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
@@ -447,7 +622,12 @@ int tandem_quant_matmul_f32(const float *x, const uint8_t *const *parts, const i
         for (int64_t m = 0; m < M; m++)
             quantize_row(x + m * K, nb, xq + m * K, dx + m * nb * LANES, sx + m * nb);
 #pragma omp single
-        if (padded) interleave_panels(xq, dx, sx, mp, M, nb, xt, dxt);
+        {
+            if (padded) interleave_panels(xq, dx, sx, mp, M, nb, xt, dxt);
+#ifdef HAVE_MICROKERNEL
+            if (direct) permute_pairs(fmt, xq, dx, sx, M, nb, xp, dxp);
+#endif
+        }
         uint8_t *u = malloc((size_t)(TILE_N * K));
         float *dw = malloc(sizeof(float) * (size_t)(TILE_N * nb * LANES));
         float *cw = malloc(sizeof(float) * (size_t)(TILE_N * nb));
@@ -460,6 +640,13 @@ int tandem_quant_matmul_f32(const float *x, const uint8_t *const *parts, const i
             const int64_t first = p ? tile_end[p - 1] : 0, r0 = (t - first) * TILE_N;
             const int64_t rows = part_rows[p] - r0 < TILE_N ? part_rows[p] - r0 : TILE_N;
             const uint8_t *src = parts[p] + r0 * row_bytes;
+#ifdef HAVE_MICROKERNEL
+            if (direct) {
+                direct_rows(fmt, src, row_bytes, rows, xp, dxp, M, nb, out + row_start[p] + r0,
+                            ldo);
+                continue;
+            }
+#endif
             if (rows < TILE_N) memset(cw, 0, sizeof(float) * (size_t)(TILE_N * nb));
             for (int64_t r = 0; r < rows; r++)
                 unpack_row(fmt, src + r * row_bytes, nb, u + r * K, dw + r * nb * LANES, cw + r,
@@ -472,6 +659,8 @@ int tandem_quant_matmul_f32(const float *x, const uint8_t *const *parts, const i
         free(cw);
     }
 done:
+    free(xp);
+    free(dxp);
     free(xt);
     free(dxt);
     free(xq);
