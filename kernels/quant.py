@@ -157,6 +157,19 @@ def _numpy_dequantize(data: np.ndarray, fmt: str) -> np.ndarray:
     return gguf_dequantize(data, GGMLQuantizationType[fmt.upper()]).astype(np.float32)
 
 
+_default_isa: str | None = None  # set_default_isa: the path quant_matmul runs when not told
+
+
+def set_default_isa(name: str | None) -> None:
+    """Make ``quant_matmul`` run path ``name`` (one of ``isas()``; ``None``: the best) when its
+    ``isa`` argument is not given: benchmarks compare paths inside the engine with it. Raises
+    ``ValueError`` naming ``isa`` for a path this build lacks."""
+    global _default_isa
+    if name is not None and name not in isas():
+        raise ValueError(f"isa: {name!r} is not a path of this kernel build; have {isas()}")
+    _default_isa = name
+
+
 def quant_matmul(x: torch.Tensor, weight: QuantizedWeight | Sequence[QuantizedWeight],
                  out: torch.Tensor | None = None, isa: str | None = None) -> torch.Tensor:
     """``x @ W^T`` with ``W`` in its block format: x ``[..., in_features]`` -> float32
@@ -182,6 +195,7 @@ def quant_matmul(x: torch.Tensor, weight: QuantizedWeight | Sequence[QuantizedWe
     x2 = x if x.dim() == 2 and dtype == torch.float32 and x.is_contiguous() else (
         x.reshape(-1, k).to(torch.float32).contiguous())
     lib = _library()
+    isa = isa or _default_isa
     if isa is not None and isa not in isas():
         raise ValueError(f"isa: {isa!r} is not a path of this kernel build; have {isas()}")
     level = ISAS.index(isa) if isa is not None else len(ISAS) - 1

@@ -96,9 +96,12 @@ def run(args) -> dict:
                for p in ORACLE_PROMPTS]
     text_ids = tok.encode(TEXT)
     results, reference = {}, None
+    from kernels import quant
+
     for spec in args.modes.split(","):
-        dtype, quantization = spec.split(":")
-        row: dict = {"dtype": dtype, "quantization": quantization}
+        dtype, quantization, *isa = spec.split(":")
+        quant.set_default_isa(isa[0] if isa else None)
+        row: dict = {"dtype": dtype, "quantization": quantization, "isa": isa[0] if isa else None}
         row["time_to_ready_s"] = time_to_ready(dtype, quantization)
         e = engine(dtype, quantization)
         row["resolved"] = f"{e.precision.dtype}:{e.precision.quantization}"
@@ -186,8 +189,9 @@ def print_table(results: dict) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m scripts.bench_quant", description=__doc__)
     p.add_argument("--modes", default="float32:none,float32:q4_1,float32:q8_0,float32:q4_0,"
-                   "bfloat16:none", help="comma-separated dtype:quantization; the first is the "
-                   "greedy reference (keep float32:none first)")
+                   "bfloat16:none", help="comma-separated dtype:quantization[:kernel path], e.g. "
+                   "float32:q4_1:avx512_vnni_rows for the row kernels (kernels.quant.isas()); the "
+                   "first is the greedy reference (keep float32:none first)")
     p.add_argument("--batch1-tokens", type=int, default=32)
     p.add_argument("--batch64-tokens", type=int, default=16)
     p.add_argument("--greedy-tokens", type=int, default=32)
