@@ -166,3 +166,17 @@ def test_other_activation_dtypes_come_back_in_their_dtype():
     y = quant.quant_matmul(x, w)
     assert y.dtype == torch.bfloat16
     assert torch.equal(y, quant.quant_matmul(x.float(), w).to(torch.bfloat16))
+
+
+def test_default_path_can_be_set_for_benchmarks():
+    w, x = make_weight("q4_1", 40, 96), torch.randn(3, 96, generator=torch.Generator().manual_seed(3))
+    # the paths round differently, so an ignored setting would show
+    assert not torch.equal(quant.quant_matmul(x, w, isa="scalar"), quant.quant_matmul(x, w))
+    try:
+        quant.set_default_isa("scalar")
+        assert torch.equal(quant.quant_matmul(x, w), quant.quant_matmul(x, w, isa="scalar"))
+        with pytest.raises(ValueError, match="isa"):
+            quant.set_default_isa("avx1024")
+    finally:
+        quant.set_default_isa(None)
+    assert torch.equal(quant.quant_matmul(x, w), quant.quant_matmul(x, w, isa=quant.isa()))
