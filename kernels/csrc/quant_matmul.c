@@ -300,7 +300,8 @@ MICRO(2)
                 for (int r = 0; r < NR; r++) {                                                 \
                     const __m512 sc = _mm512_mul_ps(dxv, _mm512_set1_ps(dw[r * ldw + b * LANES])); \
                     acc[p][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[p][r]), sc, acc[p][r]);   \
-                    acc[p][r] = _mm512_fmadd_ps(sxv, _mm512_set1_ps(cw[b * TILE_N + r]), acc[p][r]); \
+                    const __m512 cv = _mm512_set1_ps(cw[b * TILE_N + r]);                      \
+                    acc[p][r] = _mm512_fmadd_ps(sxv, cv, acc[p][r]);                           \
                 }                                                                              \
             }                                                                                  \
         }                                                                                      \
@@ -394,7 +395,8 @@ static inline __attribute__((always_inline)) void load_pair(const int fmt, const
     const float d0 = half_at(b0), d1 = has1 ? half_at(b1) : 0.0f;
     if (fmt == FMT_Q8_0) {
         const __m256i lo = _mm256_loadu_si256((const __m256i *)(b0 + 2));
-        const __m256i hi = has1 ? _mm256_loadu_si256((const __m256i *)(b1 + 2)) : _mm256_setzero_si256();
+        const __m256i hi =
+            has1 ? _mm256_loadu_si256((const __m256i *)(b1 + 2)) : _mm256_setzero_si256();
         *wv = _mm512_xor_si512(_mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1),
                                _mm512_set1_epi8((char)0x80));
         *dwv = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(d0), _mm512_set1_ps(d1));
@@ -402,7 +404,8 @@ static inline __attribute__((always_inline)) void load_pair(const int fmt, const
     } else {
         const int off = fmt == FMT_Q4_1 ? 4 : 2;
         const __m128i q0 = _mm_loadu_si128((const __m128i *)(b0 + off));
-        const __m128i q1 = has1 ? _mm_loadu_si128((const __m128i *)(b1 + off)) : _mm_setzero_si128();
+        const __m128i q1 =
+            has1 ? _mm_loadu_si128((const __m128i *)(b1 + off)) : _mm_setzero_si128();
         const __m256i v = _mm256_inserti128_si256(_mm256_castsi128_si256(q0), q1, 1);
         const __m256i mask = _mm256_set1_epi8(0x0f);
         const __m256i lo = _mm256_and_si256(v, mask);
@@ -509,9 +512,13 @@ static inline __attribute__((always_inline)) void direct_rows_fmt(
 static void direct_rows(int fmt, const uint8_t *src, int64_t row_bytes, int64_t rows,
                         const int8_t *xp, const float *dxp, int64_t M, int64_t nb, float *out,
                         int64_t ldo) {
-    if (fmt == FMT_Q4_0) direct_rows_fmt(FMT_Q4_0, src, row_bytes, rows, xp, dxp, M, nb, out, ldo);
-    else if (fmt == FMT_Q4_1) direct_rows_fmt(FMT_Q4_1, src, row_bytes, rows, xp, dxp, M, nb, out, ldo);
-    else direct_rows_fmt(FMT_Q8_0, src, row_bytes, rows, xp, dxp, M, nb, out, ldo);
+    /* constant formats: each call inlines a specialised copy */
+    if (fmt == FMT_Q4_0)
+        direct_rows_fmt(FMT_Q4_0, src, row_bytes, rows, xp, dxp, M, nb, out, ldo);
+    else if (fmt == FMT_Q4_1)
+        direct_rows_fmt(FMT_Q4_1, src, row_bytes, rows, xp, dxp, M, nb, out, ldo);
+    else
+        direct_rows_fmt(FMT_Q8_0, src, row_bytes, rows, xp, dxp, M, nb, out, ldo);
 }
 #endif
 
@@ -532,7 +539,8 @@ static void run_tile(const uint8_t *u, const float *dw, const float *cw, int64_t
                      int isa) {
     int64_t r0 = 0, mp = panel_rows(M, isa);
 #ifdef HAVE_MICROKERNEL
-    if (mp > 0) run_panels(u, dw, cw, rows, xt, dxt, 0, (mp + PANEL - 1) / PANEL, M, K, nb, out, ldo);
+    if (mp > 0)
+        run_panels(u, dw, cw, rows, xt, dxt, 0, (mp + PANEL - 1) / PANEL, M, K, nb, out, ldo);
     float tmp[2 * 4];
     for (; isa >= ISA_AVX512_ROWS && r0 + 4 <= rows; r0 += 4) {
         const uint8_t *ur = u + r0 * K;

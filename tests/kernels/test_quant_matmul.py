@@ -169,7 +169,8 @@ def test_other_activation_dtypes_come_back_in_their_dtype():
 
 
 def test_default_path_can_be_set_for_benchmarks():
-    w, x = make_weight("q4_1", 40, 96), torch.randn(3, 96, generator=torch.Generator().manual_seed(3))
+    w = make_weight("q4_1", 40, 96)
+    x = torch.randn(3, 96, generator=torch.Generator().manual_seed(3))
     # the paths round differently, so an ignored setting would show
     assert not torch.equal(quant.quant_matmul(x, w, isa="scalar"), quant.quant_matmul(x, w))
     try:
