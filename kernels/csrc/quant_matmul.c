@@ -24,8 +24,9 @@
  * it (PANEL_MICRO): each weight load serves 16-32 rows and the float scaling runs once per
  * block per 8 vpdpbusd. Fewer rows (decode at batch 1-5) skip the unpacked copy: the direct
  * kernels (DIRECT, direct_4rows) unpack each block pair of the file in registers and run it
- * against all the activation rows. ISA_AVX512_ROWS keeps the earlier row kernels (4 weight rows
- * x 1-2 activation rows on the unpacked tile, MICRO) selectable for benchmarks.
+ * against all the activation rows. AVX2 (no VNNI) runs the same 16-row panels for the Q4
+ * formats with vpmaddubsw (PANEL_AVX2). ISA_AVX512_ROWS keeps the earlier row kernels (4 weight
+ * rows x 1-2 activation rows on the unpacked tile, MICRO) selectable for benchmarks.
  */
 #include <math.h>
 #include <stdint.h>
@@ -55,6 +56,7 @@
 #define ISA_AVX512 3      /* ISA_AVX512_ROWS plus 16-row activation panels (batch >= PANEL_MIN) */
 #define PANEL 16
 #define PANEL_MIN 6
+#define PAIR 64 /* bytes of int8 activations per block pair (direct kernels) */
 
 static float fp16_to_f32(uint16_t h) {
     uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
@@ -351,9 +353,8 @@ static void run_panels(const uint8_t *u, const float *dw, const float *cw, int64
  * [b 0-15 | b+1 0-15 | b 16-31 | b+1 16-31] (low nibbles, then high); Q8_0 to [b | b+1]; the
  * activations are permuted to match once per call (permute_pairs). Lanes hold one block's
  * 4-element sums, so each pair is scaled by a per-lane dx (precomputed) times a blend of the two
- * blocks' d; the c_w sum(q) term accumulates in scalar.
+ * blocks' d; the c_w sum(q) term is one more FMA with a per-lane sum(q) dx / 8.
  */
-#define PAIR 64 /* bytes of int8 activations per block pair */
 
 static void permute_pairs(int fmt, const int8_t *xq, const float *dx, const float *sx,
                           int64_t M, int64_t nb, int8_t *xp, float *dxp) {
@@ -523,13 +524,89 @@ static void direct_rows(int fmt, const uint8_t *src, int64_t row_bytes, int64_t 
 }
 #endif
 
+#if defined(__AVX2__)
+/*
+ * The 16-row panels on AVX2 (no VNNI), Q4 formats only (u <= 15, so vpmaddubsw's int16 pair
+ * sums, at most 2 * 15 * 127, add up over a block's 8 groups without saturating: <= 30480):
+ * each half panel (8 rows) is one ymm; vpmaddubsw per 4 weights x 8 rows, one vpmaddwd per
+ * block. NR weight rows x both halves; res[h][r][lane]: rows h * 8 + lane of the panel.
+ */
+#define PANEL_AVX2(NR)                                                                         \
+    static void panel2_##NR(const uint8_t *u, const float *dw, const float *cw, int64_t K,     \
+                            const uint8_t *xt, const float *dxt, int64_t nb, float *res) {    \
+        const int64_t ldw = nb * LANES;                                                        \
+        const __m256i ones = _mm256_set1_epi16(1);                                             \
+        __m256 acc[2][NR];                                                                     \
+        for (int h = 0; h < 2; h++)                                                            \
+            for (int r = 0; r < NR; r++) acc[h][r] = _mm256_setzero_ps();                      \
+        for (int64_t b = 0; b < nb; b++) {                                                     \
+            __m256i s[2][NR];                                                                  \
+            for (int h = 0; h < 2; h++)                                                        \
+                for (int r = 0; r < NR; r++) s[h][r] = _mm256_setzero_si256();                 \
+            for (int g = 0; g < QK / 4; g++) {                                                 \
+                const uint8_t *xg = xt + (b * 8 + g) * 64;                                     \
+                const __m256i x0 = _mm256_loadu_si256((const __m256i *)xg);                    \
+                const __m256i x1 = _mm256_loadu_si256((const __m256i *)(xg + 32));            \
+                for (int r = 0; r < NR; r++) {                                                 \
+                    int32_t w4;                                                                \
+                    memcpy(&w4, u + r * K + b * QK + 4 * g, 4);                                \
+                    const __m256i wv = _mm256_set1_epi32(w4);                                  \
+                    s[0][r] = _mm256_add_epi16(s[0][r], _mm256_maddubs_epi16(wv, x0));         \
+                    s[1][r] = _mm256_add_epi16(s[1][r], _mm256_maddubs_epi16(wv, x1));         \
+                }                                                                              \
+            }                                                                                  \
+            for (int h = 0; h < 2; h++) {                                                      \
+                const float *dp = dxt + b * 2 * PANEL + h * 8;                                 \
+                const __m256 dxv = _mm256_loadu_ps(dp), sxv = _mm256_loadu_ps(dp + PANEL);     \
+                for (int r = 0; r < NR; r++) {                                                 \
+                    const __m256 si = _mm256_cvtepi32_ps(_mm256_madd_epi16(s[h][r], ones));    \
+                    const __m256 sc = _mm256_mul_ps(dxv, _mm256_set1_ps(dw[r * ldw + b * LANES])); \
+                    acc[h][r] = _mm256_fmadd_ps(si, sc, acc[h][r]);                            \
+                    const __m256 cv = _mm256_set1_ps(cw[b * TILE_N + r]);                      \
+                    acc[h][r] = _mm256_fmadd_ps(sxv, cv, acc[h][r]);                           \
+                }                                                                              \
+            }                                                                                  \
+        }                                                                                      \
+        for (int h = 0; h < 2; h++)                                                            \
+            for (int r = 0; r < NR; r++) _mm256_storeu_ps(res + (r * 2 + h) * 8, acc[h][r]);   \
+    }
+PANEL_AVX2(2)
+PANEL_AVX2(1)
+
+/* run_panels on AVX2: every panel, weight rows two at a time. */
+static void run_panels_avx2(const uint8_t *u, const float *dw, const float *cw, int64_t rows,
+                            const uint8_t *xt, const float *dxt, int64_t panels, int64_t M,
+                            int64_t K, int64_t nb, float *out, int64_t ldo) {
+    float res[2 * PANEL];
+    for (int64_t p = 0; p < panels; p++) {
+        const uint8_t *xp = xt + p * nb * QK * PANEL;
+        const float *dp = dxt + p * nb * 2 * PANEL;
+        for (int64_t r0 = 0; r0 < rows;) {
+            const int nr = rows - r0 >= 2 ? 2 : 1;
+            if (nr == 2) panel2_2(u + r0 * K, dw + r0 * nb * LANES, cw + r0, K, xp, dp, nb, res);
+            else panel2_1(u + r0 * K, dw + r0 * nb * LANES, cw + r0, K, xp, dp, nb, res);
+            for (int r = 0; r < nr; r++)
+                for (int l = 0; l < PANEL; l++) {
+                    const int64_t m = p * PANEL + l;
+                    if (m < M) out[m * ldo + r0 + r] = res[r * PANEL + l];
+                }
+            r0 += nr;
+        }
+    }
+}
+#endif
+
 /* Activation rows served by the 16-row panels: whole panels, plus a padded last one when it
  * holds at least PANEL_MIN rows (fewer run through the row kernels). */
-static int64_t panel_rows(int64_t M, int isa) {
+static int64_t panel_rows(int64_t M, int isa, int fmt) {
+    const int64_t mp = M % PANEL >= PANEL_MIN ? M : M - M % PANEL;
 #ifdef HAVE_MICROKERNEL
-    if (isa >= ISA_AVX512) return M % PANEL >= PANEL_MIN ? M : M - M % PANEL;
+    if (isa >= ISA_AVX512) return mp;
 #endif
-    (void)M, (void)isa;
+#if defined(__AVX2__)
+    if (isa == ISA_AVX2 && fmt != FMT_Q8_0) return mp;
+#endif
+    (void)mp, (void)isa, (void)fmt;
     return 0;
 }
 
@@ -537,10 +614,14 @@ static int64_t panel_rows(int64_t M, int isa) {
 static void run_tile(const uint8_t *u, const float *dw, const float *cw, int64_t rows,
                      const int8_t *xq, const float *dx, const float *sx, const uint8_t *xt,
                      const float *dxt, int64_t M, int64_t K, int64_t nb, float *out, int64_t ldo,
-                     int isa) {
-    int64_t r0 = 0, mp = panel_rows(M, isa);
+                     int isa, int fmt) {
+    int64_t r0 = 0, mp = panel_rows(M, isa, fmt);
+#if defined(__AVX2__)
+    if (mp > 0 && isa == ISA_AVX2)
+        run_panels_avx2(u, dw, cw, rows, xt, dxt, (mp + PANEL - 1) / PANEL, M, K, nb, out, ldo);
+#endif
 #ifdef HAVE_MICROKERNEL
-    if (mp > 0)
+    if (mp > 0 && isa >= ISA_AVX512)
         run_panels(u, dw, cw, rows, xt, dxt, 0, (mp + PANEL - 1) / PANEL, M, K, nb, out, ldo);
     float tmp[2 * 4];
     for (; isa >= ISA_AVX512_ROWS && r0 + 4 <= rows; r0 += 4) {
@@ -613,7 +694,8 @@ int tandem_quant_matmul_f32(const float *x, const uint8_t *const *parts, const i
     }
     if (K <= 0 || K % QK != 0 || M < 0 || ldo < N) return TANDEM_BAD_SHAPE;
     if (M == 0 || N == 0) return TANDEM_OK;
-    const int64_t nb = K / QK, row_bytes = nb * bytes, mp = panel_rows(M, isa), np = (nb + 1) / 2;
+    const int64_t nb = K / QK, row_bytes = nb * bytes, mp = panel_rows(M, isa, fmt);
+    const int64_t np = (nb + 1) / 2;
     const int64_t padded = (mp + PANEL - 1) / PANEL * PANEL;
     const int direct = isa >= ISA_AVX512 && M < PANEL_MIN;
     int8_t *xp = direct ? malloc((size_t)(M * np * PAIR)) : NULL;
@@ -661,7 +743,7 @@ int tandem_quant_matmul_f32(const float *x, const uint8_t *const *parts, const i
                 unpack_row(fmt, src + r * row_bytes, nb, u + r * K, dw + r * nb * LANES, cw + r,
                            TILE_N);
             run_tile(u, dw, cw, rows, xq, dx, sx, xt, dxt, M, K, nb, out + row_start[p] + r0, ldo,
-                     isa);
+                     isa, fmt);
         }
         free(u);
         free(dw);

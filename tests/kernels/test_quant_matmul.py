@@ -77,8 +77,9 @@ def test_every_path_matches_dequantized_matmul(fmt, isa, n, k):
     """Each dot-product path of the build (the AVX2 and scalar ones too, forced, as on a CI
     machine without AVX-512) at every tile shape: direct kernels on the file's blocks (batch
     1: 4 weight rows at a time plus 1-3 left; batch 2-5: 2-5 activation rows), a padded 16-row
-    panel plus row kernels (6-17: 17 = one panel + one row), two-panel tiles (33, 64), and
-    output counts that leave partial 16-row tiles and 8/4/1-row remainders."""
+    panel plus row kernels (6-17: 17 = one panel + one row; AVX2 panels for Q4), two-panel
+    tiles (33, 64), and output counts that leave partial 16-row tiles and 8/4/1-row
+    remainders."""
     if isa not in quant.isas():
         pytest.skip(f"{isa} not in this build ({quant.isa()})")
     w = make_weight(fmt, n, k, seed=n + k)
