@@ -182,3 +182,45 @@ def test_default_path_can_be_set_for_benchmarks():
     finally:
         quant.set_default_isa(None)
     assert torch.equal(quant.quant_matmul(x, w), quant.quant_matmul(x, w, isa=quant.isa()))
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = open("/proc/cpuinfo").read()
+    except OSError:
+        return set()
+    return set(next((line.split(":", 1)[1] for line in text.splitlines()
+                     if line.startswith("flags")),
+                    "").split())
+
+
+@pytest.mark.parametrize("march", ["haswell", "x86-64"])
+def test_builds_for_other_machines_match_reference(march, tmp_path, monkeypatch):
+    """The source built as an AVX2-only machine (haswell) or a plain x86-64 one builds it: every
+    path that build has agrees with the reference (a path compiled only with AVX-512 must not
+    leave the others broken)."""
+    import ctypes
+    import subprocess
+
+    from kernels.cpu_attention import CFLAGS, LDFLAGS
+
+    if march == "haswell" and not {"avx2", "fma", "f16c"} <= _cpu_flags():
+        pytest.skip("this CPU cannot run an AVX2 build")
+    cc = shutil.which("cc") or shutil.which("gcc")
+    flags = [f if not f.startswith("-march=") else f"-march={march}" for f in CFLAGS]
+    obj, lib_path = tmp_path / "k.o", tmp_path / "k.so"
+    for cmd in ([cc, *flags, "-c", str(quant.SOURCE), "-o", str(obj)],
+                [cc, *LDFLAGS, str(obj), "-o", str(lib_path), "-lm"]):
+        subprocess.run(cmd, check=True, capture_output=True)
+    lib = ctypes.CDLL(str(lib_path))
+    lib.tandem_quant_matmul_f32.argtypes = ([quant._PTR] * 3 + [quant._INT, quant._PTR]
+                                            + [quant._I64] * 3 + [quant._INT] * 3)
+    lib.tandem_quant_dequantize_rows.argtypes = [quant._PTR] * 3 + [quant._I64] * 3 + [quant._INT]
+    monkeypatch.setattr(quant, "_library", lambda: lib)
+    assert quant.isa() == ("avx2" if march == "haswell" else "scalar")
+    for fmt in quant.FORMATS:
+        w = make_weight(fmt, 37, 96)
+        for m in (1, 5, 17, 33):
+            x = torch.randn(m, 96, generator=torch.Generator().manual_seed(m))
+            for isa in quant.isas():
+                check_close(x, w, isa=isa)
