@@ -37,6 +37,8 @@ FORMATS = {"q4_0": (0, 18), "q4_1": (1, 20), "q8_0": (2, 34)}
 _ERRORS = {1: "unknown block format", 2: "bad shape (in_features must be a positive multiple "
            "of 32; row ids inside the matrix)", 3: "out of memory for the kernel's scratch"}
 _I64, _PTR, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+# the kernel's dot-product paths by its codes (ISA_* in the C file), worst first
+ISAS = ("scalar", "avx2", "avx512_vnni_rows", "avx512_vnni")
 
 
 @dataclass(frozen=True)
@@ -93,9 +95,9 @@ def _library() -> ctypes.CDLL | None:
     except (RuntimeError, OSError) as e:
         log.warning("quantized matmul kernel unavailable, dequantizing to float32 instead: %s", e)
         return None
-    lib.tandem_quant_matmul_f32.argtypes = [_PTR] * 3 + [_INT, _PTR] + [_I64] * 3 + [_INT, _INT]
+    lib.tandem_quant_matmul_f32.argtypes = ([_PTR] * 3 + [_INT, _PTR] + [_I64] * 3
+                                            + [_INT] * 3)
     lib.tandem_quant_dequantize_rows.argtypes = [_PTR] * 3 + [_I64] * 3 + [_INT]
-    lib.tandem_quant_isa.restype = ctypes.c_char_p
     return lib
 
 
@@ -105,10 +107,18 @@ def available() -> bool:
 
 
 def isa() -> str:
-    """The instruction set the kernel was built for: ``avx512_vnni``, ``avx2``, ``scalar``,
-    or ``none`` (no kernel: the float32 fallback runs)."""
+    """The kernel's best dot-product path on this build and CPU: ``avx512_vnni``, ``avx2``,
+    ``scalar``, or ``none`` (no kernel: the float32 fallback runs)."""
     lib = _library()
-    return lib.tandem_quant_isa().decode() if lib is not None else "none"
+    return ISAS[lib.tandem_quant_max_isa()] if lib is not None else "none"
+
+
+def isas() -> list[str]:
+    """Every path this build can run (``quant_matmul(..., isa=...)``), worst first:
+    ``scalar``, ``avx2`` (AVX2 or better), ``avx512_vnni_rows`` (the row kernels alone, as
+    before the 16-row activation panels: kept for benchmarks), ``avx512_vnni``."""
+    lib = _library()
+    return list(ISAS[:lib.tandem_quant_max_isa() + 1]) if lib is not None else []
 
 
 def _check(rc: int, what: str) -> None:
@@ -147,16 +157,31 @@ def _numpy_dequantize(data: np.ndarray, fmt: str) -> np.ndarray:
     return gguf_dequantize(data, GGMLQuantizationType[fmt.upper()]).astype(np.float32)
 
 
+_default_isa: str | None = None  # set_default_isa: the path quant_matmul runs when not told
+
+
+def set_default_isa(name: str | None) -> None:
+    """Make ``quant_matmul`` run path ``name`` (one of ``isas()``; ``None``: the best) when its
+    ``isa`` argument is not given: benchmarks compare paths inside the engine with it. Raises
+    ``ValueError`` naming ``isa`` for a path this build lacks."""
+    global _default_isa
+    if name is not None and name not in isas():
+        raise ValueError(f"isa: {name!r} is not a path of this kernel build; have {isas()}")
+    _default_isa = name
+
+
 def quant_matmul(x: torch.Tensor, weight: QuantizedWeight | Sequence[QuantizedWeight],
-                 out: torch.Tensor | None = None) -> torch.Tensor:
+                 out: torch.Tensor | None = None, isa: str | None = None) -> torch.Tensor:
     """``x @ W^T`` with ``W`` in its block format: x ``[..., in_features]`` -> float32
     ``[..., out_features]`` (into ``out`` when given: float32, contiguous, ``[M, out_features]``).
     ``weight`` may be a list of parts (same format and ``in_features``) stacked along
     ``out_features`` without copying them together: fused q/k/v or gate/up in one call.
     Non-float32 activations are computed in float32 and the result cast back to their dtype.
+    ``isa`` caps the kernel's dot-product path (one of ``isas()``; default the best): tests run
+    the AVX2 and scalar paths on AVX-512 machines with it.
 
     Raises ``ValueError`` when ``x``'s last dimension is not ``in_features``, the parts differ
-    in format or ``in_features``, or there are more than 8 parts.
+    in format or ``in_features``, there are more than 8 parts, or ``isa`` is not in ``isas()``.
     """
     parts = [weight] if isinstance(weight, QuantizedWeight) else list(weight)
     fmt, k = parts[0].fmt, parts[0].in_features
@@ -166,19 +191,32 @@ def quant_matmul(x: torch.Tensor, weight: QuantizedWeight | Sequence[QuantizedWe
         raise ValueError(f"x: last dimension {x.shape[-1]} != in_features {k}")
     lead, dtype = x.shape[:-1], x.dtype
     n = sum(p.out_features for p in parts)
-    x2 = x.reshape(-1, k).to(torch.float32).contiguous()
+    # NOTE: a decode step makes ~150 of these calls: skip torch ops that would be no-ops
+    x2 = x if x.dim() == 2 and dtype == torch.float32 and x.is_contiguous() else (
+        x.reshape(-1, k).to(torch.float32).contiguous())
     lib = _library()
+    isa = isa or _default_isa
+    if isa is not None and isa not in isas():
+        raise ValueError(f"isa: {isa!r} is not a path of this kernel build; have {isas()}")
+    level = ISAS.index(isa) if isa is not None else len(ISAS) - 1
     if lib is None:
         y = x2 @ torch.cat([dequantize(p) for p in parts]).T
         return (y if out is None else out.copy_(y)).reshape(*lead, n).to(dtype)
     if out is None:
         out = torch.empty(x2.shape[0], n, dtype=torch.float32)
-    ptrs = (_PTR * len(parts))(*[p.data.data_ptr() for p in parts])
-    rows = (_I64 * len(parts))(*[p.out_features for p in parts])
+    ptrs, rows = _part_arrays(tuple((p.data.data_ptr(), p.out_features) for p in parts))
     _check(lib.tandem_quant_matmul_f32(x2.data_ptr(), ptrs, rows, len(parts), out.data_ptr(),
-                                       x2.shape[0], k, n, FORMATS[fmt][0], torch.get_num_threads()),
+                                       x2.shape[0], k, n, FORMATS[fmt][0], torch.get_num_threads(),
+                                       level),
            "quant_matmul")
-    return out.reshape(*lead, n).to(dtype)
+    return out if x2 is x else out.reshape(*lead, n).to(dtype)
+
+
+@functools.lru_cache(maxsize=4096)
+def _part_arrays(parts: tuple[tuple[int, int], ...]) -> tuple[ctypes.Array, ctypes.Array]:
+    """The kernel's ``parts`` and ``part_rows`` arrays for ``(data address, rows)`` pairs
+    (plain numbers: the cache keeps no tensor alive)."""
+    return (_PTR * len(parts))(*[a for a, _ in parts]), (_I64 * len(parts))(*[r for _, r in parts])
 
 
 def block_scales(weight: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor]:

@@ -6,6 +6,12 @@ batch of 64 (16-token random prompts; prefill steps excluded), at 1 and 2 torch 
 log-likelihood of a fixed text (teacher-forced, nats per token); greedy first divergence from
 the float32 engine (token-exact to transformers: the oracle tests) on the oracle chat prompts.
 Prints a table and writes JSON (``--out``). Compare figures only within one run.
+
+``--kernel``: instead, the matmul kernel alone at the built-in model's linear shapes (Q4_1
+q/k/v, o, gate/up, down; the Q8_0 tied LM head), batch 1/16/64, one thread, every kernel path
+of this build (``kernels.quant.isas()``) interleaved in the same run: GOP/s (2 M N K per call)
+and weight GB/s from CPU seconds per call (``time.process_time``: steady on a loaded machine),
+and each path's ratio to ``avx512_vnni_rows`` (the kernel before the 16-row panels).
 """
 from __future__ import annotations
 
@@ -90,9 +96,12 @@ def run(args) -> dict:
                for p in ORACLE_PROMPTS]
     text_ids = tok.encode(TEXT)
     results, reference = {}, None
+    from kernels import quant
+
     for spec in args.modes.split(","):
-        dtype, quantization = spec.split(":")
-        row: dict = {"dtype": dtype, "quantization": quantization}
+        dtype, quantization, *isa = spec.split(":")
+        quant.set_default_isa(isa[0] if isa else None)
+        row: dict = {"dtype": dtype, "quantization": quantization, "isa": isa[0] if isa else None}
         row["time_to_ready_s"] = time_to_ready(dtype, quantization)
         e = engine(dtype, quantization)
         row["resolved"] = f"{e.precision.dtype}:{e.precision.quantization}"
@@ -110,6 +119,63 @@ def run(args) -> dict:
     return results
 
 
+# (name, format, output rows per part, in_features): one layer of the built-in model + LM head
+KERNEL_SHAPES = [("qkv", "q4_1", (576, 192, 192), 576), ("o", "q4_1", (576,), 576),
+                 ("gate_up", "q4_1", (1536, 1536), 576), ("down", "q4_1", (576,), 1536),
+                 ("lm_head", "q8_0", (49152,), 576)]
+
+
+def random_weight(fmt: str, n: int, k: int, seed: int):
+    """Random blocks with sane fp16 scales (0.01; Q4_1 minimum -0.08): timing only."""
+    from kernels import quant
+
+    bytes_per_block = quant.FORMATS[fmt][1]
+    g = torch.Generator().manual_seed(seed)
+    raw = torch.randint(0, 256, (n, k // 32, bytes_per_block), dtype=torch.uint8, generator=g)
+    raw[..., 0:2] = torch.tensor([0.01], dtype=torch.float16).view(torch.uint8)
+    if fmt == "q4_1":
+        raw[..., 2:4] = torch.tensor([-0.08], dtype=torch.float16).view(torch.uint8)
+    return quant.QuantizedWeight(raw.reshape(n, -1), fmt, n, k)
+
+
+def cpu_seconds_per_call(fn, min_seconds: float) -> float:
+    fn()  # warm: scratch, caches
+    calls, t0 = 0, time.process_time()
+    while calls < 3 or time.process_time() - t0 < min_seconds:
+        fn()
+        calls += 1
+    return (time.process_time() - t0) / calls
+
+
+def kernel_bench(args) -> dict:
+    from kernels import quant
+
+    torch.set_num_threads(1)
+    results: dict = {"isa": quant.isa(), "paths": quant.isas(), "shapes": {}}
+    for name, fmt, parts_rows, k in KERNEL_SHAPES:
+        parts = [random_weight(fmt, n, k, seed=i) for i, n in enumerate(parts_rows)]
+        n, nbytes = sum(parts_rows), sum(p.nbytes for p in parts)
+        for m in args.batches:
+            x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+            out = torch.empty(m, n)
+            row = {}
+            for _ in range(args.rounds):  # interleave the paths: load drifts hit all alike
+                for isa in quant.isas():
+                    s = cpu_seconds_per_call(lambda: quant.quant_matmul(x, parts, out, isa=isa),
+                                             args.min_seconds)
+                    row[isa] = min(row.get(isa, s), s)
+            base = row.get("avx512_vnni_rows")
+            entry = {isa: {"us": s * 1e6, "gop_s": 2 * m * n * k / s / 1e9,
+                           "weight_gb_s": nbytes / s / 1e9,
+                           "vs_rows": base / s if base else None} for isa, s in row.items()}
+            results["shapes"][f"{name} m={m}"] = entry
+            print(f"{name:<8} {fmt} m={m:<3} " + "  ".join(
+                f"{isa}: {e['us']:8.1f} us {e['gop_s']:6.1f} GOP/s {e['weight_gb_s']:5.2f} GB/s"
+                + (f" x{e['vs_rows']:.2f}" if e["vs_rows"] else "") for isa, e in entry.items()),
+                flush=True)
+    return results
+
+
 def print_table(results: dict) -> None:
     print(f"{'mode':<22}{'ready s':>8}{'MB':>8}{'loglik':>8}{'TPOT1 ms':>9}{'TPOT1 2t':>9}"
           f"{'b64 tok/s':>10}{'b64 2t':>8}  first divergence per prompt")
@@ -123,15 +189,26 @@ def print_table(results: dict) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m scripts.bench_quant", description=__doc__)
     p.add_argument("--modes", default="float32:none,float32:q4_1,float32:q8_0,float32:q4_0,"
-                   "bfloat16:none", help="comma-separated dtype:quantization; the first is the "
-                   "greedy reference (keep float32:none first)")
+                   "bfloat16:none", help="comma-separated dtype:quantization[:kernel path], e.g. "
+                   "float32:q4_1:avx512_vnni_rows for the row kernels (kernels.quant.isas()); the "
+                   "first is the greedy reference (keep float32:none first)")
     p.add_argument("--batch1-tokens", type=int, default=32)
     p.add_argument("--batch64-tokens", type=int, default=16)
     p.add_argument("--greedy-tokens", type=int, default=32)
     p.add_argument("--out", default="bench-results/quant.json")
+    p.add_argument("--kernel", action="store_true", help="microbenchmark the matmul kernel's "
+                   "paths instead (writes --out too; default bench-results/quant_kernel.json)")
+    p.add_argument("--batches", type=lambda s: [int(v) for v in s.split(",")], default=[1, 16, 64])
+    p.add_argument("--rounds", type=int, default=3, help="--kernel: interleaved rounds (best kept)")
+    p.add_argument("--min-seconds", type=float, default=0.2, help="--kernel: CPU s per timing")
     args = p.parse_args(argv)
-    results = run(args)
-    print_table(results)
+    if args.kernel:
+        if args.out == p.get_default("out"):
+            args.out = "bench-results/quant_kernel.json"
+        results = kernel_bench(args)
+    else:
+        results = run(args)
+        print_table(results)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=2))
     return 0

@@ -16,9 +16,17 @@
  *   dot(w_b, x_b) = dw dx sum(u q_x) + cw dx sum(q_x).
  * Work: tiles of TILE_N weight rows spread over OpenMP threads; a thread unpacks its tile once
  * (L1-resident) and runs every activation row against it, so a batch of M rows reads the
- * weights from memory once. Paths: AVX512-VNNI (vpdpbusd, two blocks per register), AVX2
- * (widen to 16 bits, vpmaddwd), scalar; chosen at compile time (-march=native, the build is
- * keyed by the CPU's flags).
+ * weights from memory once. Paths: AVX512-VNNI (vpdpbusd), AVX2 (widen to 16 bits,
+ * vpmaddwd), scalar; compiled in by -march=native (the build is keyed by the CPU's flags), the
+ * best one run unless the caller caps it (isa argument: tests force AVX2 and scalar).
+ * AVX512-VNNI at batch >= 6 (PANEL_MIN): activation rows go in 16-row panels, interleaved so a
+ * register holds 4 int8 of each of 16 rows and every unpacked weight dword is broadcast against
+ * it (PANEL_MICRO): each weight load serves 16-32 rows and the float scaling runs once per
+ * block per 8 vpdpbusd. Fewer rows (decode at batch 1-5) skip the unpacked copy: the direct
+ * kernels (DIRECT, direct_4rows) unpack each block pair of the file in registers and run it
+ * against all the activation rows. AVX2 (no VNNI) runs the same 16-row panels for the Q4
+ * formats with vpmaddubsw (PANEL_AVX2). ISA_AVX512_ROWS keeps the earlier row kernels (4 weight
+ * rows x 1-2 activation rows on the unpacked tile, MICRO) selectable for benchmarks.
  */
 #include <math.h>
 #include <stdint.h>
@@ -41,6 +49,14 @@
 #define TANDEM_BAD_FORMAT 1
 #define TANDEM_BAD_SHAPE 2
 #define TANDEM_NO_MEMORY 3
+/* dot-product paths, best last; the caller may cap the path (tests force AVX2 and scalar) */
+#define ISA_SCALAR 0
+#define ISA_AVX2 1
+#define ISA_AVX512_ROWS 2 /* VNNI on row-major blocks, 4 weight x 1-2 activation rows */
+#define ISA_AVX512 3      /* ISA_AVX512_ROWS plus 16-row activation panels (batch >= PANEL_MIN) */
+#define PANEL 16
+#define PANEL_MIN 6
+#define PAIR 64 /* bytes of int8 activations per block pair (direct kernels) */
 
 static float fp16_to_f32(uint16_t h) {
     uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
@@ -61,13 +77,14 @@ int tandem_quant_block_bytes(int fmt) {
     return fmt == FMT_Q4_0 ? 18 : fmt == FMT_Q4_1 ? 20 : fmt == FMT_Q8_0 ? 34 : 0;
 }
 
-const char *tandem_quant_isa(void) {
+/* The best path this build has: ISA_AVX512, ISA_AVX2 or ISA_SCALAR. */
+int tandem_quant_max_isa(void) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-    return "avx512_vnni";
+    return ISA_AVX512;
 #elif defined(__AVX2__)
-    return "avx2";
+    return ISA_AVX2;
 #else
-    return "scalar";
+    return ISA_SCALAR;
 #endif
 }
 
@@ -121,7 +138,24 @@ static void unpack_row(int fmt, const uint8_t *src, int64_t nb, uint8_t *u, floa
 
 /* One activation row x[K] -> q[K] int8, dx[nb * LANES], sx[nb] = dx * sum(q) per block. */
 static void quantize_row(const float *x, int64_t nb, int8_t *q, float *dx, float *sx) {
-    for (int64_t b = 0; b < nb; b++) {
+    int64_t b = 0;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    /* the same arithmetic as the loop below (cvtps rounds to nearest even, as lrintf) */
+    const __m512 sign = _mm512_set1_ps(-0.0f);
+    for (; b < nb; b++) {
+        const __m512 lo = _mm512_loadu_ps(x + b * QK), hi = _mm512_loadu_ps(x + b * QK + 16);
+        const float amax = _mm512_reduce_max_ps(
+            _mm512_max_ps(_mm512_andnot_ps(sign, lo), _mm512_andnot_ps(sign, hi)));
+        const float d = amax / 127.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
+        const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, _mm512_set1_ps(inv)));
+        const __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, _mm512_set1_ps(inv)));
+        _mm_storeu_si128((__m128i *)(q + b * QK), _mm512_cvtsepi32_epi8(qlo));
+        _mm_storeu_si128((__m128i *)(q + b * QK + 16), _mm512_cvtsepi32_epi8(qhi));
+        _mm256_storeu_ps(dx + b * LANES, _mm256_set1_ps(d));
+        sx[b] = d * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
+    }
+#endif
+    for (; b < nb; b++) {
         const float *xb = x + b * QK;
         float amax = 0.0f;
         for (int j = 0; j < QK; j++) amax = fmaxf(amax, fabsf(xb[j]));
@@ -139,11 +173,12 @@ static void quantize_row(const float *x, int64_t nb, int8_t *q, float *dx, float
 
 /* sum_b dw_b dx_b sum(u_b q_b): the integer part of one (weight row, activation row) dot. */
 static float dot_blocks(const uint8_t *u, const float *dw, const int8_t *q, const float *dx,
-                        int64_t nb) {
+                        int64_t nb, int isa) {
     int64_t b = 0;
     float total = 0.0f;
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
     __m512 acc = _mm512_setzero_ps();
+    if (isa < ISA_AVX512_ROWS) b = nb; /* skip this path: an empty loop, acc stays zero */
     for (; b + 2 <= nb; b += 2) {
         __m512i wi = _mm512_loadu_si512((const void *)(u + b * QK));
         __m512i xi = _mm512_loadu_si512((const void *)(q + b * QK));
@@ -152,10 +187,11 @@ static float dot_blocks(const uint8_t *u, const float *dw, const int8_t *q, cons
         acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), scale, acc);
     }
     total = _mm512_reduce_add_ps(acc);
+    if (isa < ISA_AVX512_ROWS) b = 0;
 #endif
 #if defined(__AVX2__)
     __m256 acc8 = _mm256_setzero_ps();
-    for (; b < nb; b++) {
+    for (; isa >= ISA_AVX2 && b < nb; b++) {
         __m256i wi = _mm256_loadu_si256((const __m256i *)(u + b * QK));
         __m256i xi = _mm256_loadu_si256((const __m256i *)(q + b * QK));
         __m256i w_lo = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(wi));
@@ -227,19 +263,371 @@ static inline __m128 hsum4(__m512 a, __m512 b, __m512 c, __m512 d) {
     }
 MICRO(1)
 MICRO(2)
+
+/*
+ * NR weight rows x P panels of 16 activation rows (ggml's repacked-GEMM idea, transposed: the
+ * activations are interleaved so a register's 16 lanes are 16 activation rows, and each weight
+ * dword is broadcast to all of them). One vpdpbusd per 4 weights x 16 rows; per block of 32 the
+ * int32 sums are scaled once (cvt, mul, fma per 8 vpdpbusd). xt: per panel, per block, per
+ * group g of 4 elements, 16 rows x 4 int8 (64 bytes); dxt: per panel, per block, 16 scales dx
+ * then 16 sx = dx sum(q); cw: [nb, TILE_N] (this tile's rows from u's first).
+ * res[p][r][lane] = sum_b dw_rb dx_lane,b sum(u_rb q_lane,b) + cw_rb sx_lane,b.
+ */
+#define PANEL_MICRO(NR, P)                                                                     \
+    static void panel_##NR##x##P(const uint8_t *u, const float *dw, const float *cw, int64_t K, \
+                                 const uint8_t *xt, const float *dxt, int64_t nb,              \
+                                 float res[][NR][PANEL]) {                                     \
+        const int64_t ldw = nb * LANES, panel_bytes = nb * QK * PANEL;                         \
+        __m512 acc[P][NR];                                                                     \
+        for (int p = 0; p < P; p++)                                                            \
+            for (int r = 0; r < NR; r++) acc[p][r] = _mm512_setzero_ps();                      \
+        for (int64_t b = 0; b < nb; b++) {                                                     \
+            __m512i s[P][NR];                                                                  \
+            for (int p = 0; p < P; p++)                                                        \
+                for (int r = 0; r < NR; r++) s[p][r] = _mm512_setzero_si512();                 \
+            for (int g = 0; g < QK / 4; g++) {                                                 \
+                __m512i xv[P];                                                                 \
+                for (int p = 0; p < P; p++)                                                    \
+                    xv[p] = _mm512_loadu_si512(xt + p * panel_bytes + (b * 8 + g) * 64);       \
+                for (int r = 0; r < NR; r++) {                                                 \
+                    int32_t w4;                                                                \
+                    memcpy(&w4, u + r * K + b * QK + 4 * g, 4);                                \
+                    const __m512i wv = _mm512_set1_epi32(w4);                                  \
+                    for (int p = 0; p < P; p++) s[p][r] = _mm512_dpbusd_epi32(s[p][r], wv, xv[p]); \
+                }                                                                              \
+            }                                                                                  \
+            for (int p = 0; p < P; p++) {                                                      \
+                const float *dp = dxt + (p * nb + b) * 2 * PANEL;                              \
+                const __m512 dxv = _mm512_loadu_ps(dp), sxv = _mm512_loadu_ps(dp + PANEL);     \
+                for (int r = 0; r < NR; r++) {                                                 \
+                    const __m512 sc = _mm512_mul_ps(dxv, _mm512_set1_ps(dw[r * ldw + b * LANES])); \
+                    acc[p][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[p][r]), sc, acc[p][r]);   \
+                    const __m512 cv = _mm512_set1_ps(cw[b * TILE_N + r]);                      \
+                    acc[p][r] = _mm512_fmadd_ps(sxv, cv, acc[p][r]);                           \
+                }                                                                              \
+            }                                                                                  \
+        }                                                                                      \
+        for (int p = 0; p < P; p++)                                                            \
+            for (int r = 0; r < NR; r++) _mm512_storeu_ps(res[p][r], acc[p][r]);               \
+    }
+PANEL_MICRO(8, 1)
+PANEL_MICRO(4, 2)
+PANEL_MICRO(1, 1)
+PANEL_MICRO(1, 2)
+
+/* Activation rows [m0, m0 + PANEL * panels) of the tile, panels of 16 (lanes past M unset). */
+static void run_panels(const uint8_t *u, const float *dw, const float *cw, int64_t rows,
+                       const uint8_t *xt,
+                       const float *dxt, int64_t m0, int64_t panels, int64_t M, int64_t K,
+                       int64_t nb, float *out, int64_t ldo) {
+    float res[2][8][PANEL];
+    const int64_t panel_bytes = nb * QK * PANEL;
+    for (int64_t p = 0; p < panels;) {
+        const int two = p + 2 <= panels;
+        const uint8_t *xp = xt + p * panel_bytes;
+        const float *dp = dxt + p * nb * 2 * PANEL;
+        for (int64_t r0 = 0; r0 < rows;) {
+            const uint8_t *ur = u + r0 * K;
+            const float *dwr = dw + r0 * nb * LANES, *cwr = cw + r0;
+            int nr = two ? (rows - r0 >= 4 ? 4 : 1) : (rows - r0 >= 8 ? 8 : 1);
+            if (two && nr == 4) panel_4x2(ur, dwr, cwr, K, xp, dp, nb, (float(*)[4][PANEL])res);
+            else if (two) panel_1x2(ur, dwr, cwr, K, xp, dp, nb, (float(*)[1][PANEL])res);
+            else if (nr == 8) panel_8x1(ur, dwr, cwr, K, xp, dp, nb, (float(*)[8][PANEL])res);
+            else panel_1x1(ur, dwr, cwr, K, xp, dp, nb, (float(*)[1][PANEL])res);
+            const float *flat = &res[0][0][0];
+            for (int pp = 0; pp < 1 + two; pp++)
+                for (int r = 0; r < nr; r++)
+                    for (int l = 0; l < PANEL; l++) {
+                        const int64_t m = m0 + (p + pp) * PANEL + l;
+                        if (m < M) out[m * ldo + r0 + r] = flat[(pp * nr + r) * PANEL + l];
+                    }
+            r0 += nr;
+        }
+        p += 1 + two;
+    }
+}
+/*
+ * Small batches (M < PANEL_MIN: decode at batch 1-5), AVX512-VNNI: weight rows read straight
+ * from the file's blocks, two blocks per 512-bit register, no unpacked copy (batch 1 streams
+ * ~96 MB of weights a token: every pass over them counts). A Q4 pair (b, b+1) unpacks to
+ * [b 0-15 | b+1 0-15 | b 16-31 | b+1 16-31] (low nibbles, then high); Q8_0 to [b | b+1]; the
+ * activations are permuted to match once per call (permute_pairs). Lanes hold one block's
+ * 4-element sums, so each pair is scaled by a per-lane dx (precomputed) times a blend of the two
+ * blocks' d; the c_w sum(q) term is one more FMA with a per-lane sum(q) dx / 8.
+ */
+
+static void permute_pairs(int fmt, const int8_t *xq, const float *dx, const float *sx,
+                          int64_t M, int64_t nb, int8_t *xp, float *dxp) {
+    const int64_t np = (nb + 1) / 2;
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t j = 0; j < np; j++) {
+            int8_t *dst = xp + (m * np + j) * PAIR;
+            float *ds = dxp + (m * np + j) * 2 * PANEL; /* 16 dx, then 16 sx / 8 */
+            for (int h = 0; h < 2; h++) {
+                const int64_t b = 2 * j + h;
+                const int8_t *src = xq + m * nb * QK + b * QK;
+                const float d = b < nb ? dx[(m * nb + b) * LANES] : 0.0f;
+                const float sum = b < nb ? sx[m * nb + b] / 8.0f : 0.0f;
+                for (int l = 0; l < 8; l++) {
+                    const int lane = fmt == FMT_Q8_0 ? h * 8 + l : (l / 4) * 8 + h * 4 + l % 4;
+                    ds[lane] = d, ds[PANEL + lane] = sum;
+                }
+                if (fmt == FMT_Q8_0) {
+                    if (b < nb) memcpy(dst + h * QK, src, QK);
+                    else memset(dst + h * QK, 0, QK);
+                } else {
+                    if (b < nb) {
+                        memcpy(dst + h * 16, src, 16);
+                        memcpy(dst + 32 + h * 16, src + 16, 16);
+                    } else {
+                        memset(dst + h * 16, 0, 16);
+                        memset(dst + 32 + h * 16, 0, 16);
+                    }
+                }
+            }
+        }
+}
+
+static inline __attribute__((always_inline)) void load_pair(const int fmt, const uint8_t *b0,
+                                                           int has1, __m512i *wv, __m512 *dwv,
+                                                           __m512 *cwv) {
+    const int bytes = fmt == FMT_Q4_0 ? 18 : fmt == FMT_Q4_1 ? 20 : 34;
+    const uint8_t *b1 = b0 + bytes;
+    const float d0 = half_at(b0), d1 = has1 ? half_at(b1) : 0.0f;
+    if (fmt == FMT_Q8_0) {
+        const __m256i lo = _mm256_loadu_si256((const __m256i *)(b0 + 2));
+        const __m256i hi =
+            has1 ? _mm256_loadu_si256((const __m256i *)(b1 + 2)) : _mm256_setzero_si256();
+        *wv = _mm512_xor_si512(_mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1),
+                               _mm512_set1_epi8((char)0x80));
+        *dwv = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(d0), _mm512_set1_ps(d1));
+        *cwv = _mm512_mul_ps(*dwv, _mm512_set1_ps(-128.0f));
+    } else {
+        const int off = fmt == FMT_Q4_1 ? 4 : 2;
+        const __m128i q0 = _mm_loadu_si128((const __m128i *)(b0 + off));
+        const __m128i q1 =
+            has1 ? _mm_loadu_si128((const __m128i *)(b1 + off)) : _mm_setzero_si128();
+        const __m256i v = _mm256_inserti128_si256(_mm256_castsi128_si256(q0), q1, 1);
+        const __m256i mask = _mm256_set1_epi8(0x0f);
+        const __m256i lo = _mm256_and_si256(v, mask);
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+        *wv = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+        *dwv = _mm512_mask_blend_ps(0xF0F0, _mm512_set1_ps(d0), _mm512_set1_ps(d1));
+        if (fmt == FMT_Q4_1)
+            *cwv = _mm512_mask_blend_ps(0xF0F0, _mm512_set1_ps(half_at(b0 + 2)),
+                                        _mm512_set1_ps(has1 ? half_at(b1 + 2) : 0.0f));
+        else
+            *cwv = _mm512_mul_ps(*dwv, _mm512_set1_ps(-8.0f));
+    }
+}
+
+/* out[i * ldo] = row . activation row i, i < MR (xp, dxp: permute_pairs' layout). Two
+ * accumulators per row (even and odd pairs) keep two FMA chains in flight. */
+#define DIRECT(MR)                                                                             \
+    static inline __attribute__((always_inline)) void direct_##MR(                            \
+        const int fmt, const uint8_t *row, int64_t nb, const int8_t *xp, const float *dxp,    \
+        float *out, int64_t ldo) {                                                             \
+        const int bytes = fmt == FMT_Q4_0 ? 18 : fmt == FMT_Q4_1 ? 20 : 34;                    \
+        const int64_t np = (nb + 1) / 2;                                                       \
+        __m512 acc[2][MR];                                                                     \
+        for (int i = 0; i < MR; i++) acc[0][i] = acc[1][i] = _mm512_setzero_ps();              \
+        for (int64_t j = 0; j < np; j += 2) {                                                  \
+            for (int h = 0; h < 2; h++) {                                                      \
+                if (h == 1 && j + 1 >= np) break;                                              \
+                const int64_t jj = j + h;                                                      \
+                __m512i wv;                                                                    \
+                __m512 dwv, cwv;                                                               \
+                load_pair(fmt, row + 2 * jj * bytes, 2 * jj + 1 < nb, &wv, &dwv, &cwv);        \
+                for (int i = 0; i < MR; i++) {                                                 \
+                    const __m512i xv = _mm512_loadu_si512(xp + (i * np + jj) * PAIR);          \
+                    const __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv, xv);     \
+                    const float *dp = dxp + (i * np + jj) * 2 * PANEL;                         \
+                    const __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(s), _mm512_loadu_ps(dp)); \
+                    acc[h][i] = _mm512_fmadd_ps(f, dwv, acc[h][i]);                            \
+                    acc[h][i] = _mm512_fmadd_ps(cwv, _mm512_loadu_ps(dp + PANEL), acc[h][i]);  \
+                }                                                                              \
+            }                                                                                  \
+        }                                                                                      \
+        for (int i = 0; i < MR; i++)                                                           \
+            out[i * ldo] = _mm512_reduce_add_ps(_mm512_add_ps(acc[0][i], acc[1][i]));          \
+    }
+DIRECT(1)
+DIRECT(2)
+DIRECT(3)
+DIRECT(4)
+DIRECT(5)
+
+/* Batch 1: out[r] = row r . the activation row, r < 4 (rows row_bytes apart): four FMA chains
+ * and one combined horizontal sum (a lone row's reduction costs as much as two block pairs). */
+static inline __attribute__((always_inline)) void direct_4rows(
+    const int fmt, const uint8_t *src, int64_t row_bytes, int64_t nb, const int8_t *xp,
+    const float *dxp, float *out) {
+    const int bytes = fmt == FMT_Q4_0 ? 18 : fmt == FMT_Q4_1 ? 20 : 34;
+    const int64_t np = (nb + 1) / 2;
+    __m512 acc[4];
+    for (int r = 0; r < 4; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < np; j++) {
+        const __m512i xv = _mm512_loadu_si512(xp + j * PAIR);
+        const __m512 dxv = _mm512_loadu_ps(dxp + j * 2 * PANEL);
+        const __m512 sxv = _mm512_loadu_ps(dxp + j * 2 * PANEL + PANEL);
+        for (int r = 0; r < 4; r++) {
+            __m512i wv;
+            __m512 dwv, cwv;
+            load_pair(fmt, src + r * row_bytes + 2 * j * bytes, 2 * j + 1 < nb, &wv, &dwv, &cwv);
+            const __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv, xv);
+            acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(s), dxv), dwv, acc[r]);
+            acc[r] = _mm512_fmadd_ps(cwv, sxv, acc[r]);
+        }
+    }
+    _mm_storeu_ps(out, hsum4(acc[0], acc[1], acc[2], acc[3]));
+}
+
+/* out[m, r] for rows [0, rows) at src (row_bytes apart), every m < M (< PANEL_MIN). */
+static inline __attribute__((always_inline)) void direct_rows_fmt(
+    const int fmt, const uint8_t *src, int64_t row_bytes, int64_t rows, const int8_t *xp,
+    const float *dxp, int64_t M, int64_t nb, float *out, int64_t ldo) {
+    const int64_t np = (nb + 1) / 2;
+    int64_t r = 0;
+    /* NOTE: not Q8_0 (the 28 MB LM head): one row at a time streamed faster there (bench) */
+    if (M == 1 && fmt != FMT_Q8_0) {
+        float tmp[4];
+        for (; r + 4 <= rows; r += 4) {
+            direct_4rows(fmt, src + r * row_bytes, row_bytes, nb, xp, dxp, tmp);
+            memcpy(out + r, tmp, sizeof tmp);
+        }
+    }
+    for (; r < rows; r++)
+        for (int64_t m = 0; m < M;) {
+            const int64_t left = M - m;
+            const int8_t *x = xp + m * np * PAIR;
+            const float *d = dxp + m * np * 2 * PANEL;
+            float *o = out + m * ldo + r;
+            if (left >= 5) direct_5(fmt, src + r * row_bytes, nb, x, d, o, ldo);
+            else if (left == 4) direct_4(fmt, src + r * row_bytes, nb, x, d, o, ldo);
+            else if (left == 3) direct_3(fmt, src + r * row_bytes, nb, x, d, o, ldo);
+            else if (left == 2) direct_2(fmt, src + r * row_bytes, nb, x, d, o, ldo);
+            else direct_1(fmt, src + r * row_bytes, nb, x, d, o, ldo);
+            m += left >= 5 ? 5 : left;
+        }
+}
+
+static void direct_rows(int fmt, const uint8_t *src, int64_t row_bytes, int64_t rows,
+                        const int8_t *xp, const float *dxp, int64_t M, int64_t nb, float *out,
+                        int64_t ldo) {
+    /* constant formats: each call inlines a specialised copy */
+    if (fmt == FMT_Q4_0)
+        direct_rows_fmt(FMT_Q4_0, src, row_bytes, rows, xp, dxp, M, nb, out, ldo);
+    else if (fmt == FMT_Q4_1)
+        direct_rows_fmt(FMT_Q4_1, src, row_bytes, rows, xp, dxp, M, nb, out, ldo);
+    else
+        direct_rows_fmt(FMT_Q8_0, src, row_bytes, rows, xp, dxp, M, nb, out, ldo);
+}
 #endif
+
+#if defined(__AVX2__)
+/*
+ * The 16-row panels on AVX2 (no VNNI), Q4 formats only (u <= 15, so vpmaddubsw's int16 pair
+ * sums, at most 2 * 15 * 127, add up over a block's 8 groups without saturating: <= 30480):
+ * each half panel (8 rows) is one ymm; vpmaddubsw per 4 weights x 8 rows, one vpmaddwd per
+ * block. NR weight rows x both halves; res[h][r][lane]: rows h * 8 + lane of the panel.
+ */
+#define PANEL_AVX2(NR)                                                                         \
+    static void panel2_##NR(const uint8_t *u, const float *dw, const float *cw, int64_t K,     \
+                            const uint8_t *xt, const float *dxt, int64_t nb, float *res) {    \
+        const int64_t ldw = nb * LANES;                                                        \
+        const __m256i ones = _mm256_set1_epi16(1);                                             \
+        __m256 acc[2][NR];                                                                     \
+        for (int h = 0; h < 2; h++)                                                            \
+            for (int r = 0; r < NR; r++) acc[h][r] = _mm256_setzero_ps();                      \
+        for (int64_t b = 0; b < nb; b++) {                                                     \
+            __m256i s[2][NR];                                                                  \
+            for (int h = 0; h < 2; h++)                                                        \
+                for (int r = 0; r < NR; r++) s[h][r] = _mm256_setzero_si256();                 \
+            for (int g = 0; g < QK / 4; g++) {                                                 \
+                const uint8_t *xg = xt + (b * 8 + g) * 64;                                     \
+                const __m256i x0 = _mm256_loadu_si256((const __m256i *)xg);                    \
+                const __m256i x1 = _mm256_loadu_si256((const __m256i *)(xg + 32));            \
+                for (int r = 0; r < NR; r++) {                                                 \
+                    int32_t w4;                                                                \
+                    memcpy(&w4, u + r * K + b * QK + 4 * g, 4);                                \
+                    const __m256i wv = _mm256_set1_epi32(w4);                                  \
+                    s[0][r] = _mm256_add_epi16(s[0][r], _mm256_maddubs_epi16(wv, x0));         \
+                    s[1][r] = _mm256_add_epi16(s[1][r], _mm256_maddubs_epi16(wv, x1));         \
+                }                                                                              \
+            }                                                                                  \
+            for (int h = 0; h < 2; h++) {                                                      \
+                const float *dp = dxt + b * 2 * PANEL + h * 8;                                 \
+                const __m256 dxv = _mm256_loadu_ps(dp), sxv = _mm256_loadu_ps(dp + PANEL);     \
+                for (int r = 0; r < NR; r++) {                                                 \
+                    const __m256 si = _mm256_cvtepi32_ps(_mm256_madd_epi16(s[h][r], ones));    \
+                    const __m256 sc = _mm256_mul_ps(dxv, _mm256_set1_ps(dw[r * ldw + b * LANES])); \
+                    acc[h][r] = _mm256_fmadd_ps(si, sc, acc[h][r]);                            \
+                    const __m256 cv = _mm256_set1_ps(cw[b * TILE_N + r]);                      \
+                    acc[h][r] = _mm256_fmadd_ps(sxv, cv, acc[h][r]);                           \
+                }                                                                              \
+            }                                                                                  \
+        }                                                                                      \
+        for (int h = 0; h < 2; h++)                                                            \
+            for (int r = 0; r < NR; r++) _mm256_storeu_ps(res + (r * 2 + h) * 8, acc[h][r]);   \
+    }
+PANEL_AVX2(2)
+PANEL_AVX2(1)
+
+/* run_panels on AVX2: every panel, weight rows two at a time. */
+static void run_panels_avx2(const uint8_t *u, const float *dw, const float *cw, int64_t rows,
+                            const uint8_t *xt, const float *dxt, int64_t panels, int64_t M,
+                            int64_t K, int64_t nb, float *out, int64_t ldo) {
+    float res[2 * PANEL];
+    for (int64_t p = 0; p < panels; p++) {
+        const uint8_t *xp = xt + p * nb * QK * PANEL;
+        const float *dp = dxt + p * nb * 2 * PANEL;
+        for (int64_t r0 = 0; r0 < rows;) {
+            const int nr = rows - r0 >= 2 ? 2 : 1;
+            if (nr == 2) panel2_2(u + r0 * K, dw + r0 * nb * LANES, cw + r0, K, xp, dp, nb, res);
+            else panel2_1(u + r0 * K, dw + r0 * nb * LANES, cw + r0, K, xp, dp, nb, res);
+            for (int r = 0; r < nr; r++)
+                for (int l = 0; l < PANEL; l++) {
+                    const int64_t m = p * PANEL + l;
+                    if (m < M) out[m * ldo + r0 + r] = res[r * PANEL + l];
+                }
+            r0 += nr;
+        }
+    }
+}
+#endif
+
+/* Activation rows served by the 16-row panels: whole panels, plus a padded last one when it
+ * holds at least PANEL_MIN rows (fewer run through the row kernels). */
+static int64_t panel_rows(int64_t M, int isa, int fmt) {
+    const int64_t mp = M % PANEL >= PANEL_MIN ? M : M - M % PANEL;
+#ifdef HAVE_MICROKERNEL
+    if (isa >= ISA_AVX512) return mp;
+#endif
+#if defined(__AVX2__)
+    if (isa == ISA_AVX2 && fmt != FMT_Q8_0) return mp;
+#endif
+    (void)mp, (void)isa, (void)fmt;
+    return 0;
+}
 
 /* out[m, r] for the tile's rows (u, dw, cw: row strides K, nb * LANES, nb), every m. */
 static void run_tile(const uint8_t *u, const float *dw, const float *cw, int64_t rows,
-                     const int8_t *xq, const float *dx, const float *sx, int64_t M, int64_t K,
-                     int64_t nb, float *out, int64_t ldo) {
-    int64_t r0 = 0;
+                     const int8_t *xq, const float *dx, const float *sx, const uint8_t *xt,
+                     const float *dxt, int64_t M, int64_t K, int64_t nb, float *out, int64_t ldo,
+                     int isa, int fmt) {
+    int64_t r0 = 0, mp = panel_rows(M, isa, fmt);
+#if defined(__AVX2__)
+    if (mp > 0 && isa == ISA_AVX2)
+        run_panels_avx2(u, dw, cw, rows, xt, dxt, (mp + PANEL - 1) / PANEL, M, K, nb, out, ldo);
+#endif
 #ifdef HAVE_MICROKERNEL
+    if (mp > 0 && isa >= ISA_AVX512)
+        run_panels(u, dw, cw, rows, xt, dxt, 0, (mp + PANEL - 1) / PANEL, M, K, nb, out, ldo);
     float tmp[2 * 4];
-    for (; r0 + 4 <= rows; r0 += 4) {
+    for (; isa >= ISA_AVX512_ROWS && r0 + 4 <= rows; r0 += 4) {
         const uint8_t *ur = u + r0 * K;
         const float *dwr = dw + r0 * nb * LANES;
-        int64_t m = 0;
+        int64_t m = mp;
         for (; m + 2 <= M; m += 2) {
             micro_4x2(ur, dwr, K, xq + m * K, dx + m * nb * LANES, nb, tmp, 4);
             for (int i = 0; i < 2; i++)
@@ -251,16 +639,34 @@ static void run_tile(const uint8_t *u, const float *dw, const float *cw, int64_t
         }
     }
 #endif
-    for (int64_t m = 0; m < M; m++)
+    for (int64_t m = mp; m < M; m++)
         for (int64_t r = r0; r < rows; r++)
             out[m * ldo + r] = dot_blocks(u + r * K, dw + r * nb * LANES, xq + m * K,
-                                          dx + m * nb * LANES, nb);
-    for (int64_t m = 0; m < M; m++) { /* cw is [nb, TILE_N]: this loop runs across rows */
+                                          dx + m * nb * LANES, nb, isa);
+    for (int64_t m = mp; m < M; m++) { /* cw is [nb, TILE_N]: this loop runs across rows */
         float acc[TILE_N] = {0};
         for (int64_t b = 0; b < nb; b++)
             for (int r = 0; r < TILE_N; r++) acc[r] += sx[m * nb + b] * cw[b * TILE_N + r];
         for (int64_t r = 0; r < rows; r++) out[m * ldo + r] += acc[r];
     }
+}
+
+/* Rows [0, mp) of xq/dx interleaved into 16-row panels (layout in PANEL_MICRO); pad rows 0. */
+static void interleave_panels(const int8_t *xq, const float *dx, const float *sx, int64_t mp,
+                              int64_t M, int64_t nb, uint8_t *xt, float *dxt) {
+    const int64_t panels = (mp + PANEL - 1) / PANEL, K = nb * QK;
+    for (int64_t p = 0; p < panels; p++)
+        for (int64_t b = 0; b < nb; b++)
+            for (int l = 0; l < PANEL; l++) {
+                const int64_t m = p * PANEL + l;
+                uint8_t *dst = xt + p * nb * QK * PANEL + b * QK * PANEL + l * 4;
+                for (int g = 0; g < QK / 4; g++) {
+                    if (m < M) memcpy(dst + g * PANEL * 4, xq + m * K + b * QK + g * 4, 4);
+                    else memset(dst + g * PANEL * 4, 0, 4);
+                }
+                dxt[(p * nb + b) * 2 * PANEL + l] = m < M ? dx[(m * nb + b) * LANES] : 0.0f;
+                dxt[(p * nb + b) * 2 * PANEL + PANEL + l] = m < M ? sx[m * nb + b] : 0.0f;
+            }
 }
 
 #define MAX_PARTS 8
@@ -273,9 +679,10 @@ static void run_tile(const uint8_t *u, const float *dw, const float *cw, int64_t
  */
 int tandem_quant_matmul_f32(const float *x, const uint8_t *const *parts, const int64_t *part_rows,
                             int num_parts, float *out, int64_t M, int64_t K, int64_t ldo, int fmt,
-                            int num_threads) {
+                            int num_threads, int isa) {
     const int bytes = tandem_quant_block_bytes(fmt);
     if (bytes == 0) return TANDEM_BAD_FORMAT;
+    if (isa < ISA_SCALAR || isa > tandem_quant_max_isa()) isa = tandem_quant_max_isa();
     if (num_parts < 1 || num_parts > MAX_PARTS) return TANDEM_BAD_SHAPE;
     int64_t tile_end[MAX_PARTS], row_start[MAX_PARTS], N = 0, tiles = 0;
     for (int p = 0; p < num_parts; p++) {
@@ -287,17 +694,31 @@ int tandem_quant_matmul_f32(const float *x, const uint8_t *const *parts, const i
     }
     if (K <= 0 || K % QK != 0 || M < 0 || ldo < N) return TANDEM_BAD_SHAPE;
     if (M == 0 || N == 0) return TANDEM_OK;
-    const int64_t nb = K / QK, row_bytes = nb * bytes;
+    const int64_t nb = K / QK, row_bytes = nb * bytes, mp = panel_rows(M, isa, fmt);
+    const int64_t np = (nb + 1) / 2;
+    const int64_t padded = (mp + PANEL - 1) / PANEL * PANEL;
+    const int direct = isa >= ISA_AVX512 && M < PANEL_MIN;
+    int8_t *xp = direct ? malloc((size_t)(M * np * PAIR)) : NULL;
+    float *dxp = direct ? malloc(sizeof(float) * (size_t)(M * np * 2 * PANEL)) : NULL;
     int8_t *xq = malloc((size_t)(M * K));
     float *dx = malloc(sizeof(float) * (size_t)(M * nb * LANES));
     float *sx = malloc(sizeof(float) * (size_t)(M * nb));
-    int failed = !xq || !dx || !sx;
+    uint8_t *xt = padded ? malloc((size_t)(padded * K)) : NULL;
+    float *dxt = padded ? malloc(sizeof(float) * (size_t)(padded * nb * 2)) : NULL;
+    int failed = !xq || !dx || !sx || (padded && (!xt || !dxt)) || (direct && (!xp || !dxp));
     if (failed) goto done;
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
 #pragma omp for schedule(static)
         for (int64_t m = 0; m < M; m++)
             quantize_row(x + m * K, nb, xq + m * K, dx + m * nb * LANES, sx + m * nb);
+#pragma omp single
+        {
+            if (padded) interleave_panels(xq, dx, sx, mp, M, nb, xt, dxt);
+#ifdef HAVE_MICROKERNEL
+            if (direct) permute_pairs(fmt, xq, dx, sx, M, nb, xp, dxp);
+#endif
+        }
         uint8_t *u = malloc((size_t)(TILE_N * K));
         float *dw = malloc(sizeof(float) * (size_t)(TILE_N * nb * LANES));
         float *cw = malloc(sizeof(float) * (size_t)(TILE_N * nb));
@@ -310,17 +731,29 @@ int tandem_quant_matmul_f32(const float *x, const uint8_t *const *parts, const i
             const int64_t first = p ? tile_end[p - 1] : 0, r0 = (t - first) * TILE_N;
             const int64_t rows = part_rows[p] - r0 < TILE_N ? part_rows[p] - r0 : TILE_N;
             const uint8_t *src = parts[p] + r0 * row_bytes;
+#ifdef HAVE_MICROKERNEL
+            if (direct) {
+                direct_rows(fmt, src, row_bytes, rows, xp, dxp, M, nb, out + row_start[p] + r0,
+                            ldo);
+                continue;
+            }
+#endif
             if (rows < TILE_N) memset(cw, 0, sizeof(float) * (size_t)(TILE_N * nb));
             for (int64_t r = 0; r < rows; r++)
                 unpack_row(fmt, src + r * row_bytes, nb, u + r * K, dw + r * nb * LANES, cw + r,
                            TILE_N);
-            run_tile(u, dw, cw, rows, xq, dx, sx, M, K, nb, out + row_start[p] + r0, ldo);
+            run_tile(u, dw, cw, rows, xq, dx, sx, xt, dxt, M, K, nb, out + row_start[p] + r0, ldo,
+                     isa, fmt);
         }
         free(u);
         free(dw);
         free(cw);
     }
 done:
+    free(xp);
+    free(dxp);
+    free(xt);
+    free(dxt);
     free(xq);
     free(dx);
     free(sx);

@@ -30,8 +30,8 @@ def make_weight(fmt: str, n: int, k: int, seed: int = 0, scale: float = 0.05) ->
     return QuantizedWeight(torch.from_numpy(data), fmt, n, k)
 
 
-def check_close(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
-    y = quant.quant_matmul(x, w)
+def check_close(x: torch.Tensor, w: QuantizedWeight, isa: str | None = None) -> torch.Tensor:
+    y = quant.quant_matmul(x, w, isa=isa)
     ref = x.float() @ quant.dequantize(w).T
     bound = quant.activation_error_bound(x, w)
     err = (y - ref).abs()
@@ -59,7 +59,7 @@ def test_dequantize_equals_gguf(fmt):
 
 @pytest.mark.parametrize("fmt", list(quant.FORMATS))
 @pytest.mark.parametrize("n,k", [(1, 32), (37, 96), (64, 576), (576, 1536), (1536, 576), (17, 64)])
-@pytest.mark.parametrize("m", [1, 2, 5, 16, 64])
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 16, 17, 64])
 def test_matches_dequantized_matmul(fmt, n, k, m):
     w = make_weight(fmt, n, k, seed=n * k + m)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
@@ -68,6 +68,30 @@ def test_matches_dequantized_matmul(fmt, n, k, m):
     scale = x.abs() @ quant.dequantize(w).abs().T
     assert (quant.activation_error_bound(x, w) <= 0.05 * scale + 1e-6).all()
     assert err.max() > 0  # activations really were quantized (a float path would be exact)
+
+
+@pytest.mark.parametrize("fmt", list(quant.FORMATS))
+@pytest.mark.parametrize("isa", quant.ISAS)
+@pytest.mark.parametrize("n,k", [(17, 64), (37, 96), (100, 576)])
+def test_every_path_matches_dequantized_matmul(fmt, isa, n, k):
+    """Each dot-product path of the build (the AVX2 and scalar ones too, forced, as on a CI
+    machine without AVX-512) at every tile shape: direct kernels on the file's blocks (batch
+    1: 4 weight rows at a time plus 1-3 left; batch 2-5: 2-5 activation rows), a padded 16-row
+    panel plus row kernels (6-17: 17 = one panel + one row; AVX2 panels for Q4), two-panel
+    tiles (33, 64), and output counts that leave partial 16-row tiles and 8/4/1-row
+    remainders."""
+    if isa not in quant.isas():
+        pytest.skip(f"{isa} not in this build ({quant.isa()})")
+    w = make_weight(fmt, n, k, seed=n + k)
+    for m in (1, 2, 3, 4, 5, 6, 15, 16, 17, 22, 33, 64):
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+        check_close(x, w, isa=isa)
+
+
+def test_unknown_path_is_rejected():
+    w = make_weight("q4_0", 16, 64)
+    with pytest.raises(ValueError, match="isa"):
+        quant.quant_matmul(torch.zeros(2, 64), w, isa="avx1024")
 
 
 def test_outlier_activations_stay_within_bound():
@@ -143,3 +167,60 @@ def test_other_activation_dtypes_come_back_in_their_dtype():
     y = quant.quant_matmul(x, w)
     assert y.dtype == torch.bfloat16
     assert torch.equal(y, quant.quant_matmul(x.float(), w).to(torch.bfloat16))
+
+
+def test_default_path_can_be_set_for_benchmarks():
+    w = make_weight("q4_1", 40, 96)
+    x = torch.randn(3, 96, generator=torch.Generator().manual_seed(3))
+    # the paths round differently, so an ignored setting would show
+    assert not torch.equal(quant.quant_matmul(x, w, isa="scalar"), quant.quant_matmul(x, w))
+    try:
+        quant.set_default_isa("scalar")
+        assert torch.equal(quant.quant_matmul(x, w), quant.quant_matmul(x, w, isa="scalar"))
+        with pytest.raises(ValueError, match="isa"):
+            quant.set_default_isa("avx1024")
+    finally:
+        quant.set_default_isa(None)
+    assert torch.equal(quant.quant_matmul(x, w), quant.quant_matmul(x, w, isa=quant.isa()))
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = open("/proc/cpuinfo").read()
+    except OSError:
+        return set()
+    return set(next((line.split(":", 1)[1] for line in text.splitlines()
+                     if line.startswith("flags")),
+                    "").split())
+
+
+@pytest.mark.parametrize("march", ["haswell", "x86-64"])
+def test_builds_for_other_machines_match_reference(march, tmp_path, monkeypatch):
+    """The source built as an AVX2-only machine (haswell) or a plain x86-64 one builds it: every
+    path that build has agrees with the reference (a path compiled only with AVX-512 must not
+    leave the others broken)."""
+    import ctypes
+    import subprocess
+
+    from kernels.cpu_attention import CFLAGS, LDFLAGS
+
+    if march == "haswell" and not {"avx2", "fma", "f16c"} <= _cpu_flags():
+        pytest.skip("this CPU cannot run an AVX2 build")
+    cc = shutil.which("cc") or shutil.which("gcc")
+    flags = [f if not f.startswith("-march=") else f"-march={march}" for f in CFLAGS]
+    obj, lib_path = tmp_path / "k.o", tmp_path / "k.so"
+    for cmd in ([cc, *flags, "-c", str(quant.SOURCE), "-o", str(obj)],
+                [cc, *LDFLAGS, str(obj), "-o", str(lib_path), "-lm"]):
+        subprocess.run(cmd, check=True, capture_output=True)
+    lib = ctypes.CDLL(str(lib_path))
+    lib.tandem_quant_matmul_f32.argtypes = ([quant._PTR] * 3 + [quant._INT, quant._PTR]
+                                            + [quant._I64] * 3 + [quant._INT] * 3)
+    lib.tandem_quant_dequantize_rows.argtypes = [quant._PTR] * 3 + [quant._I64] * 3 + [quant._INT]
+    monkeypatch.setattr(quant, "_library", lambda: lib)
+    assert quant.isa() == ("avx2" if march == "haswell" else "scalar")
+    for fmt in quant.FORMATS:
+        w = make_weight(fmt, 37, 96)
+        for m in (1, 5, 17, 33):
+            x = torch.randn(m, 96, generator=torch.Generator().manual_seed(m))
+            for isa in quant.isas():
+                check_close(x, w, isa=isa)
