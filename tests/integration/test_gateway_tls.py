@@ -133,7 +133,9 @@ def test_replaced_certificate_is_served_to_new_connections(tls_gateway, certs):
 
 
 @pytest.fixture(scope="module")
-def mtls_stack(redis_server, certs) -> Iterator[tuple[Stack, InternalTls]]:
+def mtls_stack(certs) -> Iterator[tuple[Stack, InternalTls]]:
+    """A stack whose internal gRPC is mutual TLS, with a Redis of its own: its gateway must see
+    no plaintext worker of another module's stack in the registry."""
     d, ca, *_ = certs
     cert, key, _ = make_leaf(ca, d, "internal")
     internal = InternalTls(str(cert), str(key), str(ca.cert_file))
@@ -141,7 +143,7 @@ def mtls_stack(redis_server, certs) -> Iterator[tuple[Stack, InternalTls]]:
     settings = load_settings({f"transport.internal_tls_{k}_file": (str(v), "test")
                               for k, v in files.items()}).settings
     s = Stack(UpOptions(host="127.0.0.1", port=free_port(), num_prefill=1, num_decode=1,
-                        redis_url=redis_server.url, worker_args=WORKER_ARGS,
+                        redis_url=None, worker_args=WORKER_ARGS,
                         gateway_args=["--heartbeat-s", "0.5"], ready_timeout_s=300, settings=settings))
     try:
         s.start()
