@@ -25,6 +25,7 @@ What a pod has that this machine does not is mapped, each mapping named where it
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -52,8 +53,9 @@ pytestmark = [pytest.mark.integration,
                                  reason="kubectl not on PATH: cannot render k8s/overlays/cpu")]
 
 ROOT = Path(__file__).resolve().parents[2]
+API_KEY = "realise-api-key"  # what a client sends; the Secret holds its SHA-256 (gateway.api_keys_file)
 SECRET_VALUES = {"redis-password": "realise-redis-password", "internal-secret": "realise-internal",
-                 "api-keys": "realise-api-key"}
+                 "api-keys": hashlib.sha256(API_KEY.encode()).hexdigest()}
 ENTRYPOINT = {"tandem": [sys.executable, "-m", "services.cli"]}  # the image's ENTRYPOINT
 MAX_THREADS = 1
 CHAT_TOKENS = 8
@@ -242,8 +244,13 @@ def test_overlay_cpu_runs_as_rendered_and_serves_a_chat_request(tmp_path):
         gateway_http = services["tandem-gateway:8000"]
         body = json.dumps({"messages": [{"role": "user", "content": CHAT_PROMPTS[0]}],
                            "max_tokens": CHAT_TOKENS, "temperature": 0, "ignore_eos": True}).encode()
-        req = urllib.request.Request(f"http://{gateway_http}/v1/chat/completions", data=body, headers={
-            "Content-Type": "application/json", "Authorization": f"Bearer {SECRET_VALUES['api-keys']}"})
+        url = f"http://{gateway_http}/v1/chat/completions"
+        anonymous = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as refused:  # the Secret's key is required
+            urllib.request.urlopen(anonymous, timeout=120)
+        assert refused.value.code == 401
+        req = urllib.request.Request(url, data=body, headers={
+            "Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}"})
         with urllib.request.urlopen(req, timeout=120) as resp:
             answer = json.loads(resp.read())
         expected = tokenizer().decode(list(hf_greedy_outputs()[0][:CHAT_TOKENS]))
