@@ -128,8 +128,10 @@ class Pod:
     def argv(self, services: dict[str, str], env: dict[str, str]) -> list[str]:
         command = self.container.get("command") or ["tandem"]
         args = [re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], a) for a in self.container.get("args", [])]
-        argv = [*ENTRYPOINT.get(command[0], [shutil.which(command[0])]), *command[1:], *args]
-        return [str(self.local(a, services)) for a in argv]
+        # NOTE: only the container's own words are mapped: this machine's interpreter may live
+        # under a path the pod mounts (a checkout in /tmp, where the pod has an emptyDir)
+        entrypoint = ENTRYPOINT.get(command[0], [shutil.which(command[0])])
+        return [*entrypoint, *(str(self.local(a, services)) for a in [*command[1:], *args])]
 
     def start(self, services: dict[str, str]) -> None:
         env = self.env(services)
