@@ -167,6 +167,22 @@ class GatewayThread:
     def is_alive(self) -> bool:
         return self._thread.is_alive()
 
+    def wait_http_ready(self, url: str, verify=True, timeout_s: float = 300.0) -> None:
+        """Until ``url``/ready answers 200 (``verify``: httpx's TLS setting); AssertionError if
+        the gateway stops or ``timeout_s`` passes."""
+        import httpx
+
+        deadline = time.monotonic() + timeout_s
+        while True:
+            assert self.is_alive(), "the gateway stopped"
+            try:
+                if httpx.get(f"{url}/ready", verify=verify, timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "gateway not ready"
+            time.sleep(0.2)
+
     def close(self) -> None:
         self._loop.call_soon_threadsafe(self._stop.set)
         self._thread.join(timeout=60)

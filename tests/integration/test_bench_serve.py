@@ -36,29 +36,13 @@ async def server_records(address: str, request_ids: list[str]) -> list[gateway_p
 @pytest.fixture(scope="module")
 def serve_run(stack, redis_server, tmp_path_factory):
     out = tmp_path_factory.mktemp("serve")
-    argv = [sys.executable, "-m", "loadtest.serve", "--target", f"grpc://{stack.address}",
-            "--request-rate", "3", "--num-prompts", str(NUM_PROMPTS), "--dataset", "long-mix",
-            "--long-fraction", "0.5", "--long-input-range", "64:96",
-            "--long-output-len", str(LONG_OUTPUT), "--chat-max-tokens", "6", "--seed", "3",
-            "--goodput", "ttft:0.001", "tpot:0.001", "--percentiles", "50,90,99",
-            "--redis-url", redis_server.url, "--server-poll-s", "0.2", "--save-detailed",
-            "--disable-progress", "--time-limit", "60", "--request-timeout", "120",
-            "--result-dir", str(out), "--result-name", "run"]
-    env = {**os.environ, "TANDEM_INTERNAL_SECRET": stack.internal_secret}  # the workers' GetLoad
-    proc = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=400, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return out, json.loads((out / "run.json").read_text()), proc.stdout
+    return run_bench_serve(["--target", f"grpc://{stack.address}"], "3", redis_server.url,
+                           stack.internal_secret, out)
 
 
 def test_result_json_has_every_field_and_all_requests_completed(serve_run):
     _, result, stdout = serve_run
-    for field in VLLM_FIELDS:
-        assert field in result, field
-    for metric in ("ttft", "tpot", "itl", "e2el"):
-        for stat in ("mean", "median", "std", "p50", "p90", "p99"):
-            assert result[f"{stat}_{metric}_ms"] >= 0, (stat, metric)
-    assert result["completed"] == NUM_PROMPTS and result["failed"] == 0, result["failed_requests"]
-    assert result["not_sent"] == 0 and result["duration"] > 0
+    assert_every_field_and_all_completed(result)
     assert result["request_rate"] == 3 and result["backend"] == "tandem-grpc"
     assert set(result["by_kind"]) == {"chat", "long"}
     assert "Serving Benchmark Result" in stdout and "Mean TTFT (ms)" in stdout
@@ -115,3 +99,30 @@ def assert_plots_are_png(out) -> None:
     for kind in ("latency_cdf", "timeline", "throughput"):
         data = (out / f"run-{kind}.png").read_bytes()
         assert data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 2000, kind
+
+
+def run_bench_serve(target: list[str], seed: str, redis_url: str, secret: str, out: Path):
+    """``loadtest.serve`` on the long-mix dataset against ``target`` (its flags): (result dir,
+    result JSON, stdout). Every SLO is unmeetable (1 us), so goodput must be 0."""
+    argv = [sys.executable, "-m", "loadtest.serve", *target,
+            "--request-rate", "3", "--num-prompts", str(NUM_PROMPTS), "--dataset", "long-mix",
+            "--long-fraction", "0.5", "--long-input-range", "64:96",
+            "--long-output-len", str(LONG_OUTPUT), "--chat-max-tokens", "6", "--seed", seed,
+            "--goodput", "ttft:0.001", "tpot:0.001", "--percentiles", "50,90,99",
+            "--redis-url", redis_url, "--server-poll-s", "0.2", "--save-detailed",
+            "--disable-progress", "--time-limit", "60", "--request-timeout", "120",
+            "--result-dir", str(out), "--result-name", "run"]
+    env = {**os.environ, "TANDEM_INTERNAL_SECRET": secret}  # the workers' GetLoad
+    proc = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=400, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out, json.loads((out / "run.json").read_text()), proc.stdout
+
+
+def assert_every_field_and_all_completed(result: dict) -> None:
+    for field in VLLM_FIELDS:
+        assert field in result, field
+    for metric in ("ttft", "tpot", "itl", "e2el"):
+        for stat in ("mean", "median", "std", "p50", "p90", "p99"):
+            assert result[f"{stat}_{metric}_ms"] >= 0, (stat, metric)
+    assert result["completed"] == NUM_PROMPTS and result["failed"] == 0, result["failed_requests"]
+    assert result["not_sent"] == 0 and result["duration"] > 0

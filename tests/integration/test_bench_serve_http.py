@@ -5,22 +5,15 @@ token counts equal the server's records, the plots are PNGs, the unified worker'
 sampled, and a goodput SLO no request can meet gives 0 goodput."""
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 
 from services.launcher import Stack, UpOptions
-from tests.integration.conftest import WORKER_ARGS, free_port
+from tests.integration.conftest import WORKER_ARGS, free_port, running
 from tests.integration.test_bench_serve import (
-    REPO, VLLM_FIELDS, assert_counts_equal_the_servers, assert_plots_are_png, assert_zero_goodput)
+    assert_counts_equal_the_servers, assert_every_field_and_all_completed,
+    assert_plots_are_png, assert_zero_goodput, run_bench_serve)
 
 pytestmark = pytest.mark.integration
-
-NUM_PROMPTS = 6
-LONG_OUTPUT = 4
 
 
 @pytest.fixture(scope="module")
@@ -31,41 +24,21 @@ def http_stack(redis_server):
                         num_unified=1, redis_url=redis_server.url, worker_args=WORKER_ARGS,
                         gateway_args=["--heartbeat-s", "0.5", "--http-port", str(http_port)],
                         ready_timeout_s=240))
-    try:
-        s.start()
-        s.wait_ready()
+    with running(s):
         yield s, f"http://127.0.0.1:{http_port}/v1"
-    finally:
-        s.stop()
 
 
 @pytest.fixture(scope="module")
 def http_run(http_stack, redis_server, tmp_path_factory):
     stack, url = http_stack
     out = tmp_path_factory.mktemp("serve-http")
-    argv = [sys.executable, "-m", "loadtest.serve", "--target", url, "--endpoint", "chat",
-            "--request-rate", "3", "--num-prompts", str(NUM_PROMPTS), "--dataset", "long-mix",
-            "--long-fraction", "0.5", "--long-input-range", "64:96",
-            "--long-output-len", str(LONG_OUTPUT), "--chat-max-tokens", "6", "--seed", "5",
-            "--goodput", "ttft:0.001", "tpot:0.001", "--percentiles", "50,90,99",
-            "--redis-url", redis_server.url, "--server-poll-s", "0.2", "--save-detailed",
-            "--disable-progress", "--time-limit", "60", "--request-timeout", "120",
-            "--result-dir", str(out), "--result-name", "run"]
-    env = {**os.environ, "TANDEM_INTERNAL_SECRET": stack.internal_secret}  # the worker's GetLoad
-    proc = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=400, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return out, json.loads((out / "run.json").read_text()), proc.stdout
+    return run_bench_serve(["--target", url, "--endpoint", "chat"], "5", redis_server.url,
+                           stack.internal_secret, out)
 
 
 def test_http_result_json_has_every_field_and_all_requests_completed(http_run):
     _, result, stdout = http_run
-    for field in VLLM_FIELDS:
-        assert field in result, field
-    for metric in ("ttft", "tpot", "itl", "e2el"):
-        for stat in ("mean", "median", "std", "p50", "p90", "p99"):
-            assert result[f"{stat}_{metric}_ms"] >= 0, (stat, metric)
-    assert result["completed"] == NUM_PROMPTS and result["failed"] == 0, result["failed_requests"]
-    assert result["not_sent"] == 0 and result["duration"] > 0
+    assert_every_field_and_all_completed(result)
     assert result["backend"] == "openai-chat" and result["target"].startswith("http://")
     assert set(result["by_kind"]) == {"chat", "long"}
     assert "Serving Benchmark Result" in stdout and "Mean TTFT (ms)" in stdout
@@ -74,7 +47,7 @@ def test_http_result_json_has_every_field_and_all_requests_completed(http_run):
 def test_http_token_counts_equal_the_servers_records(http_run, http_stack):
     _, result, _ = http_run
     stack, _ = http_stack
-    infos = assert_counts_equal_the_servers(result, stack.address, LONG_OUTPUT)
+    infos = assert_counts_equal_the_servers(result, stack.address)
     assert all(i.prefill_worker == i.decode_worker == "unified-0" for i in infos)
 
 

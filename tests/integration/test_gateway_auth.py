@@ -44,17 +44,7 @@ class Gateway:
             "127.0.0.1", self.port, stack.redis_url, str(default_model_path()), rpc_timeout_s=120.0,
             heartbeat_s=0.5, http_port=self.http_port, internal_secret=stack.internal_secret,
             access=access))
-        deadline = time.monotonic() + 300
-        while not self._ready():
-            assert self._thread.is_alive(), "the gateway stopped"
-            assert time.monotonic() < deadline, "gateway not ready"
-            time.sleep(0.2)
-
-    def _ready(self) -> bool:
-        try:
-            return httpx.get(f"{self.url}/ready", timeout=2).status_code == 200
-        except httpx.HTTPError:
-            return False
+        self._thread.wait_http_ready(self.url)
 
     def close(self) -> None:
         self._thread.close()

@@ -39,16 +39,7 @@ class HttpGateway:
             heartbeat_s=0.5, http_port=self.http_port, internal_secret=self.internal_secret))
 
     def wait_ready(self) -> None:
-        deadline = time.monotonic() + 300
-        while True:
-            assert self._gateway.is_alive(), "the HTTP gateway stopped"
-            try:
-                if httpx.get(f"{self.url}/ready", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "HTTP gateway not ready"
-            time.sleep(0.2)
+        self._gateway.wait_http_ready(self.url)
 
     def close(self) -> None:
         self._gateway.close()

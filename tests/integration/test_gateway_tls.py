@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import socket
 import ssl
-import time
 from collections.abc import Iterator
 
 import grpc
@@ -39,17 +38,7 @@ class TlsGateway:
         self._thread = GatewayThread(GatewayOptions(
             "127.0.0.1", self.port, stack.redis_url, str(default_model_path()), rpc_timeout_s=120.0,
             heartbeat_s=0.5, http_port=self.http_port, internal_secret=stack.internal_secret, tls=tls))
-        deadline = time.monotonic() + 300
-        while not self._ready():
-            assert self._thread.is_alive(), "the gateway stopped"
-            assert time.monotonic() < deadline, "gateway not ready"
-            time.sleep(0.2)
-
-    def _ready(self) -> bool:
-        try:
-            return httpx.get(f"{self.url}/ready", verify=self.trust, timeout=2).status_code == 200
-        except httpx.HTTPError:
-            return False
+        self._thread.wait_http_ready(self.url, verify=self.trust)
 
     def close(self) -> None:
         self._thread.close()
