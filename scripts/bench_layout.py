@@ -72,13 +72,15 @@ OPTIONS = {o.name: o for o in [
 ]}
 
 
-def start_stack(option: Option, cores: int, engine_args: list[str], port: int) -> Stack:
+def start_stack(option: Option, cores: int, engine_args: list[str], port: int,
+                http_port: int = 0) -> Stack:
+    """``option``'s stack, ready (gRPC on ``port``; HTTP on ``http_port``, 0: off)."""
     threads = {role: cores if n == "all" else n for role, n in option.threads.items()}
     stack = Stack(UpOptions(
         host="127.0.0.1", port=port, num_prefill=option.counts.get("prefill", 0),
         num_decode=option.counts.get("decode", 0), num_unified=option.counts.get("unified", 0),
         redis_url=None, worker_args=engine_args, threads=threads, env=option.env,
-        gateway_args=["--http-port", "0"],  # gRPC only: nothing to collide with on 8000
+        gateway_args=["--http-port", str(http_port)],  # 0: gRPC only, no collision on 8000
         ready_timeout_s=600))
     try:
         stack.start()

@@ -9,6 +9,13 @@ and output lengths, ignore_eos) with ``--concurrency`` clients through loadtest'
 client of `tandem bench serve`). Prints the figures and writes them as JSON (``--out``);
 ``cost`` is ``1 - on/off`` of the mean output throughput (target: under 3%).
 
+Throughput of a whole run on two shared cores drifts by several percent from run to run, more
+than tracing's cost; so each run also records the CPU seconds (user + system, from
+``/proc/PID/stat``) that each stack process (gateway, prefill, decode) spent during the measured
+load, per 1000 output tokens: ``cpu_cost`` is ``on/off - 1`` of the stack's total, the work
+tracing adds whatever the machine's drift. The receiver's own CPU is this script's, not the
+stack's, and is reported apart (``receiver_cpu_s``).
+
     python -m scripts.bench_tracing_overhead --num-prompts 256 --concurrency 16 --rounds 4
     python -m scripts.bench_tracing_overhead --num-prompts 8 --output-len 8 --rounds 1   # smoke
 
@@ -65,8 +72,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far (``/proc/PID/stat`` fields 14-15)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def run_once(args, requests, env: dict[str, str]) -> dict:
-    """Start a stack with ``env``, run the load, stop it; the run's loadtest summary."""
+    """Start a stack with ``env``, run the load, stop it; the run's loadtest summary plus each
+    stack process's CPU seconds per 1000 output tokens over the load (``cpu_per_1k``)."""
     stack = Stack(UpOptions(host="127.0.0.1", port=free_port(), num_prefill=args.num_prefill,
                             num_decode=args.num_decode, redis_url=None,
                             worker_args=args.worker_args.split(), gateway_args=["--http-port", "0"],
@@ -77,10 +92,22 @@ def run_once(args, requests, env: dict[str, str]) -> dict:
         cfg = RunConfig(f"grpc://{stack.address}", ArrivalSchedule(math.inf),
                         max_concurrency=args.concurrency, num_warmups=args.num_warmups,
                         request_timeout_s=args.request_timeout, progress=False)
+        procs = [(name, proc.pid) for name, proc in stack.procs if not name.startswith("redis")]
+        before = {name: cpu_seconds(pid) for name, pid in procs}
+        receiver_before = time.process_time()
         outcome = asyncio.run(run_benchmark(cfg, requests))
+        spent = {name: cpu_seconds(pid) - before[name] for name, pid in procs}
+        receiver_cpu = time.process_time() - receiver_before
     finally:
         stack.stop()
-    return summarize(outcome.records, outcome.duration_s, {}, [50, 99])
+    summary = summarize(outcome.records, outcome.duration_s, {}, [50, 99])
+    # NOTE: the warm-up requests ran inside the measured window too: count their (exact) tokens
+    tokens = sum(r.output_tokens for r in outcome.records) + sum(
+        r.output_len for r in requests[:args.num_warmups])
+    summary["cpu_per_1k"] = {name: 1000 * s / max(tokens, 1) for name, s in spent.items()}
+    summary["cpu_per_1k"]["stack"] = sum(summary["cpu_per_1k"].values())
+    summary["client_cpu_s"] = receiver_cpu
+    return summary
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -112,9 +139,11 @@ def main(argv: list[str] | None = None) -> int:
             summary = run_once(args, requests, on_env if mode == "on" else {})
             summary["spans_received"] = receiver.count - before
             runs[mode].append(summary)
+            cpu = ", ".join(f"{k} {v:.2f}" for k, v in summary["cpu_per_1k"].items())
             print(f"round {r} tracing {mode:3s}: {summary['output_throughput']:8.2f} output tok/s, "
                   f"{summary['completed']} completed, {summary['failed']} failed, "
-                  f"{summary['spans_received']} spans received", flush=True)
+                  f"{summary['spans_received']} spans received; CPU s per 1k tokens: {cpu}",
+                  flush=True)
     receiver.server.stop(grace=None)
     result = report(args, runs)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -126,13 +155,22 @@ def main(argv: list[str] | None = None) -> int:
 def report(args, runs: dict[str, list[dict]]) -> dict:
     mean = {m: statistics.fmean(s["output_throughput"] for s in runs[m]) for m in runs}
     cost = 1 - mean["on"] / mean["off"]
+    roles = list(runs["off"][0]["cpu_per_1k"])
+    cpu = {m: {k: statistics.fmean(s["cpu_per_1k"][k] for s in runs[m]) for k in roles}
+           for m in runs}
+    cpu_cost = cpu["on"]["stack"] / cpu["off"]["stack"] - 1
     print(f"output tok/s at {args.concurrency} clients: off {mean['off']:.2f}, on {mean['on']:.2f}; "
-          f"tracing costs {100 * cost:.2f}% (target < 3%)")
+          f"tracing costs {100 * cost:.2f}% of throughput (target < 3%)")
+    for k in roles:
+        print(f"  CPU s per 1k output tokens, {k:>10}: off {cpu['off'][k]:.3f}, on {cpu['on'][k]:.3f}")
+    print(f"tracing adds {100 * cpu_cost:.2f}% to the stack's CPU per output token")
     return {"config": vars(args), "host": platform.node(), "cpu_count": os.cpu_count(),
             "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "output_throughput_off": mean["off"], "output_throughput_on": mean["on"], "cost": cost,
+            "cpu_per_1k_off": cpu["off"], "cpu_per_1k_on": cpu["on"], "cpu_cost": cpu_cost,
             "runs": {m: [{k: s[k] for k in ("output_throughput", "completed", "failed", "duration",
-                                              "mean_ttft_ms", "mean_tpot_ms", "spans_received")}
+                                              "mean_ttft_ms", "mean_tpot_ms", "spans_received",
+                                              "cpu_per_1k", "client_cpu_s")}
                          for s in runs[m]] for m in runs}}
 
 
