@@ -198,21 +198,35 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
 
     async def _keep_lease(self, dest: worker_pb2.KVReservation, lease: _Lease) -> None:
         """Renew the destination's lease every third of it until cancelled (the write starts,
-        or the handoff ends). A refused or failed renewal stops renewing: the lease last
-        granted stands, and the handoff gives up by its deadline as without renewals."""
+        or the handoff ends). A refused renewal stops renewing (the decode worker wants the KV
+        no more); a failed one (timeout, dropped connection: a busy peer) is tried again every
+        tenth of the lease while the lease last granted lasts, so one slow answer does not end
+        the lease. Without renewals the handoff gives up by its deadline."""
         try:
             peer = await asyncio.to_thread(self.transport.add_remote, dest.transport_metadata)
-            while True:
-                await asyncio.sleep(lease.lease_s / 3)
-                sent_at = time.monotonic()
+        except (KVTransferError, OSError, ValueError) as exc:
+            log.info("lease on decode worker %s not renewed: %s", dest.worker_id, exc)
+            return
+        delay = lease.lease_s / 3
+        while True:
+            await asyncio.sleep(delay)
+            sent_at = time.monotonic()
+            try:
                 lease.renewed(sent_at, await asyncio.to_thread(
                     self.transport.renew_lease, peer, dest.write_token,
                     min(lease.lease_s / 3, NOTE_TIMEOUT_S)))
-        except KVLeaseRefusedError as exc:
-            log.info("decode worker %s wants the KV no more: %s", dest.worker_id, exc)
-            lease.refused.set()
-        except (KVTransferError, OSError, ValueError) as exc:
-            log.info("lease on decode worker %s not renewed: %s", dest.worker_id, exc)
+                delay = lease.lease_s / 3
+            except KVLeaseRefusedError as exc:
+                log.info("decode worker %s wants the KV no more: %s", dest.worker_id, exc)
+                lease.refused.set()
+                return
+            except (KVTransferError, OSError) as exc:
+                if time.monotonic() >= lease.deadline:
+                    log.info("lease on decode worker %s not renewed: %s", dest.worker_id, exc)
+                    return
+                log.info("lease renewal on decode worker %s failed (%s): trying again while "
+                         "the lease lasts", dest.worker_id, exc)
+                delay = lease.lease_s / 10
 
     async def _send_not_written(self, dest: worker_pb2.KVReservation, rid: str, reason: str) -> None:
         """Close the reservation early with an empty write; if the destination cannot be told,
