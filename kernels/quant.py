@@ -212,6 +212,37 @@ def quant_matmul(x: torch.Tensor, weight: QuantizedWeight | Sequence[QuantizedWe
     return out if x2 is x else out.reshape(*lead, n).to(dtype)
 
 
+class PreparedMatmul:
+    """``quant_matmul`` for fixed weight parts with the kernel's arguments built once: the decode
+    step's hot path (one ctypes call per use, no per-call checks or allocations).
+
+    ``parts``: as ``quant_matmul``'s ``weight``. Raises ``ValueError`` as ``quant_matmul`` does
+    for bad parts, ``RuntimeError`` when the C kernel is not available.
+    """
+
+    def __init__(self, parts: Sequence[QuantizedWeight]) -> None:
+        lib = _library()
+        if lib is None:
+            raise RuntimeError("the quantized matmul kernel is not built (no C compiler?)")
+        fmt, k = parts[0].fmt, parts[0].in_features
+        if any(p.fmt != fmt or p.in_features != k for p in parts) or not 1 <= len(parts) <= 8:
+            raise ValueError("weight: 1 to 8 parts of one format and in_features are required")
+        self.parts = tuple(parts)  # keeps the blocks alive while the addresses are used
+        self.in_features, self.out_features = k, sum(p.out_features for p in parts)
+        self._fn, self._fmt = lib.tandem_quant_matmul_f32, FORMATS[fmt][0]
+        self._ptrs, self._rows = _part_arrays(tuple((p.data.data_ptr(), p.out_features)
+                                                    for p in parts))
+
+    def __call__(self, x: torch.Tensor, out: torch.Tensor, num_threads: int) -> torch.Tensor:
+        """``out = x @ W^T``: x float32 contiguous ``[M, in_features]``, out float32 contiguous
+        ``[M, out_features]`` (not checked: the caller owns both). Returns ``out``."""
+        level = ISAS.index(_default_isa) if _default_isa is not None else len(ISAS) - 1
+        _check(self._fn(x.data_ptr(), self._ptrs, self._rows, len(self.parts), out.data_ptr(),
+                        x.shape[0], self.in_features, self.out_features, self._fmt, num_threads,
+                        level), "quant_matmul")
+        return out
+
+
 @functools.lru_cache(maxsize=4096)
 def _part_arrays(parts: tuple[tuple[int, int], ...]) -> tuple[ctypes.Array, ctypes.Array]:
     """The kernel's ``parts`` and ``part_rows`` arrays for ``(data address, rows)`` pairs
