@@ -57,6 +57,7 @@
 #define PANEL 16
 #define PANEL_MIN 6
 #define PAIR 64 /* bytes of int8 activations per block pair (direct kernels) */
+#define GEMV_GROUP 128 /* activation bytes per 4 blocks, gemv kernel: 64 of elements 0-15, 64 of 16-31 */
 
 static float fp16_to_f32(uint16_t h) {
     uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
@@ -522,6 +523,123 @@ static void direct_rows(int fmt, const uint8_t *src, int64_t row_bytes, int64_t 
     else
         direct_rows_fmt(FMT_Q8_0, src, row_bytes, rows, xp, dxp, M, nb, out, ldo);
 }
+
+/*
+ * Batch 1-5 on the Q4 formats ("gemv"): four blocks per register. The 16 nibble bytes of
+ * blocks b..b+3 fill the four 128-bit lanes; the low nibbles (elements 0-15 of each block) and
+ * the high nibbles (16-31) meet activations laid out the same way (gemv_layout), so two
+ * vpdpbusd leave each block's integer sum in its lane's four dwords, and one permute spreads
+ * the blocks' d_w dx to those lanes. The fp16 scales of 16 blocks come in one gather (d and m
+ * share a dword in Q4_1) and the c_w dx sum(q) term is one FMA per 16 blocks with the
+ * activations' block sums: about 3 instructions per block where the pair kernels above need
+ * ~12 (the scales' scalar conversions and blends). Same integer sums and float terms.
+ */
+
+/* Rows of xq/dx/sx -> xg [M, ceil(nb / 4) * GEMV_GROUP] int8, dxg and sxg [M, ceil(nb / 16)
+ * * 16] float (dx and dx sum(q) per block), zero-padded. */
+static void gemv_layout(const int8_t *xq, const float *dx, const float *sx, int64_t M,
+                        int64_t nb, int8_t *xg, float *dxg, float *sxg) {
+    const int64_t ng = (nb + 3) / 4, nc = (nb + 15) / 16;
+    for (int64_t m = 0; m < M; m++) {
+        int8_t *g = xg + m * ng * GEMV_GROUP;
+        memset(g, 0, (size_t)(ng * GEMV_GROUP));
+        for (int64_t b = 0; b < nb; b++) {
+            const int8_t *src = xq + (m * nb + b) * QK;
+            int8_t *dst = g + (b / 4) * GEMV_GROUP + (b % 4) * 16;
+            memcpy(dst, src, 16);
+            memcpy(dst + 64, src + 16, 16);
+        }
+        float *d = dxg + m * nc * 16, *s = sxg + m * nc * 16;
+        for (int64_t b = 0; b < nc * 16; b++) {
+            d[b] = b < nb ? dx[(m * nb + b) * LANES] : 0.0f;
+            s[b] = b < nb ? sx[m * nb + b] : 0.0f;
+        }
+    }
+}
+
+/* The nibble bytes of blocks b..b+3 of a row (those < nb; the rest zero), one per lane. */
+static inline __attribute__((always_inline)) __m512i gemv_load4(const uint8_t *blk, int bytes,
+                                                                int64_t have) {
+    const __m128i z = _mm_setzero_si128();
+    __m512i w = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)blk));
+    w = _mm512_inserti32x4(w, have > 1 ? _mm_loadu_si128((const __m128i *)(blk + bytes)) : z, 1);
+    w = _mm512_inserti32x4(w, have > 2 ? _mm_loadu_si128((const __m128i *)(blk + 2 * bytes)) : z,
+                           2);
+    return _mm512_inserti32x4(
+        w, have > 3 ? _mm_loadu_si128((const __m128i *)(blk + 3 * bytes)) : z, 3);
+}
+
+/* out[r] = weight row r (R rows, row_bytes apart, nb blocks each) . one activation row in
+ * gemv_layout; R rows share each activation load and one final horizontal sum (R = 4). */
+static inline __attribute__((always_inline)) void gemv_block_rows(
+    const int fmt, const int R, const uint8_t *rows, int64_t row_bytes, int64_t nb,
+    const int8_t *xg, const float *dxg, const float *sxg, float *out) {
+    const int bytes = fmt == FMT_Q4_0 ? 18 : 20, off = fmt == FMT_Q4_1 ? 4 : 2;
+    const __m512i mask = _mm512_set1_epi8(0x0f), zero = _mm512_setzero_si512();
+    const __m512i offsets = _mm512_mullo_epi32(
+        _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+        _mm512_set1_epi32(bytes));
+    const __m512i lane_block = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+    __m512 acc[4], scale[4];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < nb; c += 16) {
+        const int64_t left = nb - c;
+        const __mmask16 k = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
+        const __m512 dx = _mm512_loadu_ps(dxg + c), sx = _mm512_loadu_ps(sxg + c);
+        for (int r = 0; r < R; r++) {
+            const __m512i v =
+                _mm512_mask_i32gather_epi32(zero, k, offsets, rows + r * row_bytes + c * bytes, 1);
+            const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(v));
+            const __m512 cw = fmt == FMT_Q4_1
+                ? _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(v, 16)))
+                : _mm512_mul_ps(d, _mm512_set1_ps(-8.0f));
+            scale[r] = _mm512_mul_ps(d, dx);
+            acc[r] = _mm512_fmadd_ps(cw, sx, acc[r]);
+        }
+        const int64_t groups = left >= 16 ? 4 : (left + 3) / 4;
+        for (int64_t q = 0; q < groups; q++) {
+            const int8_t *x = xg + (c / 4 + q) * GEMV_GROUP;
+            const __m512i xlo = _mm512_loadu_si512(x), xhi = _mm512_loadu_si512(x + 64);
+            const __m512i idx = _mm512_add_epi32(lane_block, _mm512_set1_epi32((int)(4 * q)));
+            for (int r = 0; r < R; r++) {
+                const uint8_t *blk = rows + r * row_bytes + (c + 4 * q) * bytes + off;
+                const __m512i w = gemv_load4(blk, bytes, left - 4 * q);
+                __m512i s = _mm512_dpbusd_epi32(zero, _mm512_and_si512(w, mask), xlo);
+                s = _mm512_dpbusd_epi32(s, _mm512_and_si512(_mm512_srli_epi16(w, 4), mask), xhi);
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s),
+                                         _mm512_permutexvar_ps(idx, scale[r]), acc[r]);
+            }
+        }
+    }
+    if (R == 4)
+        _mm_storeu_ps(out, hsum4(acc[0], acc[1], acc[2], acc[3]));
+    else
+        for (int r = 0; r < R; r++) out[r] = _mm512_reduce_add_ps(acc[r]);
+}
+
+/* out[m * ldo + r] for rows [0, rows) at src (row_bytes apart), every m < M. */
+static void gemv_rows(int fmt, const uint8_t *src, int64_t row_bytes, int64_t rows,
+                      const int8_t *xg, const float *dxg, const float *sxg, int64_t M,
+                      int64_t nb, float *out, int64_t ldo) {
+    const int64_t ng = (nb + 3) / 4, nc = (nb + 15) / 16;
+    for (int64_t m = 0; m < M; m++) {
+        const int8_t *x = xg + m * ng * GEMV_GROUP;
+        const float *d = dxg + m * nc * 16, *s = sxg + m * nc * 16;
+        float *o = out + m * ldo;
+        int64_t r = 0;
+        if (fmt == FMT_Q4_1) {
+            for (; r + 4 <= rows; r += 4)
+                gemv_block_rows(FMT_Q4_1, 4, src + r * row_bytes, row_bytes, nb, x, d, s, o + r);
+            for (; r < rows; r++)
+                gemv_block_rows(FMT_Q4_1, 1, src + r * row_bytes, row_bytes, nb, x, d, s, o + r);
+        } else {
+            for (; r + 4 <= rows; r += 4)
+                gemv_block_rows(FMT_Q4_0, 4, src + r * row_bytes, row_bytes, nb, x, d, s, o + r);
+            for (; r < rows; r++)
+                gemv_block_rows(FMT_Q4_0, 1, src + r * row_bytes, row_bytes, nb, x, d, s, o + r);
+        }
+    }
+}
 #endif
 
 #if defined(__AVX2__)
@@ -698,8 +816,11 @@ int tandem_quant_matmul_f32(const float *x, const uint8_t *const *parts, const i
     const int64_t np = (nb + 1) / 2;
     const int64_t padded = (mp + PANEL - 1) / PANEL * PANEL;
     const int direct = isa >= ISA_AVX512 && M < PANEL_MIN;
-    int8_t *xp = direct ? malloc((size_t)(M * np * PAIR)) : NULL;
-    float *dxp = direct ? malloc(sizeof(float) * (size_t)(M * np * 2 * PANEL)) : NULL;
+    const int gemv = direct && fmt != FMT_Q8_0; /* direct Q4: the 4-block kernel */
+    const int64_t ng = (nb + 3) / 4, nc = (nb + 15) / 16;
+    int8_t *xp = direct ? malloc((size_t)(M * (gemv ? ng * GEMV_GROUP : np * PAIR))) : NULL;
+    float *dxp = direct ? malloc(sizeof(float) * (size_t)(M * (gemv ? 2 * nc * 16
+                                                                   : np * 2 * PANEL))) : NULL;
     int8_t *xq = malloc((size_t)(M * K));
     float *dx = malloc(sizeof(float) * (size_t)(M * nb * LANES));
     float *sx = malloc(sizeof(float) * (size_t)(M * nb));
@@ -716,7 +837,8 @@ int tandem_quant_matmul_f32(const float *x, const uint8_t *const *parts, const i
         {
             if (padded) interleave_panels(xq, dx, sx, mp, M, nb, xt, dxt);
 #ifdef HAVE_MICROKERNEL
-            if (direct) permute_pairs(fmt, xq, dx, sx, M, nb, xp, dxp);
+            if (gemv) gemv_layout(xq, dx, sx, M, nb, xp, dxp, dxp + M * nc * 16);
+            else if (direct) permute_pairs(fmt, xq, dx, sx, M, nb, xp, dxp);
 #endif
         }
         uint8_t *u = malloc((size_t)(TILE_N * K));
@@ -732,6 +854,11 @@ int tandem_quant_matmul_f32(const float *x, const uint8_t *const *parts, const i
             const int64_t rows = part_rows[p] - r0 < TILE_N ? part_rows[p] - r0 : TILE_N;
             const uint8_t *src = parts[p] + r0 * row_bytes;
 #ifdef HAVE_MICROKERNEL
+            if (gemv) {
+                gemv_rows(fmt, src, row_bytes, rows, xp, dxp, dxp + M * nc * 16, M, nb,
+                          out + row_start[p] + r0, ldo);
+                continue;
+            }
             if (direct) {
                 direct_rows(fmt, src, row_bytes, rows, xp, dxp, M, nb, out + row_start[p] + r0,
                             ldo);
