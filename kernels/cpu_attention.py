@@ -178,7 +178,12 @@ class DecodePlan:
         self.num_seqs, self.num_heads, self.num_kv_heads = self.lens.shape[0], num_heads, num_kv_heads
         self.max_len = int(self.lens.max()) if self.num_seqs else 0
         self.scale, self.num_threads = scale, num_threads
-        self._scratch = torch.empty(num_threads, num_heads // num_kv_heads, self.max_len)
+        self.scratch = torch.empty(num_threads, num_heads // num_kv_heads, self.max_len)
+
+    @property
+    def kernel_address(self) -> int:
+        """Address of the C function (``kernels.decode_ops`` calls it from C)."""
+        return ctypes.cast(self._fn, ctypes.c_void_p).value
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  out: torch.Tensor) -> torch.Tensor:
@@ -189,7 +194,7 @@ class DecodePlan:
             return out
         num_blocks, block_size, _, head_dim = k_cache.shape
         rc = self._fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), self.tables.data_ptr(),
-                      self.lens.data_ptr(), out.data_ptr(), self._scratch.data_ptr(),
+                      self.lens.data_ptr(), out.data_ptr(), self.scratch.data_ptr(),
                       self.num_seqs, self.num_heads, self.num_kv_heads, head_dim, num_blocks,
                       block_size, self.tables.shape[1], self.max_len, self.scale, self.num_threads)
         if rc != 0:

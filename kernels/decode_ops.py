@@ -42,7 +42,16 @@ def lib() -> ctypes.CDLL | None:
     so.tandem_rope_write_kv_f32.argtypes = ([_PTR] * 2 + [_I64] * 5 + [_PTR] * 3 + [_I64]
                                             + [_PTR] * 3 + [_I64, _INT])
     so.tandem_silu_mul_f32.argtypes = [_PTR] * 2 + [_I64] * 2 + [_INT]
+    so.tandem_decode_layers_f32.argtypes = (
+        [_PTR, _I64] + [_PTR] * 11 + [_I64] * 6 + [_F32] + [_PTR] * 3 + [_I64, _PTR] + [_I64] * 2
+        + [_PTR] * 2 + [_I64] * 2 + [_PTR, _F32] + [_INT] * 3 + [_PTR] * 2)
     return so
+
+
+# one row of tandem_decode_layers_f32's layer table: addresses (and part counts), in order
+LAYER_FIELDS = ("w_in", "w_post", *(f"{m}_{f}" for m in ("qkv", "o", "gate_up", "down")
+                                    for f in ("parts", "part_rows", "num_parts")),
+                "k_cache", "v_cache")
 
 
 def available() -> bool:
@@ -51,9 +60,17 @@ def available() -> bool:
 
 
 def check(rc: int, what: str) -> None:
-    """Raise ``ValueError`` naming ``what`` and the cause for a non-zero kernel return code."""
-    if rc != 0:
-        raise ValueError(f"{what}: {_ERRORS.get(rc, f'error {rc}')}")
+    """Raise ``ValueError`` naming ``what`` and the cause for a non-zero kernel return code
+    (``tandem_decode_layers_f32``: the matmul's codes + 10, the attention's + 20)."""
+    if rc == 0:
+        return
+    if rc >= 20:
+        from kernels.cpu_attention import _ERRORS as attention_errors
+        raise ValueError(f"{what}: paged_decode_attention: {attention_errors.get(rc - 20, rc)}")
+    if rc >= 10:
+        from kernels.quant import _ERRORS as matmul_errors
+        raise ValueError(f"{what}: quant_matmul: {matmul_errors.get(rc - 10, rc)}")
+    raise ValueError(f"{what}: {_ERRORS.get(rc, f'error {rc}')}")
 
 
 def _require(*tensors: torch.Tensor) -> ctypes.CDLL:

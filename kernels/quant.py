@@ -170,6 +170,13 @@ def set_default_isa(name: str | None) -> None:
     _default_isa = name
 
 
+def _check_parts(parts: Sequence[QuantizedWeight]) -> tuple[str, int]:
+    fmt, k = parts[0].fmt, parts[0].in_features
+    if any(p.fmt != fmt or p.in_features != k for p in parts) or not 1 <= len(parts) <= 8:
+        raise ValueError("weight: 1 to 8 parts of one format and in_features are required")
+    return fmt, k
+
+
 def quant_matmul(x: torch.Tensor, weight: QuantizedWeight | Sequence[QuantizedWeight],
                  out: torch.Tensor | None = None, isa: str | None = None) -> torch.Tensor:
     """``x @ W^T`` with ``W`` in its block format: x ``[..., in_features]`` -> float32
@@ -184,9 +191,7 @@ def quant_matmul(x: torch.Tensor, weight: QuantizedWeight | Sequence[QuantizedWe
     in format or ``in_features``, there are more than 8 parts, or ``isa`` is not in ``isas()``.
     """
     parts = [weight] if isinstance(weight, QuantizedWeight) else list(weight)
-    fmt, k = parts[0].fmt, parts[0].in_features
-    if any(p.fmt != fmt or p.in_features != k for p in parts) or not 1 <= len(parts) <= 8:
-        raise ValueError("weight: 1 to 8 parts of one format and in_features are required")
+    fmt, k = _check_parts(parts)
     if x.shape[-1] != k:
         raise ValueError(f"x: last dimension {x.shape[-1]} != in_features {k}")
     lead, dtype = x.shape[:-1], x.dtype
@@ -212,35 +217,11 @@ def quant_matmul(x: torch.Tensor, weight: QuantizedWeight | Sequence[QuantizedWe
     return out if x2 is x else out.reshape(*lead, n).to(dtype)
 
 
-class PreparedMatmul:
-    """``quant_matmul`` for fixed weight parts with the kernel's arguments built once: the decode
-    step's hot path (one ctypes call per use, no per-call checks or allocations).
+def isa_level() -> int:
+    """The kernel's ``isa`` argument for the path ``quant_matmul`` runs when not told (see
+    ``set_default_isa``): an index into ``ISAS``."""
+    return ISAS.index(_default_isa) if _default_isa is not None else len(ISAS) - 1
 
-    ``parts``: as ``quant_matmul``'s ``weight``. Raises ``ValueError`` as ``quant_matmul`` does
-    for bad parts, ``RuntimeError`` when the C kernel is not available.
-    """
-
-    def __init__(self, parts: Sequence[QuantizedWeight]) -> None:
-        lib = _library()
-        if lib is None:
-            raise RuntimeError("the quantized matmul kernel is not built (no C compiler?)")
-        fmt, k = parts[0].fmt, parts[0].in_features
-        if any(p.fmt != fmt or p.in_features != k for p in parts) or not 1 <= len(parts) <= 8:
-            raise ValueError("weight: 1 to 8 parts of one format and in_features are required")
-        self.parts = tuple(parts)  # keeps the blocks alive while the addresses are used
-        self.in_features, self.out_features = k, sum(p.out_features for p in parts)
-        self._fn, self._fmt = lib.tandem_quant_matmul_f32, FORMATS[fmt][0]
-        self._ptrs, self._rows = _part_arrays(tuple((p.data.data_ptr(), p.out_features)
-                                                    for p in parts))
-
-    def __call__(self, x: torch.Tensor, out: torch.Tensor, num_threads: int) -> torch.Tensor:
-        """``out = x @ W^T``: x float32 contiguous ``[M, in_features]``, out float32 contiguous
-        ``[M, out_features]`` (not checked: the caller owns both). Returns ``out``."""
-        level = ISAS.index(_default_isa) if _default_isa is not None else len(ISAS) - 1
-        _check(self._fn(x.data_ptr(), self._ptrs, self._rows, len(self.parts), out.data_ptr(),
-                        x.shape[0], self.in_features, self.out_features, self._fmt, num_threads,
-                        level), "quant_matmul")
-        return out
 
 
 @functools.lru_cache(maxsize=4096)

@@ -105,3 +105,79 @@ int tandem_silu_mul_f32(const float *gate_up, float *out, int64_t M, int64_t F,
     }
     return TANDEM_OK;
 }
+
+/* ---- the decode step's layer loop (tandem_decode_layers_f32) ---- */
+
+typedef int (*quant_matmul_fn)(const float *x, const uint8_t *const *parts,
+                               const int64_t *part_rows, int num_parts, float *out, int64_t M,
+                               int64_t K, int64_t ldo, int fmt, int num_threads, int isa);
+typedef int (*decode_attention_fn)(const float *q, const float *k_cache, const float *v_cache,
+                                   const int64_t *block_tables, const int64_t *seq_lens,
+                                   float *out, float *scratch, int64_t num_seqs,
+                                   int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                                   int64_t num_blocks, int64_t block_size, int64_t max_blocks,
+                                   int64_t max_seq_len, float scale, int num_threads);
+
+/* One layer's addresses, in this order (kernels/decode_ops.py LAYER_FIELDS): input norm
+ * weight, post-attention norm weight, then for q/k/v, o, gate/up and down: the parts array,
+ * the part_rows array and the number of parts; then the layer's k_cache and v_cache. */
+enum { L_W_IN, L_W_POST, L_QKV, L_O = L_QKV + 3, L_GU = L_O + 3, L_DOWN = L_GU + 3,
+       L_K = L_DOWN + 3, L_V, LAYER_FIELDS };
+
+/* Errors: this file's codes as they are; the matmul's + 10; the attention's + 20. */
+#define MATMUL(f, in, out, n, k)                                                               \
+    do {                                                                                       \
+        const int rc_ = matmul(in, (const uint8_t *const *)(intptr_t)L[f],                     \
+                               (const int64_t *)(intptr_t)L[f + 1], (int)L[f + 2], out, T, k,  \
+                               n, fmt, num_threads, isa);                                      \
+        if (rc_) return 10 + rc_;                                                              \
+    } while (0)
+
+/*
+ * Every decoder layer of a decode step (T sequences of one token each) and the final norm:
+ * per layer x += y; h = rmsnorm(x) w_in; qkv = h Wqkv; rope + KV write; a = attention;
+ * o = a Wo; x += o; h = rmsnorm(x) w_post; gu = h Wgu; m = silu(g) u; y = m Wdown. One call
+ * instead of eight per layer from Python. Buffers (float32, caller-owned): x [T, hidden] (the
+ * embeddings in, the residual stream after), h, o, down [T, hidden], qkv [T, (heads + 2
+ * kv_heads) head_dim], q, a [T, heads * head_dim], gu [T, 2 ffn], act [T, ffn], out [T, hidden].
+ */
+int tandem_decode_layers_f32(
+    const int64_t *layers, int64_t num_layers, float *x, float *h, float *qkv, float *q,
+    float *a, float *o, float *gu, float *act, float *down, float *out, const float *final_norm,
+    int64_t T, int64_t hidden, int64_t ffn, int64_t num_heads, int64_t num_kv_heads,
+    int64_t head_dim, float eps, const int64_t *positions, const float *cos, const float *sin,
+    int64_t max_positions, const int64_t *slot_mapping, int64_t num_blocks, int64_t block_size,
+    const int64_t *block_tables, const int64_t *seq_lens, int64_t max_blocks,
+    int64_t max_seq_len, float *scratch, float scale, int fmt, int isa, int num_threads,
+    quant_matmul_fn matmul, decode_attention_fn attention) {
+    const int64_t qkv_width = (num_heads + 2 * num_kv_heads) * head_dim;
+    const int64_t q_width = num_heads * head_dim;
+    const float *residual = NULL;
+    int rc;
+    for (int64_t l = 0; l < num_layers; l++) {
+        const int64_t *L = layers + l * LAYER_FIELDS;
+        float *k_cache = (float *)(intptr_t)L[L_K], *v_cache = (float *)(intptr_t)L[L_V];
+        rc = tandem_add_rmsnorm_f32(x, residual, (const float *)(intptr_t)L[L_W_IN], h, T,
+                                    hidden, eps, num_threads);
+        if (rc) return rc;
+        MATMUL(L_QKV, h, qkv, qkv_width, hidden);
+        rc = tandem_rope_write_kv_f32(qkv, q, T, qkv_width, num_heads, num_kv_heads, head_dim,
+                                      positions, cos, sin, max_positions, k_cache, v_cache,
+                                      slot_mapping, num_blocks * block_size, num_threads);
+        if (rc) return rc;
+        rc = attention(q, k_cache, v_cache, block_tables, seq_lens, a, scratch, T, num_heads,
+                       num_kv_heads, head_dim, num_blocks, block_size, max_blocks, max_seq_len,
+                       scale, num_threads);
+        if (rc) return 20 + rc;
+        MATMUL(L_O, a, o, hidden, q_width);
+        rc = tandem_add_rmsnorm_f32(x, o, (const float *)(intptr_t)L[L_W_POST], h, T, hidden,
+                                    eps, num_threads);
+        if (rc) return rc;
+        MATMUL(L_GU, h, gu, 2 * ffn, hidden);
+        rc = tandem_silu_mul_f32(gu, act, T, ffn, num_threads);
+        if (rc) return rc;
+        MATMUL(L_DOWN, act, down, hidden, ffn);
+        residual = down;
+    }
+    return tandem_add_rmsnorm_f32(x, residual, final_norm, out, T, hidden, eps, num_threads);
+}

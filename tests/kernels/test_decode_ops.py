@@ -93,3 +93,23 @@ def test_bad_tensors_are_rejected():
     with pytest.raises(ValueError, match="float32"):
         decode_ops.add_rmsnorm(torch.randn(2, 4, dtype=torch.float64), None, torch.ones(4),
                                1e-5, torch.empty(2, 4))
+
+
+@pytest.mark.parametrize("m", [1, 3, 7, 16])
+def test_prepared_matmul_equals_quant_matmul(m):
+    from kernels import quant
+    from kernels.quant_prepared import PreparedMatmul
+
+    if not quant.available():
+        pytest.skip("no C compiler")
+    g = torch.Generator().manual_seed(m)
+    parts = [quant.QuantizedWeight(torch.randint(0, 256, (n, 96 // 32 * 20), dtype=torch.uint8,
+                                                 generator=g), "q4_1", n, 96) for n in (40, 9)]
+    for p in parts:  # finite fp16 scales: byte 1 and 3 of each block below 0x7c
+        blocks = p.data.view(p.out_features, 3, 20)
+        blocks[..., 1] %= 0x3c
+        blocks[..., 3] %= 0x3c
+    x = torch.randn(m, 96, generator=g)
+    prepared = PreparedMatmul(parts)
+    out = torch.empty(m, prepared.out_features)
+    assert torch.equal(prepared(x, out, torch.get_num_threads()), quant.quant_matmul(x, parts))
