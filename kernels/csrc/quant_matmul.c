@@ -580,6 +580,8 @@ static inline __attribute__((always_inline)) void gemv_block_rows(
         _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
         _mm512_set1_epi32(bytes));
     const __m512i lane_block = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+    const __m512i nibbles_q4_1 =
+        _mm512_set_epi32(19, 18, 17, 16, 14, 13, 12, 11, 9, 8, 7, 6, 4, 3, 2, 1);
     __m512 acc[4], scale[4];
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t c = 0; c < nb; c += 16) {
@@ -602,8 +604,17 @@ static inline __attribute__((always_inline)) void gemv_block_rows(
             const __m512i xlo = _mm512_loadu_si512(x), xhi = _mm512_loadu_si512(x + 64);
             const __m512i idx = _mm512_add_epi32(lane_block, _mm512_set1_epi32((int)(4 * q)));
             for (int r = 0; r < R; r++) {
-                const uint8_t *blk = rows + r * row_bytes + (c + 4 * q) * bytes + off;
-                const __m512i w = gemv_load4(blk, bytes, left - 4 * q);
+                const uint8_t *blk = rows + r * row_bytes + (c + 4 * q) * bytes;
+                __m512i w;
+                if (fmt == FMT_Q4_1 && left - 4 * q >= 4) {
+                    /* 4 Q4_1 blocks = 80 bytes; their nibbles start at dwords 1, 6, 11, 16 */
+                    const __m512i lo = _mm512_loadu_si512(blk);
+                    const __m512i hi =
+                        _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(blk + 64)));
+                    w = _mm512_permutex2var_epi32(lo, nibbles_q4_1, hi);
+                } else {
+                    w = gemv_load4(blk + off, bytes, left - 4 * q);
+                }
                 __m512i s = _mm512_dpbusd_epi32(zero, _mm512_and_si512(w, mask), xlo);
                 s = _mm512_dpbusd_epi32(s, _mm512_and_si512(_mm512_srli_epi16(w, 4), mask), xhi);
                 acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s),
