@@ -22,9 +22,10 @@
  * AVX512-VNNI at batch >= 6 (PANEL_MIN): activation rows go in 16-row panels, interleaved so a
  * register holds 4 int8 of each of 16 rows and every unpacked weight dword is broadcast against
  * it (PANEL_MICRO): each weight load serves 16-32 rows and the float scaling runs once per
- * block per 8 vpdpbusd. Fewer rows (decode at batch 1-5) skip the unpacked copy: the direct
- * kernels (DIRECT, direct_4rows) unpack each block pair of the file in registers and run it
- * against all the activation rows. AVX2 (no VNNI) runs the same 16-row panels for the Q4
+ * block per 8 vpdpbusd. Fewer rows (decode at batch 1-5) skip the unpacked copy: for Q4_0 and
+ * Q4_1 the gemv kernel (gemv_block_rows) runs four blocks per register straight from the file's
+ * bytes, and the Q8_0 direct kernels (DIRECT) unpack each block pair in registers; both
+ * prefetch the rows ahead (the weights stream from DRAM at every decode step). AVX2 (no VNNI) runs the same 16-row panels for the Q4
  * formats with vpmaddubsw (PANEL_AVX2). ISA_AVX512_ROWS keeps the earlier row kernels (4 weight
  * rows x 1-2 activation rows on the unpacked tile, MICRO) selectable for benchmarks.
  */
@@ -458,46 +459,12 @@ DIRECT(3)
 DIRECT(4)
 DIRECT(5)
 
-/* Batch 1: out[r] = row r . the activation row, r < 4 (rows row_bytes apart): four FMA chains
- * and one combined horizontal sum (a lone row's reduction costs as much as two block pairs). */
-static inline __attribute__((always_inline)) void direct_4rows(
-    const int fmt, const uint8_t *src, int64_t row_bytes, int64_t nb, const int8_t *xp,
-    const float *dxp, float *out) {
-    const int bytes = fmt == FMT_Q4_0 ? 18 : fmt == FMT_Q4_1 ? 20 : 34;
-    const int64_t np = (nb + 1) / 2;
-    __m512 acc[4];
-    for (int r = 0; r < 4; r++) acc[r] = _mm512_setzero_ps();
-    for (int64_t j = 0; j < np; j++) {
-        const __m512i xv = _mm512_loadu_si512(xp + j * PAIR);
-        const __m512 dxv = _mm512_loadu_ps(dxp + j * 2 * PANEL);
-        const __m512 sxv = _mm512_loadu_ps(dxp + j * 2 * PANEL + PANEL);
-        for (int r = 0; r < 4; r++) {
-            __m512i wv;
-            __m512 dwv, cwv;
-            load_pair(fmt, src + r * row_bytes + 2 * j * bytes, 2 * j + 1 < nb, &wv, &dwv, &cwv);
-            const __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv, xv);
-            acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(s), dxv), dwv, acc[r]);
-            acc[r] = _mm512_fmadd_ps(cwv, sxv, acc[r]);
-        }
-    }
-    _mm_storeu_ps(out, hsum4(acc[0], acc[1], acc[2], acc[3]));
-}
-
 /* out[m, r] for rows [0, rows) at src (row_bytes apart), every m < M (< PANEL_MIN). */
 static inline __attribute__((always_inline)) void direct_rows_fmt(
     const int fmt, const uint8_t *src, int64_t row_bytes, int64_t rows, const int8_t *xp,
     const float *dxp, int64_t M, int64_t nb, float *out, int64_t ldo) {
     const int64_t np = (nb + 1) / 2;
-    int64_t r = 0;
-    /* NOTE: not Q8_0 (the 28 MB LM head): one row at a time streamed faster there (bench) */
-    if (M == 1 && fmt != FMT_Q8_0) {
-        float tmp[4];
-        for (; r + 4 <= rows; r += 4) {
-            direct_4rows(fmt, src + r * row_bytes, row_bytes, nb, xp, dxp, tmp);
-            memcpy(out + r, tmp, sizeof tmp);
-        }
-    }
-    for (; r < rows; r++) {
+    for (int64_t r = 0; r < rows; r++) {
         /* NOTE: as in gemv_block_rows: prefetch the next rows (the Q8_0 LM head streams) */
         for (int64_t line = 0; line < row_bytes; line += 64)
             _mm_prefetch((const char *)(src + (r + 2) * row_bytes + line), _MM_HINT_T0);
@@ -516,16 +483,10 @@ static inline __attribute__((always_inline)) void direct_rows_fmt(
     }
 }
 
-static void direct_rows(int fmt, const uint8_t *src, int64_t row_bytes, int64_t rows,
-                        const int8_t *xp, const float *dxp, int64_t M, int64_t nb, float *out,
-                        int64_t ldo) {
-    /* constant formats: each call inlines a specialised copy */
-    if (fmt == FMT_Q4_0)
-        direct_rows_fmt(FMT_Q4_0, src, row_bytes, rows, xp, dxp, M, nb, out, ldo);
-    else if (fmt == FMT_Q4_1)
-        direct_rows_fmt(FMT_Q4_1, src, row_bytes, rows, xp, dxp, M, nb, out, ldo);
-    else
-        direct_rows_fmt(FMT_Q8_0, src, row_bytes, rows, xp, dxp, M, nb, out, ldo);
+/* Q8_0 only: the Q4 formats run gemv_rows (below) */
+static void direct_rows(const uint8_t *src, int64_t row_bytes, int64_t rows, const int8_t *xp,
+                        const float *dxp, int64_t M, int64_t nb, float *out, int64_t ldo) {
+    direct_rows_fmt(FMT_Q8_0, src, row_bytes, rows, xp, dxp, M, nb, out, ldo);
 }
 
 /*
@@ -882,7 +843,7 @@ int tandem_quant_matmul_f32(const float *x, const uint8_t *const *parts, const i
                 continue;
             }
             if (direct) {
-                direct_rows(fmt, src, row_bytes, rows, xp, dxp, M, nb, out + row_start[p] + r0,
+                direct_rows(src, row_bytes, rows, xp, dxp, M, nb, out + row_start[p] + r0,
                             ldo);
                 continue;
             }
