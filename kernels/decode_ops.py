@@ -42,6 +42,7 @@ def lib() -> ctypes.CDLL | None:
     so.tandem_rope_write_kv_f32.argtypes = ([_PTR] * 2 + [_I64] * 5 + [_PTR] * 3 + [_I64]
                                             + [_PTR] * 3 + [_I64, _INT])
     so.tandem_silu_mul_f32.argtypes = [_PTR] * 2 + [_I64] * 2 + [_INT]
+    so.tandem_argmax_rows_f32.argtypes = [_PTR, _I64, _I64, _PTR, _INT]
     so.tandem_decode_layers_f32.argtypes = (
         [_PTR, _I64] + [_PTR] * 11 + [_I64] * 6 + [_F32] + [_PTR] * 3 + [_I64, _PTR] + [_I64] * 2
         + [_PTR] * 2 + [_I64] * 2 + [_PTR, _F32] + [_INT] * 3 + [_PTR] * 2)
@@ -139,4 +140,18 @@ def silu_mul(gate_up: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"gate_up: expected [{m}, {2 * f}], got {list(gate_up.shape)}")
     check(so.tandem_silu_mul_f32(gate_up.data_ptr(), out.data_ptr(), m, f,
                                  torch.get_num_threads()), "silu_mul")
+    return out
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(dim=-1)`` for ``[M, N]`` logits: int64 ``[M]``, the first index of each
+    row's largest value (a NaN counts as largest, as in torch). float32 contiguous CPU tensors
+    run the C kernel (torch's argmax is scalar: ~3 ns per logit); others run torch."""
+    so = lib()
+    if (so is None or logits.dim() != 2 or logits.dtype != torch.float32
+            or logits.device.type != "cpu" or not logits.is_contiguous() or logits.shape[1] == 0):
+        return logits.argmax(dim=-1)
+    out = torch.empty(logits.shape[0], dtype=torch.int64)
+    check(so.tandem_argmax_rows_f32(logits.data_ptr(), logits.shape[0], logits.shape[1],
+                                    out.data_ptr(), torch.get_num_threads()), "argmax_rows")
     return out

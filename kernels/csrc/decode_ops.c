@@ -18,6 +18,9 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 #define TANDEM_OK 0
 #define TANDEM_BAD_SHAPE 2
@@ -180,4 +183,53 @@ int tandem_decode_layers_f32(
         residual = down;
     }
     return tandem_add_rmsnorm_f32(x, residual, final_norm, out, T, hidden, eps, num_threads);
+}
+
+/* The first index of the largest of row[0..N) (no NaN in the row). */
+static int64_t argmax_finite(const float *row, int64_t N) {
+    int64_t i = 0, best_i = 0;
+    float best = row[0];
+#if defined(__AVX512F__)
+    if (N >= 16) { /* per lane: the largest value and its first index, then across lanes */
+        __m512 bv = _mm512_loadu_ps(row);
+        __m512i bi = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+        __m512i idx = bi;
+        const __m512i step = _mm512_set1_epi32(16);
+        for (i = 16; i + 16 <= N && i < INT32_MAX - 16; i += 16) {
+            idx = _mm512_add_epi32(idx, step);
+            const __m512 v = _mm512_loadu_ps(row + i);
+            const __mmask16 gt = _mm512_cmp_ps_mask(v, bv, _CMP_GT_OQ);
+            bv = _mm512_mask_mov_ps(bv, gt, v);
+            bi = _mm512_mask_mov_epi32(bi, gt, idx);
+        }
+        best = _mm512_reduce_max_ps(bv);
+        const __mmask16 at = _mm512_cmp_ps_mask(bv, _mm512_set1_ps(best), _CMP_EQ_OQ);
+        best_i = _mm512_mask_reduce_min_epi32(at, bi);
+    }
+#endif
+    for (; i < N; i++)
+        if (row[i] > best) best = row[i], best_i = i;
+    return best_i;
+}
+
+/* out[m] = the first index of row m's largest value (torch.argmax's answer: a NaN counts as
+ * the largest, so the first NaN wins). NaNs are found with integer tests: -ffast-math's float
+ * compares assume there are none. */
+int tandem_argmax_rows_f32(const float *x, int64_t M, int64_t N, int64_t *out,
+                           int num_threads) {
+    if (M < 0 || N <= 0) return TANDEM_BAD_SHAPE;
+#pragma omp parallel for num_threads(num_threads) if (M > 1) schedule(static)
+    for (int64_t m = 0; m < M; m++) {
+        const uint32_t *bits = (const uint32_t *)(x + m * N);
+        int nan = 0;
+#pragma omp simd reduction(| : nan)
+        for (int64_t i = 0; i < N; i++) nan |= (bits[i] & 0x7fffffffu) > 0x7f800000u;
+        int64_t first = 0;
+        if (nan)
+            while ((bits[first] & 0x7fffffffu) <= 0x7f800000u) first++;
+        else
+            first = argmax_finite(x + m * N, N);
+        out[m] = first;
+    }
+    return TANDEM_OK;
 }

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.decode_ops import argmax_rows
+
 from .attention import AttentionMetadata
 from .model import LlamaForCausalLM
 from .request import Request
@@ -73,7 +75,7 @@ class ModelRunner:
             return sampled, logprobs
         requests = [out.scheduled[inputs.order[row]] for row in inputs.sampled_rows]
         if all(plain_greedy(r) for r in requests):  # the common case: skip the metadata
-            for row, token_id in zip(inputs.sampled_rows, logits.argmax(dim=-1).tolist()):
+            for row, token_id in zip(inputs.sampled_rows, argmax_rows(logits).tolist()):
                 sampled[inputs.order[row]] = token_id
             return sampled, logprobs
         for r in requests:

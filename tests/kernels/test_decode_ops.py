@@ -113,3 +113,16 @@ def test_prepared_matmul_equals_quant_matmul(m):
     prepared = PreparedMatmul(parts)
     out = torch.empty(m, prepared.out_features)
     assert torch.equal(prepared(x, out, torch.get_num_threads()), quant.quant_matmul(x, parts))
+
+
+@pytest.mark.parametrize("m,n", [(1, 49152), (7, 1000), (3, 17), (64, 33), (2, 1)])
+def test_argmax_rows_matches_torch_with_ties_nans_and_infinities(m, n):
+    g = torch.Generator().manual_seed(m * n)
+    x = torch.randn(m, n, generator=g)
+    x[0, n // 2] = x[0, n - 1] = 50.0  # a tie: the first index wins
+    if m > 2:
+        x[1, n // 3] = float("nan")  # NaN counts as the largest
+        x[1, n - 1] = float("nan")
+        x[2] = float("-inf")
+        x[2, n - 1] = float("inf")
+    assert torch.equal(decode_ops.argmax_rows(x), x.argmax(dim=-1))
