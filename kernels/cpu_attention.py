@@ -159,6 +159,49 @@ def paged_decode_attention(
     return out
 
 
+class DecodePlan:
+    """``paged_decode_attention`` for one step's sequences with the kernel's arguments built
+    once, then run for every layer (one ctypes call each): the decode step's hot path.
+
+    block_tables: ``[num_seqs, max_blocks]`` int; seq_lens: ``[num_seqs]`` int (validated by
+    the kernel on each call). Raises ``RuntimeError`` when the C kernel is not available.
+    """
+
+    def __init__(self, block_tables: torch.Tensor, seq_lens: torch.Tensor, num_heads: int,
+                 num_kv_heads: int, scale: float, num_threads: int) -> None:
+        lib = _library()
+        if lib is None:
+            raise RuntimeError("the CPU paged attention kernel is not built (no C compiler?)")
+        self._fn = lib.tandem_paged_decode_attention_f32
+        self.tables = block_tables.to(torch.int64).contiguous()
+        self.lens = seq_lens.to(torch.int64).contiguous()
+        self.num_seqs, self.num_heads, self.num_kv_heads = self.lens.shape[0], num_heads, num_kv_heads
+        self.max_len = int(self.lens.max()) if self.num_seqs else 0
+        self.scale, self.num_threads = scale, num_threads
+        self.scratch = torch.empty(num_threads, num_heads // num_kv_heads, self.max_len)
+
+    @property
+    def kernel_address(self) -> int:
+        """Address of the C function (``kernels.decode_ops`` calls it from C)."""
+        return ctypes.cast(self._fn, ctypes.c_void_p).value
+
+    def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 out: torch.Tensor) -> torch.Tensor:
+        """q, out: contiguous float32 ``[num_seqs, num_heads, head_dim]``; k_cache, v_cache:
+        contiguous float32 ``[num_blocks, block_size, num_kv_heads, head_dim]`` (not checked:
+        the caller owns them). Raises ``ValueError`` as ``paged_decode_attention`` does."""
+        if self.num_seqs == 0:
+            return out
+        num_blocks, block_size, _, head_dim = k_cache.shape
+        rc = self._fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), self.tables.data_ptr(),
+                      self.lens.data_ptr(), out.data_ptr(), self.scratch.data_ptr(),
+                      self.num_seqs, self.num_heads, self.num_kv_heads, head_dim, num_blocks,
+                      block_size, self.tables.shape[1], self.max_len, self.scale, self.num_threads)
+        if rc != 0:
+            raise ValueError(f"paged_decode_attention: {_ERRORS.get(rc, f'error {rc}')}")
+        return out
+
+
 def _runs_in_c(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                out: torch.Tensor) -> bool:
     tensors = (q, k_cache, v_cache, out)

@@ -170,6 +170,13 @@ def set_default_isa(name: str | None) -> None:
     _default_isa = name
 
 
+def _check_parts(parts: Sequence[QuantizedWeight]) -> tuple[str, int]:
+    fmt, k = parts[0].fmt, parts[0].in_features
+    if any(p.fmt != fmt or p.in_features != k for p in parts) or not 1 <= len(parts) <= 8:
+        raise ValueError("weight: 1 to 8 parts of one format and in_features are required")
+    return fmt, k
+
+
 def quant_matmul(x: torch.Tensor, weight: QuantizedWeight | Sequence[QuantizedWeight],
                  out: torch.Tensor | None = None, isa: str | None = None) -> torch.Tensor:
     """``x @ W^T`` with ``W`` in its block format: x ``[..., in_features]`` -> float32
@@ -184,9 +191,7 @@ def quant_matmul(x: torch.Tensor, weight: QuantizedWeight | Sequence[QuantizedWe
     in format or ``in_features``, there are more than 8 parts, or ``isa`` is not in ``isas()``.
     """
     parts = [weight] if isinstance(weight, QuantizedWeight) else list(weight)
-    fmt, k = parts[0].fmt, parts[0].in_features
-    if any(p.fmt != fmt or p.in_features != k for p in parts) or not 1 <= len(parts) <= 8:
-        raise ValueError("weight: 1 to 8 parts of one format and in_features are required")
+    fmt, k = _check_parts(parts)
     if x.shape[-1] != k:
         raise ValueError(f"x: last dimension {x.shape[-1]} != in_features {k}")
     lead, dtype = x.shape[:-1], x.dtype
@@ -210,6 +215,13 @@ def quant_matmul(x: torch.Tensor, weight: QuantizedWeight | Sequence[QuantizedWe
                                        level),
            "quant_matmul")
     return out if x2 is x else out.reshape(*lead, n).to(dtype)
+
+
+def isa_level() -> int:
+    """The kernel's ``isa`` argument for the path ``quant_matmul`` runs when not told (see
+    ``set_default_isa``): an index into ``ISAS``."""
+    return ISAS.index(_default_isa) if _default_isa is not None else len(ISAS) - 1
+
 
 
 @functools.lru_cache(maxsize=4096)

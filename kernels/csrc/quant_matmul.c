@@ -22,9 +22,10 @@
  * AVX512-VNNI at batch >= 6 (PANEL_MIN): activation rows go in 16-row panels, interleaved so a
  * register holds 4 int8 of each of 16 rows and every unpacked weight dword is broadcast against
  * it (PANEL_MICRO): each weight load serves 16-32 rows and the float scaling runs once per
- * block per 8 vpdpbusd. Fewer rows (decode at batch 1-5) skip the unpacked copy: the direct
- * kernels (DIRECT, direct_4rows) unpack each block pair of the file in registers and run it
- * against all the activation rows. AVX2 (no VNNI) runs the same 16-row panels for the Q4
+ * block per 8 vpdpbusd. Fewer rows (decode at batch 1-5) skip the unpacked copy: for Q4_0 and
+ * Q4_1 the gemv kernel (gemv_block_rows) runs four blocks per register straight from the file's
+ * bytes, and the Q8_0 direct kernels (DIRECT) unpack each block pair in registers; both
+ * prefetch the rows ahead (the weights stream from DRAM at every decode step). AVX2 (no VNNI) runs the same 16-row panels for the Q4
  * formats with vpmaddubsw (PANEL_AVX2). ISA_AVX512_ROWS keeps the earlier row kernels (4 weight
  * rows x 1-2 activation rows on the unpacked tile, MICRO) selectable for benchmarks.
  */
@@ -57,6 +58,7 @@
 #define PANEL 16
 #define PANEL_MIN 6
 #define PAIR 64 /* bytes of int8 activations per block pair (direct kernels) */
+#define GEMV_GROUP 128 /* activation bytes per 4 blocks, gemv kernel: 64 of elements 0-15, 64 of 16-31 */
 
 static float fp16_to_f32(uint16_t h) {
     uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
@@ -457,46 +459,15 @@ DIRECT(3)
 DIRECT(4)
 DIRECT(5)
 
-/* Batch 1: out[r] = row r . the activation row, r < 4 (rows row_bytes apart): four FMA chains
- * and one combined horizontal sum (a lone row's reduction costs as much as two block pairs). */
-static inline __attribute__((always_inline)) void direct_4rows(
-    const int fmt, const uint8_t *src, int64_t row_bytes, int64_t nb, const int8_t *xp,
-    const float *dxp, float *out) {
-    const int bytes = fmt == FMT_Q4_0 ? 18 : fmt == FMT_Q4_1 ? 20 : 34;
-    const int64_t np = (nb + 1) / 2;
-    __m512 acc[4];
-    for (int r = 0; r < 4; r++) acc[r] = _mm512_setzero_ps();
-    for (int64_t j = 0; j < np; j++) {
-        const __m512i xv = _mm512_loadu_si512(xp + j * PAIR);
-        const __m512 dxv = _mm512_loadu_ps(dxp + j * 2 * PANEL);
-        const __m512 sxv = _mm512_loadu_ps(dxp + j * 2 * PANEL + PANEL);
-        for (int r = 0; r < 4; r++) {
-            __m512i wv;
-            __m512 dwv, cwv;
-            load_pair(fmt, src + r * row_bytes + 2 * j * bytes, 2 * j + 1 < nb, &wv, &dwv, &cwv);
-            const __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv, xv);
-            acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(s), dxv), dwv, acc[r]);
-            acc[r] = _mm512_fmadd_ps(cwv, sxv, acc[r]);
-        }
-    }
-    _mm_storeu_ps(out, hsum4(acc[0], acc[1], acc[2], acc[3]));
-}
-
 /* out[m, r] for rows [0, rows) at src (row_bytes apart), every m < M (< PANEL_MIN). */
 static inline __attribute__((always_inline)) void direct_rows_fmt(
     const int fmt, const uint8_t *src, int64_t row_bytes, int64_t rows, const int8_t *xp,
     const float *dxp, int64_t M, int64_t nb, float *out, int64_t ldo) {
     const int64_t np = (nb + 1) / 2;
-    int64_t r = 0;
-    /* NOTE: not Q8_0 (the 28 MB LM head): one row at a time streamed faster there (bench) */
-    if (M == 1 && fmt != FMT_Q8_0) {
-        float tmp[4];
-        for (; r + 4 <= rows; r += 4) {
-            direct_4rows(fmt, src + r * row_bytes, row_bytes, nb, xp, dxp, tmp);
-            memcpy(out + r, tmp, sizeof tmp);
-        }
-    }
-    for (; r < rows; r++)
+    for (int64_t r = 0; r < rows; r++) {
+        /* NOTE: as in gemv_block_rows: prefetch the next rows (the Q8_0 LM head streams) */
+        for (int64_t line = 0; line < row_bytes; line += 64)
+            _mm_prefetch((const char *)(src + (r + 2) * row_bytes + line), _MM_HINT_T0);
         for (int64_t m = 0; m < M;) {
             const int64_t left = M - m;
             const int8_t *x = xp + m * np * PAIR;
@@ -509,18 +480,148 @@ static inline __attribute__((always_inline)) void direct_rows_fmt(
             else direct_1(fmt, src + r * row_bytes, nb, x, d, o, ldo);
             m += left >= 5 ? 5 : left;
         }
+    }
 }
 
-static void direct_rows(int fmt, const uint8_t *src, int64_t row_bytes, int64_t rows,
-                        const int8_t *xp, const float *dxp, int64_t M, int64_t nb, float *out,
-                        int64_t ldo) {
-    /* constant formats: each call inlines a specialised copy */
-    if (fmt == FMT_Q4_0)
-        direct_rows_fmt(FMT_Q4_0, src, row_bytes, rows, xp, dxp, M, nb, out, ldo);
-    else if (fmt == FMT_Q4_1)
-        direct_rows_fmt(FMT_Q4_1, src, row_bytes, rows, xp, dxp, M, nb, out, ldo);
+/* Q8_0 only: the Q4 formats run gemv_rows (below) */
+static void direct_rows(const uint8_t *src, int64_t row_bytes, int64_t rows, const int8_t *xp,
+                        const float *dxp, int64_t M, int64_t nb, float *out, int64_t ldo) {
+    direct_rows_fmt(FMT_Q8_0, src, row_bytes, rows, xp, dxp, M, nb, out, ldo);
+}
+
+/*
+ * Batch 1-5 on the Q4 formats ("gemv"): four blocks per register. The 16 nibble bytes of
+ * blocks b..b+3 fill the four 128-bit lanes; the low nibbles (elements 0-15 of each block) and
+ * the high nibbles (16-31) meet activations laid out the same way (gemv_layout), so two
+ * vpdpbusd leave each block's integer sum in its lane's four dwords, and one permute spreads
+ * the blocks' d_w dx to those lanes. The fp16 scales of 16 blocks come in one gather (d and m
+ * share a dword in Q4_1) and the c_w dx sum(q) term is one FMA per 16 blocks with the
+ * activations' block sums: about 3 instructions per block where the pair kernels above need
+ * ~12 (the scales' scalar conversions and blends). Same integer sums and float terms.
+ */
+
+/* Rows of xq/dx/sx -> xg [M, ceil(nb / 4) * GEMV_GROUP] int8, dxg and sxg [M, ceil(nb / 16)
+ * * 16] float (dx and dx sum(q) per block), zero-padded. */
+static void gemv_layout(const int8_t *xq, const float *dx, const float *sx, int64_t M,
+                        int64_t nb, int8_t *xg, float *dxg, float *sxg) {
+    const int64_t ng = (nb + 3) / 4, nc = (nb + 15) / 16;
+    for (int64_t m = 0; m < M; m++) {
+        int8_t *g = xg + m * ng * GEMV_GROUP;
+        memset(g, 0, (size_t)(ng * GEMV_GROUP));
+        for (int64_t b = 0; b < nb; b++) {
+            const int8_t *src = xq + (m * nb + b) * QK;
+            int8_t *dst = g + (b / 4) * GEMV_GROUP + (b % 4) * 16;
+            memcpy(dst, src, 16);
+            memcpy(dst + 64, src + 16, 16);
+        }
+        float *d = dxg + m * nc * 16, *s = sxg + m * nc * 16;
+        for (int64_t b = 0; b < nc * 16; b++) {
+            d[b] = b < nb ? dx[(m * nb + b) * LANES] : 0.0f;
+            s[b] = b < nb ? sx[m * nb + b] : 0.0f;
+        }
+    }
+}
+
+/* The nibble bytes of blocks b..b+3 of a row (those < nb; the rest zero), one per lane. */
+static inline __attribute__((always_inline)) __m512i gemv_load4(const uint8_t *blk, int bytes,
+                                                                int64_t have) {
+    const __m128i z = _mm_setzero_si128();
+    __m512i w = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)blk));
+    w = _mm512_inserti32x4(w, have > 1 ? _mm_loadu_si128((const __m128i *)(blk + bytes)) : z, 1);
+    w = _mm512_inserti32x4(w, have > 2 ? _mm_loadu_si128((const __m128i *)(blk + 2 * bytes)) : z,
+                           2);
+    return _mm512_inserti32x4(
+        w, have > 3 ? _mm_loadu_si128((const __m128i *)(blk + 3 * bytes)) : z, 3);
+}
+
+/* out[r] = weight row r (R rows, row_bytes apart, nb blocks each) . one activation row in
+ * gemv_layout; R rows share each activation load and one final horizontal sum (R = 4). */
+static inline __attribute__((always_inline)) void gemv_block_rows(
+    const int fmt, const int R, const uint8_t *rows, int64_t row_bytes, int64_t nb,
+    const int8_t *xg, const float *dxg, const float *sxg, float *out) {
+    const int bytes = fmt == FMT_Q4_0 ? 18 : 20, off = fmt == FMT_Q4_1 ? 4 : 2;
+    const __m512i mask = _mm512_set1_epi8(0x0f), zero = _mm512_setzero_si512();
+    const __m512i offsets = _mm512_mullo_epi32(
+        _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+        _mm512_set1_epi32(bytes));
+    const __m512i lane_block = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+    const __m512i nibbles_q4_1 =
+        _mm512_set_epi32(19, 18, 17, 16, 14, 13, 12, 11, 9, 8, 7, 6, 4, 3, 2, 1);
+    __m512 acc[4], scale[4];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < nb; c += 16) {
+        const int64_t left = nb - c;
+        const __mmask16 k = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
+        const __m512 dx = _mm512_loadu_ps(dxg + c), sx = _mm512_loadu_ps(sxg + c);
+        for (int r = 0; r < R; r++) {
+            /* NOTE: software prefetch of the next R rows' chunk: 20-28% less time at batch 1
+             * with the weights streaming from DRAM (the hardware prefetcher alone lags) */
+            const char *ahead = (const char *)(rows + (r + R) * row_bytes + c * bytes);
+            for (int line = 0; line < 16 * bytes; line += 64)
+                _mm_prefetch(ahead + line, _MM_HINT_T0);
+            const __m512i v =
+                _mm512_mask_i32gather_epi32(zero, k, offsets, rows + r * row_bytes + c * bytes, 1);
+            const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(v));
+            const __m512 cw = fmt == FMT_Q4_1
+                ? _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(v, 16)))
+                : _mm512_mul_ps(d, _mm512_set1_ps(-8.0f));
+            scale[r] = _mm512_mul_ps(d, dx);
+            acc[r] = _mm512_fmadd_ps(cw, sx, acc[r]);
+        }
+        const int64_t groups = left >= 16 ? 4 : (left + 3) / 4;
+        for (int64_t q = 0; q < groups; q++) {
+            const int8_t *x = xg + (c / 4 + q) * GEMV_GROUP;
+            const __m512i xlo = _mm512_loadu_si512(x), xhi = _mm512_loadu_si512(x + 64);
+            const __m512i idx = _mm512_add_epi32(lane_block, _mm512_set1_epi32((int)(4 * q)));
+            for (int r = 0; r < R; r++) {
+                const uint8_t *blk = rows + r * row_bytes + (c + 4 * q) * bytes;
+                __m512i w;
+                if (fmt == FMT_Q4_1 && left - 4 * q >= 4) {
+                    /* 4 Q4_1 blocks = 80 bytes; their nibbles start at dwords 1, 6, 11, 16 */
+                    const __m512i lo = _mm512_loadu_si512(blk);
+                    const __m512i hi =
+                        _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(blk + 64)));
+                    w = _mm512_permutex2var_epi32(lo, nibbles_q4_1, hi);
+                } else {
+                    w = gemv_load4(blk + off, bytes, left - 4 * q);
+                }
+                __m512i s = _mm512_dpbusd_epi32(zero, _mm512_and_si512(w, mask), xlo);
+                s = _mm512_dpbusd_epi32(s, _mm512_and_si512(_mm512_srli_epi16(w, 4), mask), xhi);
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s),
+                                         _mm512_permutexvar_ps(idx, scale[r]), acc[r]);
+            }
+        }
+    }
+    if (R == 4)
+        _mm_storeu_ps(out, hsum4(acc[0], acc[1], acc[2], acc[3]));
     else
-        direct_rows_fmt(FMT_Q8_0, src, row_bytes, rows, xp, dxp, M, nb, out, ldo);
+        for (int r = 0; r < R; r++) out[r] = _mm512_reduce_add_ps(acc[r]);
+}
+
+/* out[m * ldo + r] for rows [0, rows) at src (row_bytes apart), every m < M. */
+static void gemv_rows(int fmt, const uint8_t *src, int64_t row_bytes, int64_t rows,
+                      const int8_t *xg, const float *dxg, const float *sxg, int64_t M,
+                      int64_t nb, float *out, int64_t ldo) {
+    const int64_t ng = (nb + 3) / 4, nc = (nb + 15) / 16;
+    /* weight rows outer: a group of 4 rows stays in L1 for every activation row */
+    for (int64_t r = 0; r < rows;) {
+        const int R = rows - r >= 4 ? 4 : 1;
+        for (int64_t m = 0; m < M; m++) {
+            const int8_t *x = xg + m * ng * GEMV_GROUP;
+            const float *d = dxg + m * nc * 16, *s = sxg + m * nc * 16;
+            float *o = out + m * ldo + r;
+            const uint8_t *w = src + r * row_bytes;
+            if (fmt == FMT_Q4_1 && R == 4)
+                gemv_block_rows(FMT_Q4_1, 4, w, row_bytes, nb, x, d, s, o);
+            else if (fmt == FMT_Q4_1)
+                gemv_block_rows(FMT_Q4_1, 1, w, row_bytes, nb, x, d, s, o);
+            else if (R == 4)
+                gemv_block_rows(FMT_Q4_0, 4, w, row_bytes, nb, x, d, s, o);
+            else
+                gemv_block_rows(FMT_Q4_0, 1, w, row_bytes, nb, x, d, s, o);
+        }
+        r += R;
+    }
 }
 #endif
 
@@ -698,8 +799,11 @@ int tandem_quant_matmul_f32(const float *x, const uint8_t *const *parts, const i
     const int64_t np = (nb + 1) / 2;
     const int64_t padded = (mp + PANEL - 1) / PANEL * PANEL;
     const int direct = isa >= ISA_AVX512 && M < PANEL_MIN;
-    int8_t *xp = direct ? malloc((size_t)(M * np * PAIR)) : NULL;
-    float *dxp = direct ? malloc(sizeof(float) * (size_t)(M * np * 2 * PANEL)) : NULL;
+    const int gemv = direct && fmt != FMT_Q8_0; /* direct Q4: the 4-block kernel */
+    const int64_t ng = (nb + 3) / 4, nc = (nb + 15) / 16;
+    int8_t *xp = direct ? malloc((size_t)(M * (gemv ? ng * GEMV_GROUP : np * PAIR))) : NULL;
+    float *dxp = direct ? malloc(sizeof(float) * (size_t)(M * (gemv ? 2 * nc * 16
+                                                                   : np * 2 * PANEL))) : NULL;
     int8_t *xq = malloc((size_t)(M * K));
     float *dx = malloc(sizeof(float) * (size_t)(M * nb * LANES));
     float *sx = malloc(sizeof(float) * (size_t)(M * nb));
@@ -716,7 +820,8 @@ int tandem_quant_matmul_f32(const float *x, const uint8_t *const *parts, const i
         {
             if (padded) interleave_panels(xq, dx, sx, mp, M, nb, xt, dxt);
 #ifdef HAVE_MICROKERNEL
-            if (direct) permute_pairs(fmt, xq, dx, sx, M, nb, xp, dxp);
+            if (gemv) gemv_layout(xq, dx, sx, M, nb, xp, dxp, dxp + M * nc * 16);
+            else if (direct) permute_pairs(fmt, xq, dx, sx, M, nb, xp, dxp);
 #endif
         }
         uint8_t *u = malloc((size_t)(TILE_N * K));
@@ -732,8 +837,13 @@ int tandem_quant_matmul_f32(const float *x, const uint8_t *const *parts, const i
             const int64_t rows = part_rows[p] - r0 < TILE_N ? part_rows[p] - r0 : TILE_N;
             const uint8_t *src = parts[p] + r0 * row_bytes;
 #ifdef HAVE_MICROKERNEL
+            if (gemv) {
+                gemv_rows(fmt, src, row_bytes, rows, xp, dxp, dxp + M * nc * 16, M, nb,
+                          out + row_start[p] + r0, ldo);
+                continue;
+            }
             if (direct) {
-                direct_rows(fmt, src, row_bytes, rows, xp, dxp, M, nb, out + row_start[p] + r0,
+                direct_rows(src, row_bytes, rows, xp, dxp, M, nb, out + row_start[p] + r0,
                             ldo);
                 continue;
             }

@@ -6,6 +6,8 @@ The forward pass takes a flattened ragged batch (``[num_tokens]``), never a padd
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -166,6 +168,8 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, device=device)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        # the same forward pass in fused C calls, set where it runs (quantized.assemble_quantized)
+        self.fused_forward: Callable[..., torch.Tensor] | None = None
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
@@ -174,6 +178,8 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions: ``[num_tokens]`` int64; kv_cache:
         ``[num_layers, 2, num_blocks, block_size, kv_heads, head_dim]``. Returns hidden states
         ``[num_tokens, hidden]``."""
+        if self.fused_forward is not None:
+            return self.fused_forward(input_ids, positions, kv_cache, meta)
         x = self.model.embed_tokens(input_ids)
         rope = self.model.layers[0].self_attn.rope.tables(positions, x.dtype)
         for i, layer in enumerate(self.model.layers):

@@ -11,10 +11,12 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.decode_ops import argmax_rows
+
 from .attention import AttentionMetadata
 from .model import LlamaForCausalLM
 from .request import Request
-from .sampler import SamplingMetadata, TokenLogprobs, make_generator, sample
+from .sampler import SamplingMetadata, TokenLogprobs, make_generator, plain_greedy, sample
 from .scheduler import SchedulerOutput
 
 
@@ -72,6 +74,10 @@ class ModelRunner:
         if not inputs.sampled_rows:
             return sampled, logprobs
         requests = [out.scheduled[inputs.order[row]] for row in inputs.sampled_rows]
+        if all(plain_greedy(r) for r in requests):  # the common case: skip the metadata
+            for row, token_id in zip(inputs.sampled_rows, argmax_rows(logits).tolist()):
+                sampled[inputs.order[row]] = token_id
+            return sampled, logprobs
         for r in requests:
             if r.request_id not in self.generators and not r.sampling_params.greedy:
                 self.generators[r.request_id] = make_generator(r.sampling_params.seed)
@@ -94,6 +100,9 @@ class ModelRunner:
     def prepare_inputs(self, out: SchedulerOutput) -> ModelInputs:
         reqs = out.scheduled
         n_sched = [out.num_scheduled_tokens[r.request_id] for r in reqs]
+        if all(n == 1 for n in n_sched):
+            inputs = self._decode_inputs(reqs)
+            return inputs if self.device.type == "cpu" else self._to_device(inputs)
         # single-token queries (decode) first: they take the batched decode attention path
         order = sorted(range(len(reqs)), key=lambda i: n_sched[i] != 1)
         input_ids: list[int] = []
@@ -130,6 +139,30 @@ class ModelRunner:
             torch.tensor(logits_indices, dtype=torch.int64), sampled_rows,
         )
         return inputs if self.device.type == "cpu" else self._to_device(inputs)
+
+    def _decode_inputs(self, reqs: list[Request]) -> ModelInputs:
+        """``prepare_inputs`` when every request computes one token (a decode step): the same
+        tensors, built from Python lists in one pass (no per-token tensor arithmetic)."""
+        bs = self.block_size
+        input_ids, positions, slots, sampled_rows = [], [], [], []
+        for row, r in enumerate(reqs):
+            pos = r.num_computed_tokens
+            input_ids.append(r.token_slice(pos, pos + 1)[0])
+            positions.append(pos)
+            slots.append(r.block_table[pos // bs] * bs + pos % bs)
+            if pos + 1 == r.num_tokens:
+                sampled_rows.append(row)
+        max_blocks = max(len(r.block_table) for r in reqs)
+        i64 = lambda xs: torch.tensor(xs, dtype=torch.int64)  # noqa: E731
+        attn = AttentionMetadata(
+            slot_mapping=i64(slots),
+            block_tables=i64([r.block_table + [0] * (max_blocks - len(r.block_table)) for r in reqs]),
+            seq_lens=i64([p + 1 for p in positions]),
+            query_start_loc=list(range(len(reqs) + 1)),
+            num_decode_seqs=len(reqs),
+        )
+        return ModelInputs(i64(input_ids), i64(positions), attn, list(range(len(reqs))),
+                           i64(sampled_rows), sampled_rows)
 
     def _to_device(self, inputs: ModelInputs) -> ModelInputs:
         """Built on CPU, used on the model's device (pinned host memory, asynchronous copies)."""

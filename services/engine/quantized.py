@@ -29,6 +29,7 @@ from kernels.quant import QuantizedWeight
 from .config import ModelConfig
 from .loader import load_model
 from .model import LlamaForCausalLM
+from .quantized_forward import QuantizedForward
 
 log = logging.getLogger(__name__)
 
@@ -176,6 +177,7 @@ def assemble_quantized(cfg: ModelConfig, dense: dict[str, torch.Tensor],
 
     ``dense``: the norms (and a dense embedding / LM head when not quantized); ``blocks``:
     Hugging Face names -> quantized weights. q/k/v and gate/up are fused into one matmul each.
+    In float32 with the C kernels built, the model runs ``QuantizedForward`` (``fused_forward``).
     """
     model = LlamaForCausalLM(cfg, device="meta")
     for i, layer in enumerate(model.model.layers):
@@ -199,6 +201,8 @@ def assemble_quantized(cfg: ModelConfig, dense: dict[str, torch.Tensor],
     if head is None and cfg.tie_word_embeddings:
         model.lm_head = DenseLinear(model.model.embed_tokens.weight)
     _check_materialized(model)
+    if QuantizedForward.supports(dtype):
+        model.fused_forward = QuantizedForward(model)
     return model.eval()
 
 

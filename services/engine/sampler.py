@@ -55,6 +55,15 @@ class SamplingMetadata:
         )
 
 
+def plain_greedy(r: Request) -> bool:
+    """Whether ``r``'s next token is the argmax of its raw logits: greedy, no penalties, no
+    logprobs asked, and past ``min_tokens`` (nothing masked). A batch of only such rows needs
+    no ``SamplingMetadata``: ``logits.argmax(-1)`` is what ``sample`` would return."""
+    p = r.sampling_params
+    return (p.greedy and not p.has_penalties and p.logprobs is None
+            and len(r.output_token_ids) >= p.min_tokens)
+
+
 def _stop_ids(r: Request) -> list[int]:
     ids = list(r.sampling_params.stop_token_ids)
     if r.eos_token_id is not None and not r.sampling_params.ignore_eos:

@@ -1,0 +1,235 @@
+/*
+ * Small per-layer operations of the Llama decoder fused into single calls, for the CPU decode
+ * step where each torch op costs more in dispatch than in arithmetic (batch 1: ~4,000 torch
+ * ops per step). Built and called by kernels/decode_ops.py, which documents the contracts; the
+ * torch references are there too.
+ *
+ *   tandem_add_rmsnorm_f32  x += y (optional); h = w * (x / sqrt(mean(x^2) + eps))
+ *                           (RMSNorm: Zhang & Sennrich 2019; Hugging Face LlamaRMSNorm order)
+ *   tandem_rope_write_kv_f32  rotate the q and k heads of a fused q/k/v row (RoFormer, Su et
+ *                           al. 2021; Hugging Face's rotate-half layout): q to its own buffer,
+ *                           k and v straight into their KV cache slots
+ *   tandem_silu_mul_f32     out = silu(gate) * up (SwiGLU, Shazeer 2020)
+ *
+ * Plain C loops under `omp simd`: the build's -march=native turns them into AVX-512 or AVX2
+ * code (scalar elsewhere), like the other kernels of this folder. Rows are spread over OpenMP
+ * threads only when there are several (a single decode row is too small to share).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#define TANDEM_OK 0
+#define TANDEM_BAD_SHAPE 2
+#define TANDEM_BAD_POSITION 4
+#define TANDEM_BAD_SLOT 5
+
+int tandem_add_rmsnorm_f32(float *x, const float *y, const float *w, float *h, int64_t M,
+                           int64_t D, float eps, int num_threads) {
+    if (M < 0 || D <= 0) return TANDEM_BAD_SHAPE;
+#pragma omp parallel for num_threads(num_threads) if (M > 1) schedule(static)
+    for (int64_t m = 0; m < M; m++) {
+        float *xm = x + m * D;
+        float *hm = h + m * D;
+        if (y) {
+            const float *ym = y + m * D;
+#pragma omp simd
+            for (int64_t d = 0; d < D; d++) xm[d] += ym[d];
+        }
+        float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+        for (int64_t d = 0; d < D; d++) ss += xm[d] * xm[d];
+        const float inv = 1.0f / sqrtf(ss / (float)D + eps);
+#pragma omp simd
+        for (int64_t d = 0; d < D; d++) hm[d] = w[d] * (xm[d] * inv);
+    }
+    return TANDEM_OK;
+}
+
+/* One head: dst[i] = x[i] cos[i] - x[i + half] sin[i], dst[i + half] = x[i + half]
+ * cos[i + half] + x[i] sin[i + half] (cos/sin rows hold each frequency twice). */
+static inline void rotate_head(const float *x, float *dst, const float *cos, const float *sin,
+                               int64_t half) {
+#pragma omp simd
+    for (int64_t i = 0; i < half; i++) {
+        const float a = x[i], b = x[i + half];
+        dst[i] = a * cos[i] - b * sin[i];
+        dst[i + half] = b * cos[i + half] + a * sin[i + half];
+    }
+}
+
+/* qkv [T, row_stride]: per row num_heads q heads, then num_kv_heads k heads, then v heads.
+ * Writes rotated q to q_out [T, num_heads * head_dim], rotated k and plain v to the cache
+ * rows slot_mapping[t] of k_cache / v_cache ([num_slots, num_kv_heads * head_dim]). */
+int tandem_rope_write_kv_f32(const float *qkv, float *q_out, int64_t T, int64_t row_stride,
+                             int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                             const int64_t *positions, const float *cos, const float *sin,
+                             int64_t max_positions, float *k_cache, float *v_cache,
+                             const int64_t *slot_mapping, int64_t num_slots, int num_threads) {
+    if (T < 0 || head_dim <= 0 || head_dim % 2 || num_heads <= 0 || num_kv_heads <= 0
+        || row_stride < (num_heads + 2 * num_kv_heads) * head_dim)
+        return TANDEM_BAD_SHAPE;
+    for (int64_t t = 0; t < T; t++) { /* validate first: no access out of bounds */
+        if (positions[t] < 0 || positions[t] >= max_positions) return TANDEM_BAD_POSITION;
+        if (slot_mapping[t] < 0 || slot_mapping[t] >= num_slots) return TANDEM_BAD_SLOT;
+    }
+    const int64_t half = head_dim / 2, q_width = num_heads * head_dim;
+    const int64_t kv_width = num_kv_heads * head_dim;
+#pragma omp parallel for num_threads(num_threads) if (T > 1) schedule(static)
+    for (int64_t t = 0; t < T; t++) {
+        const float *row = qkv + t * row_stride;
+        const float *c = cos + positions[t] * head_dim, *s = sin + positions[t] * head_dim;
+        float *k_dst = k_cache + slot_mapping[t] * kv_width;
+        for (int64_t hd = 0; hd < num_heads; hd++)
+            rotate_head(row + hd * head_dim, q_out + t * q_width + hd * head_dim, c, s, half);
+        for (int64_t hd = 0; hd < num_kv_heads; hd++)
+            rotate_head(row + q_width + hd * head_dim, k_dst + hd * head_dim, c, s, half);
+        memcpy(v_cache + slot_mapping[t] * kv_width, row + q_width + kv_width,
+               sizeof(float) * (size_t)kv_width);
+    }
+    return TANDEM_OK;
+}
+
+int tandem_silu_mul_f32(const float *gate_up, float *out, int64_t M, int64_t F,
+                        int num_threads) {
+    if (M < 0 || F <= 0) return TANDEM_BAD_SHAPE;
+#pragma omp parallel for num_threads(num_threads) if (M > 1) schedule(static)
+    for (int64_t m = 0; m < M; m++) {
+        const float *g = gate_up + m * 2 * F, *u = g + F;
+        float *o = out + m * F;
+#pragma omp simd
+        for (int64_t f = 0; f < F; f++) {
+            /* NOTE: -g capped below expf's overflow: -ffast-math's reciprocal of inf is NaN */
+            o[f] = g[f] / (1.0f + expf(fminf(-g[f], 80.0f))) * u[f];
+        }
+    }
+    return TANDEM_OK;
+}
+
+/* ---- the decode step's layer loop (tandem_decode_layers_f32) ---- */
+
+typedef int (*quant_matmul_fn)(const float *x, const uint8_t *const *parts,
+                               const int64_t *part_rows, int num_parts, float *out, int64_t M,
+                               int64_t K, int64_t ldo, int fmt, int num_threads, int isa);
+typedef int (*decode_attention_fn)(const float *q, const float *k_cache, const float *v_cache,
+                                   const int64_t *block_tables, const int64_t *seq_lens,
+                                   float *out, float *scratch, int64_t num_seqs,
+                                   int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                                   int64_t num_blocks, int64_t block_size, int64_t max_blocks,
+                                   int64_t max_seq_len, float scale, int num_threads);
+
+/* One layer's addresses, in this order (kernels/decode_ops.py LAYER_FIELDS): input norm
+ * weight, post-attention norm weight, then for q/k/v, o, gate/up and down: the parts array,
+ * the part_rows array and the number of parts; then the layer's k_cache and v_cache. */
+enum { L_W_IN, L_W_POST, L_QKV, L_O = L_QKV + 3, L_GU = L_O + 3, L_DOWN = L_GU + 3,
+       L_K = L_DOWN + 3, L_V, LAYER_FIELDS };
+
+/* Errors: this file's codes as they are; the matmul's + 10; the attention's + 20. */
+#define MATMUL(f, in, out, n, k)                                                               \
+    do {                                                                                       \
+        const int rc_ = matmul(in, (const uint8_t *const *)(intptr_t)L[f],                     \
+                               (const int64_t *)(intptr_t)L[f + 1], (int)L[f + 2], out, T, k,  \
+                               n, fmt, num_threads, isa);                                      \
+        if (rc_) return 10 + rc_;                                                              \
+    } while (0)
+
+/*
+ * Every decoder layer of a decode step (T sequences of one token each) and the final norm:
+ * per layer x += y; h = rmsnorm(x) w_in; qkv = h Wqkv; rope + KV write; a = attention;
+ * o = a Wo; x += o; h = rmsnorm(x) w_post; gu = h Wgu; m = silu(g) u; y = m Wdown. One call
+ * instead of eight per layer from Python. Buffers (float32, caller-owned): x [T, hidden] (the
+ * embeddings in, the residual stream after), h, o, down [T, hidden], qkv [T, (heads + 2
+ * kv_heads) head_dim], q, a [T, heads * head_dim], gu [T, 2 ffn], act [T, ffn], out [T, hidden].
+ */
+int tandem_decode_layers_f32(
+    const int64_t *layers, int64_t num_layers, float *x, float *h, float *qkv, float *q,
+    float *a, float *o, float *gu, float *act, float *down, float *out, const float *final_norm,
+    int64_t T, int64_t hidden, int64_t ffn, int64_t num_heads, int64_t num_kv_heads,
+    int64_t head_dim, float eps, const int64_t *positions, const float *cos, const float *sin,
+    int64_t max_positions, const int64_t *slot_mapping, int64_t num_blocks, int64_t block_size,
+    const int64_t *block_tables, const int64_t *seq_lens, int64_t max_blocks,
+    int64_t max_seq_len, float *scratch, float scale, int fmt, int isa, int num_threads,
+    quant_matmul_fn matmul, decode_attention_fn attention) {
+    const int64_t qkv_width = (num_heads + 2 * num_kv_heads) * head_dim;
+    const int64_t q_width = num_heads * head_dim;
+    const float *residual = NULL;
+    int rc;
+    for (int64_t l = 0; l < num_layers; l++) {
+        const int64_t *L = layers + l * LAYER_FIELDS;
+        float *k_cache = (float *)(intptr_t)L[L_K], *v_cache = (float *)(intptr_t)L[L_V];
+        rc = tandem_add_rmsnorm_f32(x, residual, (const float *)(intptr_t)L[L_W_IN], h, T,
+                                    hidden, eps, num_threads);
+        if (rc) return rc;
+        MATMUL(L_QKV, h, qkv, qkv_width, hidden);
+        rc = tandem_rope_write_kv_f32(qkv, q, T, qkv_width, num_heads, num_kv_heads, head_dim,
+                                      positions, cos, sin, max_positions, k_cache, v_cache,
+                                      slot_mapping, num_blocks * block_size, num_threads);
+        if (rc) return rc;
+        rc = attention(q, k_cache, v_cache, block_tables, seq_lens, a, scratch, T, num_heads,
+                       num_kv_heads, head_dim, num_blocks, block_size, max_blocks, max_seq_len,
+                       scale, num_threads);
+        if (rc) return 20 + rc;
+        MATMUL(L_O, a, o, hidden, q_width);
+        rc = tandem_add_rmsnorm_f32(x, o, (const float *)(intptr_t)L[L_W_POST], h, T, hidden,
+                                    eps, num_threads);
+        if (rc) return rc;
+        MATMUL(L_GU, h, gu, 2 * ffn, hidden);
+        rc = tandem_silu_mul_f32(gu, act, T, ffn, num_threads);
+        if (rc) return rc;
+        MATMUL(L_DOWN, act, down, hidden, ffn);
+        residual = down;
+    }
+    return tandem_add_rmsnorm_f32(x, residual, final_norm, out, T, hidden, eps, num_threads);
+}
+
+/* The first index of the largest of row[0..N) (no NaN in the row). */
+static int64_t argmax_finite(const float *row, int64_t N) {
+    int64_t i = 0, best_i = 0;
+    float best = row[0];
+#if defined(__AVX512F__)
+    if (N >= 16) { /* per lane: the largest value and its first index, then across lanes */
+        __m512 bv = _mm512_loadu_ps(row);
+        __m512i bi = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+        __m512i idx = bi;
+        const __m512i step = _mm512_set1_epi32(16);
+        for (i = 16; i + 16 <= N && i < INT32_MAX - 16; i += 16) {
+            idx = _mm512_add_epi32(idx, step);
+            const __m512 v = _mm512_loadu_ps(row + i);
+            const __mmask16 gt = _mm512_cmp_ps_mask(v, bv, _CMP_GT_OQ);
+            bv = _mm512_mask_mov_ps(bv, gt, v);
+            bi = _mm512_mask_mov_epi32(bi, gt, idx);
+        }
+        best = _mm512_reduce_max_ps(bv);
+        const __mmask16 at = _mm512_cmp_ps_mask(bv, _mm512_set1_ps(best), _CMP_EQ_OQ);
+        best_i = _mm512_mask_reduce_min_epi32(at, bi);
+    }
+#endif
+    for (; i < N; i++)
+        if (row[i] > best) best = row[i], best_i = i;
+    return best_i;
+}
+
+/* out[m] = the first index of row m's largest value (torch.argmax's answer: a NaN counts as
+ * the largest, so the first NaN wins). NaNs are found with integer tests: -ffast-math's float
+ * compares assume there are none. */
+int tandem_argmax_rows_f32(const float *x, int64_t M, int64_t N, int64_t *out,
+                           int num_threads) {
+    if (M < 0 || N <= 0) return TANDEM_BAD_SHAPE;
+#pragma omp parallel for num_threads(num_threads) if (M > 1) schedule(static)
+    for (int64_t m = 0; m < M; m++) {
+        const uint32_t *bits = (const uint32_t *)(x + m * N);
+        int nan = 0;
+#pragma omp simd reduction(| : nan)
+        for (int64_t i = 0; i < N; i++) nan |= (bits[i] & 0x7fffffffu) > 0x7f800000u;
+        int64_t first = 0;
+        if (nan)
+            while ((bits[first] & 0x7fffffffu) <= 0x7f800000u) first++;
+        else
+            first = argmax_finite(x + m * N, N);
+        out[m] = first;
+    }
+    return TANDEM_OK;
+}

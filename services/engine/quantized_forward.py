@@ -1,0 +1,180 @@
+"""The quantized model's forward pass as one loop of fused C calls (float32 activations, CPU).
+
+``LlamaForCausalLM``'s module path costs ~4,000 torch ops per decode step of the built-in model
+(30 layers), each ~10 us of dispatch on rows of 576 to 1,536 floats, plus ``nn.Module`` calls:
+at batch 1 that overhead, not the matmuls, set the step time. Here each layer is eight calls
+into C, with every argument prepared once per step:
+
+    x += y; h = rmsnorm(x) w1        kernels.decode_ops.add_rmsnorm (y: last layer's MLP out)
+    qkv = h Wqkv^T                   kernels.quant.PreparedMatmul (fused q/k/v)
+    q = rope(q); cache <- rope(k), v kernels.decode_ops.rope_write_kv
+    a = attention(q, cache)          kernels.cpu_attention.DecodePlan (+ torch for prefill rows)
+    o = a Wo^T; x += o; h = rmsnorm(x) w2; gu = h Wgu^T; m = silu(g) u; y = m Wdown^T
+
+Same math as the module path, in float32; sums run in another order, so results agree to
+float32 rounding, not bit for bit (the float32 ``none`` oracle path never comes here).
+"""
+from __future__ import annotations
+
+import torch
+
+from kernels import cpu_attention, decode_ops, quant, reference
+from kernels.quant_prepared import PreparedMatmul
+
+from .attention import AttentionMetadata
+
+
+class QuantizedForward:
+    """``forward(input_ids, positions, kv_cache, meta) -> hidden`` of an assembled quantized
+    ``LlamaForCausalLM`` (``quantized.assemble_quantized``), reading the model's own weights.
+
+    Shapes as ``LlamaForCausalLM.forward``: input_ids, positions ``[num_tokens]`` int64;
+    kv_cache ``[num_layers, 2, num_blocks, block_size, kv_heads, head_dim]`` float32; returns
+    float32 ``[num_tokens, hidden]`` (after the final norm). Raises ``ValueError`` naming
+    ``positions`` or ``slot_mapping`` for an index out of range.
+    """
+
+    def __init__(self, model) -> None:
+        cfg = model.config
+        self.hidden, self.ffn = cfg.hidden_size, cfg.intermediate_size
+        self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.head_dim, self.eps = cfg.head_dim, cfg.rms_norm_eps
+        self.scale = self.head_dim**-0.5
+        rope = model.model.layers[0].self_attn.rope
+        self.cos, self.sin = rope.cos.contiguous(), rope.sin.contiguous()
+        self.embed, self.norm = model.model.embed_tokens, model.model.norm.weight.detach()
+        self.layers = [(layer.input_layernorm.weight.detach(),
+                        PreparedMatmul(layer.self_attn.qkv_proj.parts),
+                        PreparedMatmul(layer.self_attn.o_proj.parts),
+                        layer.post_attention_layernorm.weight.detach(),
+                        PreparedMatmul(layer.mlp.gate_up_proj.parts),
+                        PreparedMatmul(layer.mlp.down_proj.parts))
+                       for layer in model.model.layers]
+        self._ops = decode_ops.lib()
+        self._caches: tuple[tuple[int, tuple[int, ...]], list] | None = None
+        self._table: tuple[list, torch.Tensor] | None = None
+        formats = {mm.fmt_code for layer in self.layers for mm in layer[1:3] + layer[4:]}
+        self._one_format = next(iter(formats)) if len(formats) == 1 else None
+
+    @staticmethod
+    def supports(dtype: torch.dtype) -> bool:
+        """Whether an assembled quantized model in ``dtype`` can run here: float32 activations,
+        and the three C kernels built."""
+        return (dtype == torch.float32 and quant.available() and decode_ops.available()
+                and cpu_attention.available())
+
+    def _layer_caches(self, kv_cache: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer ``(k_cache, v_cache)`` views, built once per KV cache tensor."""
+        key = (kv_cache.data_ptr(), tuple(kv_cache.shape))
+        if self._caches is None or self._caches[0] != key:
+            self._caches = (key, [(kv[0], kv[1]) for kv in kv_cache])
+        return self._caches[1]
+
+    def _attention(self, meta: AttentionMetadata, threads: int):
+        """``attend(q, k_cache, v_cache, out)`` for this step: the C kernel for the decode rows,
+        the torch reference for prefill chunks (as ``attention.paged_attention`` on CPU)."""
+        nd = meta.num_decode_seqs
+        plan = cpu_attention.DecodePlan(meta.block_tables[:nd], meta.seq_lens[:nd],
+                                        self.num_heads, self.num_kv_heads, self.scale, threads)
+        if nd == meta.seq_lens.shape[0]:
+            return plan
+        tables, lens, starts = meta.block_tables[nd:], meta.seq_lens[nd:], meta.query_start_loc[nd:]
+
+        def attend(q, k_cache, v_cache, out):
+            plan(q, k_cache, v_cache, out)  # reads and writes the first nd rows only
+            reference.paged_prefill_attention(q, k_cache, v_cache, tables, lens, starts,
+                                              self.scale, out=out)
+            return out
+        return attend
+
+    def _layer_table(self, kv_cache: torch.Tensor) -> torch.Tensor | None:
+        """``[num_layers, len(LAYER_FIELDS)]`` int64 addresses for ``tandem_decode_layers_f32``
+        (built once per KV cache tensor); ``None`` when the linears mix block formats."""
+        caches = self._layer_caches(kv_cache)
+        if self._table is None or self._table[0] is not caches:
+            rows = [[w_in.data_ptr(), w_post.data_ptr(), *qkv.addresses(), *o.addresses(),
+                     *gu.addresses(), *down.addresses(), k.data_ptr(), v.data_ptr()]
+                    for (w_in, qkv, o, w_post, gu, down), (k, v) in zip(self.layers, caches)]
+            self._table = (caches, torch.tensor(rows, dtype=torch.int64))
+        return self._table[1] if self._one_format is not None else None
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
+                 meta: AttentionMetadata) -> torch.Tensor:
+        t, threads = input_ids.shape[0], torch.get_num_threads()
+        b = _Buffers(self.embed(input_ids).contiguous(), self.hidden, self.ffn,
+                     self.num_heads, self.num_kv_heads, self.head_dim)
+        pos = positions.to(torch.int64).contiguous()
+        slots = meta.slot_mapping.to(torch.int64).contiguous()
+        table = self._layer_table(kv_cache) if meta.num_decode_seqs == t else None
+        if table is not None:
+            self._decode_layers(b, table, pos, slots, meta, kv_cache, threads)
+        else:
+            self._layers(b, pos, slots, meta, kv_cache, threads)
+        return b.out
+
+    def _decode_layers(self, b: _Buffers, table: torch.Tensor, pos: torch.Tensor,
+                       slots: torch.Tensor, meta: AttentionMetadata, kv_cache: torch.Tensor,
+                       threads: int) -> None:
+        """Every layer of a decode step in one C call (``tandem_decode_layers_f32``)."""
+        plan = cpu_attention.DecodePlan(meta.block_tables, meta.seq_lens, self.num_heads,
+                                        self.num_kv_heads, self.scale, threads)
+        num_blocks, block_size = kv_cache.shape[2], kv_cache.shape[3]
+        decode_ops.check(self._ops.tandem_decode_layers_f32(
+            table.data_ptr(), table.shape[0], *b.pointers(), self.norm.data_ptr(), b.t,
+            self.hidden, self.ffn, self.num_heads, self.num_kv_heads, self.head_dim, self.eps,
+            pos.data_ptr(), self.cos.data_ptr(), self.sin.data_ptr(), self.cos.shape[0],
+            slots.data_ptr(), num_blocks, block_size, plan.tables.data_ptr(),
+            plan.lens.data_ptr(), plan.tables.shape[1], plan.max_len, plan.scratch.data_ptr(),
+            self.scale, self._one_format, quant.isa_level(), threads, self.layers[0][1].kernel_address,
+            plan.kernel_address), "decode_layers")
+
+    def _layers(self, b: _Buffers, pos: torch.Tensor, slots: torch.Tensor,
+                meta: AttentionMetadata, kv_cache: torch.Tensor, threads: int) -> None:
+        """The layers call by call (prefill and mixed steps: torch attention for the chunks)."""
+        ops, t, heads, kv_heads, d = self._ops, b.t, self.num_heads, self.num_kv_heads, self.head_dim
+        attend = self._attention(meta, threads)
+        caches = self._layer_caches(kv_cache)
+        num_slots = caches[0][0].shape[0] * caches[0][0].shape[1]
+        norm, rope, silu_mul = (ops.tandem_add_rmsnorm_f32, ops.tandem_rope_write_kv_f32,
+                                ops.tandem_silu_mul_f32)
+        x, h, qkv, q, a, o, gu, act, down, out = b.pointers()
+        residual = None  # the previous layer's MLP output, added at the next norm
+        for (w_in, qkv_mm, o_mm, w_post, gu_mm, down_mm), (k_cache, v_cache) in zip(
+                self.layers, caches):
+            decode_ops.check(norm(x, residual, w_in.data_ptr(), h, t, self.hidden, self.eps,
+                                  threads), "add_rmsnorm")
+            qkv_mm(b.h, b.qkv, threads)
+            decode_ops.check(rope(qkv, q, t, b.qkv.shape[1], heads, kv_heads, d, pos.data_ptr(),
+                                  self.cos.data_ptr(), self.sin.data_ptr(), self.cos.shape[0],
+                                  k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(),
+                                  num_slots, threads), "rope_write_kv")
+            attend(b.q, k_cache, v_cache, b.a)
+            o_mm(b.a.view(t, heads * d), b.o, threads)
+            decode_ops.check(norm(x, o, w_post.data_ptr(), h, t, self.hidden, self.eps, threads),
+                             "add_rmsnorm")
+            gu_mm(b.h, b.gate_up, threads)
+            decode_ops.check(silu_mul(gu, act, t, self.ffn, threads), "silu_mul")
+            down_mm(b.act, b.down, threads)
+            residual = down
+        decode_ops.check(norm(x, residual, self.norm.data_ptr(), out, t, self.hidden, self.eps,
+                              threads), "add_rmsnorm")
+
+
+class _Buffers:
+    """One forward pass's float32 activations; ``x`` (the embeddings) becomes the residual
+    stream, ``out`` the final hidden states."""
+
+    def __init__(self, x: torch.Tensor, hidden: int, ffn: int, heads: int, kv_heads: int,
+                 head_dim: int) -> None:
+        t = self.t = x.shape[0]
+        self.x, self.h = x, torch.empty(t, hidden)
+        self.qkv = torch.empty(t, (heads + 2 * kv_heads) * head_dim)
+        self.q, self.a = torch.empty(t, heads, head_dim), torch.empty(t, heads, head_dim)
+        self.o, self.down = torch.empty(t, hidden), torch.empty(t, hidden)
+        self.gate_up, self.act = torch.empty(t, 2 * ffn), torch.empty(t, ffn)
+        self.out = torch.empty(t, hidden)
+
+    def pointers(self) -> tuple[int, ...]:
+        """x, h, qkv, q, a, o, gate_up, act, down, out: the C functions' order."""
+        return tuple(b.data_ptr() for b in (self.x, self.h, self.qkv, self.q, self.a, self.o,
+                                            self.gate_up, self.act, self.down, self.out))

@@ -1,0 +1,25 @@
+"""scripts/profile_decode_step.py runs small and writes the figures it prints (the real numbers
+are taken on a quiet machine; nothing here is timed)."""
+from __future__ import annotations
+
+import json
+import sys
+
+from scripts import profile_decode_step
+
+
+def test_profile_writes_cpu_time_ops_and_phases_per_batch(tmp_path, monkeypatch, capsys):
+    out = tmp_path / "profile.json"
+    monkeypatch.setattr(sys, "argv", ["profile_decode_step", "--batches", "1,3", "--warmup", "1",
+                                      "--steps", "2", "--profile-steps", "1", "--top", "3",
+                                      "--out", str(out)])
+    profile_decode_step.main()
+    result = json.loads(out.read_text())
+    assert [r["batch"] for r in result["rows"]] == [1, 3]
+    for row in result["rows"]:
+        assert row["cpu_ms_per_step"] > 0
+        assert row["aten_ops_per_step"] > 0
+        assert set(row["phase_cpu_ms_per_step"]) == {"prepare_inputs", "forward", "sample",
+                                                     "engine_rest"}
+        assert 0 < len(row["top_ops"]) <= 3
+    assert "batch   3:" in capsys.readouterr().out
