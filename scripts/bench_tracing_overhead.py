@@ -79,6 +79,45 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def span_cpu_ms_per_request(endpoint: str, n: int = 2000) -> float:
+    """CPU ms this process spends on one request's spans, all three services' worth (the
+    gateway's request span with its reservation child and W3C context injected, the prefill
+    span with its kv_transfer child, the decode span with its kv_wait child, every attribute
+    the services set; flushed every 100 requests so that none is dropped), exported by the
+    SDK's batch processor over OTLP/gRPC to ``endpoint``
+    (the receiver in this process: its decoding is counted too). An upper bound of the work
+    tracing adds per request, free of the run-to-run drift of whole-stack throughput."""
+    from types import SimpleNamespace
+
+    from services.observability import otel, tracing
+
+    otel.configure("gateway", endpoint, environ={})
+    params = SimpleNamespace(max_tokens=48, temperature=0.0, top_p=1.0, top_k=0, seed=None)
+    record = SimpleNamespace(num_output_tokens=48,
+                             outcome=lambda: (None, {"finish_reason": "length"}))
+    start = time.process_time()
+    for i in range(n):
+        trace = tracing.request_trace(None, "text_completion", "SmolLM2-135M-Instruct")
+        trace.requested(f"req-{i}", params, 128)
+        with trace.child("kv_reservation", **{"tandem.attempt": 1}):
+            pass
+        context = SimpleNamespace(invocation_metadata=trace.metadata)
+        prefill = tracing.worker_trace("prefill", context, f"req-{i}", 128)
+        now = time.monotonic()
+        prefill.kv_transfer(now, now, 8, 8 * 184320, "tcp", "landed")
+        prefill.span.end()
+        decode = tracing.worker_trace("decode", context, f"req-{i}", 128)
+        otel.start_span("kv_wait", parent_span=decode.span).end()
+        decode.span.set_attributes({"gen_ai.usage.output_tokens": 48})
+        decode.span.end()
+        trace.first_token()
+        trace.finish(record)
+        if i % 100 == 99:  # NOTE: below the batch processor's queue (2048 spans): none dropped
+            otel._provider.force_flush()
+    otel.shutdown()  # exports what is buffered: its CPU is counted
+    return 1000 * (time.process_time() - start) / n
+
+
 def run_once(args, requests, env: dict[str, str]) -> dict:
     """Start a stack with ``env``, run the load, stop it; the run's loadtest summary plus each
     stack process's CPU seconds per 1000 output tokens over the load (``cpu_per_1k``)."""
@@ -129,6 +168,9 @@ def main(argv: list[str] | None = None) -> int:
     requests = random_dataset(args.num_prompts, load_tokenizer(""),
                               DatasetOptions(input_len=args.input_len, output_len=args.output_len))
     receiver = SpanCounter()
+    span_ms = span_cpu_ms_per_request(receiver.endpoint)
+    print(f"spans of one request ({receiver.count / 2000:g}, all services, exported and received "
+          f"here): {span_ms:.3f} CPU ms", flush=True)
     on_env = {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": receiver.endpoint,
               "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "grpc", "OTEL_TRACES_SAMPLER": "always_on",
               "OTEL_BSP_SCHEDULE_DELAY": "200"}
@@ -145,14 +187,14 @@ def main(argv: list[str] | None = None) -> int:
                   f"{summary['spans_received']} spans received; CPU s per 1k tokens: {cpu}",
                   flush=True)
     receiver.server.stop(grace=None)
-    result = report(args, runs)
+    result = report(args, runs, span_ms)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
     print(f"wrote {args.out}")
     return 0
 
 
-def report(args, runs: dict[str, list[dict]]) -> dict:
+def report(args, runs: dict[str, list[dict]], span_ms: float) -> dict:
     mean = {m: statistics.fmean(s["output_throughput"] for s in runs[m]) for m in runs}
     cost = 1 - mean["on"] / mean["off"]
     roles = list(runs["off"][0]["cpu_per_1k"])
@@ -164,10 +206,14 @@ def report(args, runs: dict[str, list[dict]]) -> dict:
     for k in roles:
         print(f"  CPU s per 1k output tokens, {k:>10}: off {cpu['off'][k]:.3f}, on {cpu['on'][k]:.3f}")
     print(f"tracing adds {100 * cpu_cost:.2f}% to the stack's CPU per output token")
+    request_ms = cpu["off"]["stack"] * args.output_len  # CPU ms of one request, tracing off
+    print(f"one request's spans cost {span_ms:.3f} CPU ms of the stack's {request_ms:.0f}: "
+          f"{100 * span_ms / request_ms:.3f}%")
     return {"config": vars(args), "host": platform.node(), "cpu_count": os.cpu_count(),
             "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "output_throughput_off": mean["off"], "output_throughput_on": mean["on"], "cost": cost,
             "cpu_per_1k_off": cpu["off"], "cpu_per_1k_on": cpu["on"], "cpu_cost": cpu_cost,
+            "span_cpu_ms_per_request": span_ms, "stack_cpu_ms_per_request_off": request_ms,
             "runs": {m: [{k: s[k] for k in ("output_throughput", "completed", "failed", "duration",
                                               "mean_ttft_ms", "mean_tpot_ms", "spans_received",
                                               "cpu_per_1k", "client_cpu_s")}
