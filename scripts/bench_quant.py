@@ -48,18 +48,24 @@ def time_to_ready(dtype: str, quantization: str) -> float:
     return float(out.stdout.strip().splitlines()[-1])
 
 
-def decode_rate(e, batch: int, tokens: int, seed: int = 0) -> dict:
-    """Decode steps only: ``batch`` requests of 16 random prompt tokens, ``tokens`` each."""
+def start_batch(e, batch: int, tokens: int, seed: int, tag: str = "b") -> None:
+    """Add ``batch`` greedy requests (16 random prompt tokens, ``tokens`` exact output tokens
+    each) and step the engine until every one has its first token: what follows is decode."""
     from services.engine.sampling_params import SamplingParams
 
     rng = random.Random(seed)
     params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
     for i in range(batch):
         ids = [rng.randrange(17, e.model_config.vocab_size) for _ in range(16)]
-        e.add_request(e.make_request(f"b{seed}-{i}", ids, params))
+        e.add_request(e.make_request(f"{tag}{seed}-{i}", ids, params))
     started: set[str] = set()
     while len(started) < batch:
         started.update(o.request_id for o in e.step())
+
+
+def decode_rate(e, batch: int, tokens: int, seed: int = 0) -> dict:
+    """Decode steps only: ``batch`` requests of 16 random prompt tokens, ``tokens`` each."""
+    start_batch(e, batch, tokens, seed)
     steps, out_tokens, t0 = 0, 0, time.perf_counter()
     while e.has_work():
         out_tokens += sum(len(o.new_token_ids) for o in e.step())

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -34,16 +33,9 @@ def make_engine(dtype: str, quantization: str, max_batch: int):
 
 def _start(e, batch: int, tokens: int, seed: int) -> None:
     """Add ``batch`` greedy requests and step until every one has its first token."""
-    from services.engine.sampling_params import SamplingParams
+    from scripts.bench_quant import start_batch
 
-    rng = random.Random(seed)
-    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
-    for i in range(batch):
-        ids = [rng.randrange(17, e.model_config.vocab_size) for _ in range(16)]
-        e.add_request(e.make_request(f"p{seed}-{i}", ids, params))
-    started: set[str] = set()
-    while len(started) < batch:
-        started.update(o.request_id for o in e.step())
+    start_batch(e, batch, tokens, seed, tag="p")
 
 
 class PhaseClock:
