@@ -140,20 +140,10 @@ def paged_decode_attention(
         out.copy_(reference.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens,
                                                    scale))
         return out
-    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
-    q, tables = q.contiguous(), block_tables.to(torch.int64).contiguous()
-    lens = seq_lens.to(torch.int64).contiguous()
-    max_len = int(lens.max())
-    threads = torch.get_num_threads()
-    group = q.shape[1] // num_kv_heads
-    scratch = torch.empty(threads, group, max_len, dtype=torch.float32)
     dst = out if out.is_contiguous() else torch.empty_like(q)
-    rc = lib.tandem_paged_decode_attention_f32(
-        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(),
-        dst.data_ptr(), scratch.data_ptr(), num_seqs, q.shape[1], num_kv_heads, head_dim,
-        num_blocks, block_size, tables.shape[1], max_len, scale, threads)
-    if rc != 0:
-        raise ValueError(f"paged_decode_attention: {_ERRORS.get(rc, f'error {rc}')}")
+    plan = DecodePlan(block_tables, seq_lens, q.shape[1], k_cache.shape[2], scale,
+                      torch.get_num_threads())
+    plan(q.contiguous(), k_cache, v_cache, dst)
     if dst is not out:
         out.copy_(dst)
     return out

@@ -200,10 +200,7 @@ def quant_matmul(x: torch.Tensor, weight: QuantizedWeight | Sequence[QuantizedWe
     x2 = x if x.dim() == 2 and dtype == torch.float32 and x.is_contiguous() else (
         x.reshape(-1, k).to(torch.float32).contiguous())
     lib = _library()
-    isa = isa or _default_isa
-    if isa is not None and isa not in isas():
-        raise ValueError(f"isa: {isa!r} is not a path of this kernel build; have {isas()}")
-    level = ISAS.index(isa) if isa is not None else len(ISAS) - 1
+    level = isa_level(isa)
     if lib is None:
         y = x2 @ torch.cat([dequantize(p) for p in parts]).T
         return (y if out is None else out.copy_(y)).reshape(*lead, n).to(dtype)
@@ -217,11 +214,14 @@ def quant_matmul(x: torch.Tensor, weight: QuantizedWeight | Sequence[QuantizedWe
     return out if x2 is x else out.reshape(*lead, n).to(dtype)
 
 
-def isa_level() -> int:
-    """The kernel's ``isa`` argument for the path ``quant_matmul`` runs when not told (see
-    ``set_default_isa``): an index into ``ISAS``."""
-    return ISAS.index(_default_isa) if _default_isa is not None else len(ISAS) - 1
-
+def isa_level(isa: str | None = None) -> int:
+    """The kernel's ``isa`` argument (an index into ``ISAS``) for path ``isa``, or when not
+    given for the path ``quant_matmul`` runs when not told (``set_default_isa``; checked there).
+    Raises ``ValueError`` naming ``isa`` for a path this build lacks."""
+    if isa is not None and isa not in isas():
+        raise ValueError(f"isa: {isa!r} is not a path of this kernel build; have {isas()}")
+    isa = isa or _default_isa
+    return ISAS.index(isa) if isa is not None else len(ISAS) - 1
 
 
 @functools.lru_cache(maxsize=4096)

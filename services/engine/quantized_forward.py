@@ -90,13 +90,15 @@ class QuantizedForward:
     def _layer_table(self, kv_cache: torch.Tensor) -> torch.Tensor | None:
         """``[num_layers, len(LAYER_FIELDS)]`` int64 addresses for ``tandem_decode_layers_f32``
         (built once per KV cache tensor); ``None`` when the linears mix block formats."""
+        if self._one_format is None:
+            return None
         caches = self._layer_caches(kv_cache)
         if self._table is None or self._table[0] is not caches:
             rows = [[w_in.data_ptr(), w_post.data_ptr(), *qkv.addresses(), *o.addresses(),
                      *gu.addresses(), *down.addresses(), k.data_ptr(), v.data_ptr()]
                     for (w_in, qkv, o, w_post, gu, down), (k, v) in zip(self.layers, caches)]
             self._table = (caches, torch.tensor(rows, dtype=torch.int64))
-        return self._table[1] if self._one_format is not None else None
+        return self._table[1]
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                  meta: AttentionMetadata) -> torch.Tensor:
