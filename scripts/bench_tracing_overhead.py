@@ -13,8 +13,9 @@ Throughput of a whole run on two shared cores drifts by several percent from run
 than tracing's cost; so each run also records the CPU seconds (user + system, from
 ``/proc/PID/stat``) that each stack process (gateway, prefill, decode) spent during the measured
 load, per 1000 output tokens: ``cpu_cost`` is ``on/off - 1`` of the stack's total, the work
-tracing adds whatever the machine's drift. The receiver's own CPU is this script's, not the
-stack's, and is reported apart (``receiver_cpu_s``).
+tracing adds whatever the machine's drift. The receiver's own CPU is this script's (with the
+client's), not the stack's, and is reported apart (``client_cpu_s``). Before the runs, the CPU
+of one request's spans is measured directly (``span_cpu_ms_per_request``).
 
     python -m scripts.bench_tracing_overhead --num-prompts 256 --concurrency 16 --rounds 4
     python -m scripts.bench_tracing_overhead --num-prompts 8 --output-len 8 --rounds 1   # smoke
@@ -79,14 +80,17 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def span_cpu_ms_per_request(endpoint: str, n: int = 2000) -> float:
+SPAN_REQUESTS = 2000  # requests' worth of spans timed by span_cpu_ms_per_request
+
+
+def span_cpu_ms_per_request(endpoint: str, n: int = SPAN_REQUESTS) -> float:
     """CPU ms this process spends on one request's spans, all three services' worth (the
     gateway's request span with its reservation child and W3C context injected, the prefill
     span with its kv_transfer child, the decode span with its kv_wait child, every attribute
     the services set; flushed every 100 requests so that none is dropped), exported by the
-    SDK's batch processor over OTLP/gRPC to ``endpoint``
-    (the receiver in this process: its decoding is counted too). An upper bound of the work
-    tracing adds per request, free of the run-to-run drift of whole-stack throughput."""
+    SDK's batch processor over OTLP/gRPC to ``endpoint`` (the receiver in this process: its
+    decoding is counted too). An upper bound of the work tracing adds per request, free of the
+    run-to-run drift of whole-stack throughput."""
     from types import SimpleNamespace
 
     from services.observability import otel, tracing
@@ -133,10 +137,10 @@ def run_once(args, requests, env: dict[str, str]) -> dict:
                         request_timeout_s=args.request_timeout, progress=False)
         procs = [(name, proc.pid) for name, proc in stack.procs if not name.startswith("redis")]
         before = {name: cpu_seconds(pid) for name, pid in procs}
-        receiver_before = time.process_time()
+        client_before = time.process_time()
         outcome = asyncio.run(run_benchmark(cfg, requests))
         spent = {name: cpu_seconds(pid) - before[name] for name, pid in procs}
-        receiver_cpu = time.process_time() - receiver_before
+        client_cpu = time.process_time() - client_before
     finally:
         stack.stop()
     summary = summarize(outcome.records, outcome.duration_s, {}, [50, 99])
@@ -145,7 +149,7 @@ def run_once(args, requests, env: dict[str, str]) -> dict:
         r.output_len for r in requests[:args.num_warmups])
     summary["cpu_per_1k"] = {name: 1000 * s / max(tokens, 1) for name, s in spent.items()}
     summary["cpu_per_1k"]["stack"] = sum(summary["cpu_per_1k"].values())
-    summary["client_cpu_s"] = receiver_cpu
+    summary["client_cpu_s"] = client_cpu
     return summary
 
 
@@ -169,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
                               DatasetOptions(input_len=args.input_len, output_len=args.output_len))
     receiver = SpanCounter()
     span_ms = span_cpu_ms_per_request(receiver.endpoint)
-    print(f"spans of one request ({receiver.count / 2000:g}, all services, exported and received "
+    print(f"spans of one request ({receiver.count / SPAN_REQUESTS:g}, all services, exported and received "
           f"here): {span_ms:.3f} CPU ms", flush=True)
     on_env = {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": receiver.endpoint,
               "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "grpc", "OTEL_TRACES_SAMPLER": "always_on",
