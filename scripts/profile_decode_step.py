@@ -64,25 +64,29 @@ def profile_batch(e, batch: int, warmup: int, steps: int, profile_steps: int, to
     run_model = e.runner.execute
     e.runner.execute = lambda out, timed=None: run_model(out, clock)
     try:
-        t0 = time.process_time()
+        t0, w0 = time.process_time(), time.perf_counter()
         for _ in range(steps):
             e.step()
-        cpu = time.process_time() - t0
+        cpu, wall = time.process_time() - t0, time.perf_counter() - w0
     finally:
         e.runner.execute = run_model
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        for _ in range(profile_steps):
-            e.step()
+    events = []
+    if profile_steps:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(profile_steps):
+                e.step()
+        events = [a for a in prof.key_averages() if a.key.startswith("aten::")]
     while e.has_work():  # the batch finishes in a few steps: the next starts from empty
         e.step()
-    events = [a for a in prof.key_averages() if a.key.startswith("aten::")]
     ops = sum(a.count for a in events)
+    profile_steps = max(profile_steps, 1)
     events.sort(key=lambda a: a.self_cpu_time_total, reverse=True)
     phases = {k: v / steps * 1e3 for k, v in clock.cpu.items()}
     phases["engine_rest"] = cpu / steps * 1e3 - sum(phases.values())
     return {
         "batch": batch,
         "cpu_ms_per_step": cpu / steps * 1e3,
+        "wall_ms_per_step": wall / steps * 1e3,
         "phase_cpu_ms_per_step": phases,
         "aten_ops_per_step": ops / profile_steps,
         "top_ops": [{"op": a.key, "calls_per_step": a.count / profile_steps,
@@ -114,6 +118,7 @@ def main() -> None:
     for r in rows:
         split = ", ".join(f"{k} {v:.2f}" for k, v in r["phase_cpu_ms_per_step"].items())
         print(f"batch {r['batch']:3d}: {r['cpu_ms_per_step']:8.2f} CPU ms/step, "
+              f"{r['wall_ms_per_step']:8.2f} wall ms/step, "
               f"{r['aten_ops_per_step']:7.0f} aten ops/step ({split})")
         for o in r["top_ops"]:
             print(f"    {o['op']:32s} {o['calls_per_step']:7.0f} calls "
