@@ -100,16 +100,20 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         trace = tracing.worker_trace("decode", context, rid, len(request.prompt_token_ids))
         bind_request(rid, trace)
         req, recomputed = None, ""
+        prompt = list(request.prompt_token_ids)
+        admit = commands.AddRequest if request.local_prefill else commands.Reserve
         try:
-            req = await self.rt.call(
-                commands.MakeRequest(rid, list(request.prompt_token_ids), params))
-            owned = True
-            if request.local_prefill:
-                await self.rt.call(commands.AddRequest(req))
-            else:
-                if not await self.rt.call(commands.Reserve(req)):
-                    raise ResourceExhausted(f"decode worker {self.rt.worker_id}: not enough free KV "
-                                            f"blocks for {req.num_prompt_tokens} prompt tokens")
+            owned = True  # before the await: cancelled after the engine took it, it is freed
+            try:
+                req = await self.rt.call(admit(rid, prompt, params))
+            except ValueError:
+                owned = False  # refused: the engine holds nothing of ours under rid
+                raise
+            if req is None:
+                owned = False
+                raise ResourceExhausted(f"decode worker {self.rt.worker_id}: not enough free KV "
+                                        f"blocks for {len(prompt)} prompt tokens")
+            if not request.local_prefill:
                 token, outcome = self._open_reservation(rid, list(req.block_table))
                 yield worker_pb2.DecodeResponse(reservation=worker_pb2.KVReservation(
                     worker_id=self.rt.worker_id, transport=self.rt.options.kv_transport,

@@ -9,15 +9,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .request import Request
 from .sampler import TokenLogprobs
 from .sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)
-class MakeRequest:
-    """Validate against the model and build a ``Request`` (not yet queued). Result: Request.
-    ``hold_kv``: prefill role, keep the blocks after the first token until ``Release``."""
+class AddRequest:
+    """Validate against the model, build a ``Request`` and queue it for scheduling, in one visit
+    to the engine thread (each visit waits for the running step to end: a second one would add
+    a whole step to TTFT). Result: the Request. ``hold_kv``: prefill role, keep the blocks after
+    the first token until ``Release``. A ``ValueError`` means nothing was queued."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -26,18 +27,14 @@ class MakeRequest:
 
 
 @dataclass(frozen=True)
-class AddRequest:
-    """Queue a request built by ``MakeRequest`` for scheduling. Result: None."""
-
-    request: Request
-
-
-@dataclass(frozen=True)
 class Reserve:
-    """Decode role: reserve blocks for the prompt's KV, written by a prefill worker.
-    Result: bool (False: too few free blocks, nothing reserved)."""
+    """Decode role: validate and build a ``Request`` and reserve blocks for its prompt's KV,
+    written by a prefill worker (one visit, as ``AddRequest``). Result: the Request, or None
+    when too few blocks are free (nothing reserved). A ``ValueError`` means nothing was held."""
 
-    request: Request
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
 
 
 @dataclass(frozen=True)
@@ -72,5 +69,5 @@ class Release:
     request_id: str
 
 
-EngineCommand = (MakeRequest | AddRequest | Reserve | FinishRemotePrefill | PrefillLocally
+EngineCommand = (AddRequest | Reserve | FinishRemotePrefill | PrefillLocally
                  | Abort | Release)

@@ -107,12 +107,13 @@ class EngineLoop:
     def _dispatch(self, command: c.EngineCommand):
         e = self.engine
         match command:
-            case c.MakeRequest(rid, prompt, params, hold_kv):
-                return e.make_request(rid, prompt, params, hold_kv=hold_kv)
-            case c.AddRequest(request):
-                return e.add_request(request)
-            case c.Reserve(request):
-                return e.reserve(request)
+            case c.AddRequest(rid, prompt, params, hold_kv):
+                request = e.make_request(rid, prompt, params, hold_kv=hold_kv)
+                e.add_request(request)
+                return request
+            case c.Reserve(rid, prompt, params):
+                request = e.make_request(rid, prompt, params)
+                return request if e.reserve(request) else None
             case c.FinishRemotePrefill(rid, first_token_id, logprobs):
                 return e.finish_remote_prefill(rid, first_token_id, logprobs)
             case c.PrefillLocally(rid):

@@ -124,15 +124,14 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         held, write = False, None
         keeper = asyncio.ensure_future(self._keep_lease(dest, lease))
         try:
-            req = await self.rt.call(commands.MakeRequest(
-                rid, list(request.prompt_token_ids), params, hold_kv=True))
-            n_blocks = self.rt.engine.block_manager.blocks_needed(req.num_prompt_tokens)
+            prompt = list(request.prompt_token_ids)
+            n_blocks = self.rt.engine.block_manager.blocks_needed(len(prompt))
             if len(dest.block_ids) != n_blocks:
                 raise ValueError(f"destination.block_ids: {len(dest.block_ids)} blocks for "
-                                 f"{req.num_prompt_tokens} prompt tokens, expected {n_blocks}")
+                                 f"{len(prompt)} prompt tokens, expected {n_blocks}")
             await asyncio.sleep(faults.queue_delay_s)
-            held = True  # before the await: cancelled after the engine added it, it is still freed
-            await self.rt.call(commands.AddRequest(req))
+            held = True  # set first: cancelled once added, it is freed; refused, nothing is found
+            req = await self.rt.call(commands.AddRequest(rid, prompt, params, hold_kv=True))
             out = await _first_output(queue, lease)
             keeper.cancel()  # NOTE: a grant being written is not renewed; the write ends in time
             self.rt.check_output(out)  # failed alone, or the engine died: an error

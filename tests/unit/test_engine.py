@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from services.engine.commands import AddRequest, MakeRequest
+from services.engine.commands import AddRequest
 from services.engine.engine import EngineConfig, LLMEngine
 from services.engine.engine_loop import EngineLoop
 from services.engine.loader import load_model
@@ -109,8 +109,8 @@ def test_engine_loop_runs_on_its_own_thread(prompts):
     loop = EngineLoop(engine, on_outputs)
     loop.start()
     try:
-        req = loop.submit(MakeRequest("t", prompts[0], GREEDY)).result(timeout=10)
-        loop.submit(AddRequest(req)).result(timeout=10)
+        req = loop.submit(AddRequest("t", prompts[0], GREEDY)).result(timeout=10)
+        assert req.request_id == "t" and req.prompt_token_ids == list(prompts[0])
         assert done.wait(timeout=120)
     finally:
         loop.stop()

@@ -131,8 +131,7 @@ def test_a_fault_outside_the_model_kills_the_engine_loop_once(prompts):
     loop = EngineLoop(engine, outputs.extend, on_fatal)
     loop.start()
     try:
-        req = loop.submit(commands.MakeRequest("c+crash_engine=2", prompts[0], GREEDY)).result(10)
-        loop.submit(commands.AddRequest(req)).result(10)
+        loop.submit(commands.AddRequest("c+crash_engine=2", prompts[0], GREEDY)).result(10)
         assert dead.wait(timeout=120)
         assert len(died) == 1 and "injected fault: crash_engine" in str(died[0])
         assert not loop.is_alive()
