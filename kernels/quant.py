@@ -116,7 +116,7 @@ def isa() -> str:
 def isas() -> list[str]:
     """Every path this build can run (``quant_matmul(..., isa=...)``), worst first:
     ``scalar``, ``avx2`` (AVX2 or better), ``avx512_vnni_rows`` (the row kernels alone, as
-    before the 16-row activation panels: kept for benchmarks), ``avx512_vnni``."""
+    before the batch >= 6 tiled kernels: kept for benchmarks), ``avx512_vnni``."""
     lib = _library()
     return list(ISAS[:lib.tandem_quant_max_isa() + 1]) if lib is not None else []
 

@@ -8,10 +8,11 @@ the float32 engine (token-exact to transformers: the oracle tests) on the oracle
 Prints a table and writes JSON (``--out``). Compare figures only within one run.
 
 ``--kernel``: instead, the matmul kernel alone at the built-in model's linear shapes (Q4_1
-q/k/v, o, gate/up, down; the Q8_0 tied LM head), batch 1/16/64, one thread, every kernel path
-of this build (``kernels.quant.isas()``) interleaved in the same run: GOP/s (2 M N K per call)
+q/k/v, o, gate/up, down; the Q8_0 tied LM head), batch 1/16/64 (``--batches``: 128 and 512 are
+prefill chunks), one thread, every kernel path of this build (``kernels.quant.isas()``; ``--paths``
+picks some) interleaved in the same run: GOP/s (2 M N K per call)
 and weight GB/s from CPU seconds per call (``time.process_time``: steady on a loaded machine),
-and each path's ratio to ``avx512_vnni_rows`` (the kernel before the 16-row panels).
+and each path's ratio to ``avx512_vnni_rows`` (the row kernels, before the batch >= 6 tiles).
 """
 from __future__ import annotations
 
@@ -157,7 +158,10 @@ def kernel_bench(args) -> dict:
     from kernels import quant
 
     torch.set_num_threads(1)
-    results: dict = {"isa": quant.isa(), "paths": quant.isas(), "shapes": {}}
+    paths = args.paths or quant.isas()
+    if unknown := set(paths) - set(quant.isas()):
+        raise SystemExit(f"--paths: {sorted(unknown)} not in this build's {quant.isas()}")
+    results: dict = {"isa": quant.isa(), "paths": paths, "shapes": {}}
     for name, fmt, parts_rows, k in KERNEL_SHAPES:
         parts = [random_weight(fmt, n, k, seed=i) for i, n in enumerate(parts_rows)]
         n, nbytes = sum(parts_rows), sum(p.nbytes for p in parts)
@@ -166,7 +170,7 @@ def kernel_bench(args) -> dict:
             out = torch.empty(m, n)
             row = {}
             for _ in range(args.rounds):  # interleave the paths: load drifts hit all alike
-                for isa in quant.isas():
+                for isa in paths:
                     s = cpu_seconds_per_call(lambda: quant.quant_matmul(x, parts, out, isa=isa),
                                              args.min_seconds)
                     row[isa] = min(row.get(isa, s), s)
@@ -205,6 +209,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kernel", action="store_true", help="microbenchmark the matmul kernel's "
                    "paths instead (writes --out too; default bench-results/quant_kernel.json)")
     p.add_argument("--batches", type=lambda s: [int(v) for v in s.split(",")], default=[1, 16, 64])
+    p.add_argument("--paths", type=lambda s: s.split(","), default=None, help="--kernel: "
+                   "comma-separated kernel paths to time (default every path of the build; the "
+                   "scalar one takes minutes at --batches 128,512)")
     p.add_argument("--rounds", type=int, default=3, help="--kernel: interleaved rounds (best kept)")
     p.add_argument("--min-seconds", type=float, default=0.2, help="--kernel: CPU s per timing")
     args = p.parse_args(argv)

@@ -19,15 +19,19 @@
  * weights from memory once. Paths: AVX512-VNNI (vpdpbusd), AVX2 (widen to 16 bits,
  * vpmaddwd), scalar; compiled in by -march=native (the build is keyed by the CPU's flags), the
  * best one run unless the caller caps it (isa argument: tests force AVX2 and scalar).
- * AVX512-VNNI at batch >= 6 (PANEL_MIN): activation rows go in 16-row panels, interleaved so a
- * register holds 4 int8 of each of 16 rows and every unpacked weight dword is broadcast against
- * it (PANEL_MICRO): each weight load serves 16-32 rows and the float scaling runs once per
- * block per 8 vpdpbusd. Fewer rows (decode at batch 1-5) skip the unpacked copy: for Q4_0 and
- * Q4_1 the gemv kernel (gemv_block_rows) runs four blocks per register straight from the file's
+ * AVX512-VNNI at batch >= 6 (PANEL_MIN): each tile of 16 weight rows is unpacked row-interleaved
+ * (unpack_tile: a register holds 4 u8 of each of the 16 rows) and every activation dword (4 int8
+ * of one row, as quantize_row wrote them) is broadcast against two tiles (TILE_MICRO, 2 tiles x
+ * 5 activation rows): a result row is 64-byte stores, each weight load serves 5 activation rows,
+ * each activation load 2 tiles, and the float scaling runs once per block per 8 vpdpbusd.
+ * There Q4_0 and Q8_0 (cw = -z dw, z = 8 or 128) fold the cw term into the integer sum:
+ * dw dx (sum(u q) - z sum(q)), exact in int32 (|sum| <= 32 * 128 * 127), one FMA fewer. Fewer rows (decode at batch 1-5) skip the unpacked copy: for
+ * Q4_0 and Q4_1 the gemv kernel (gemv_block_rows) runs four blocks per register straight from the file's
  * bytes, and the Q8_0 direct kernels (DIRECT) unpack each block pair in registers; both
- * prefetch the rows ahead (the weights stream from DRAM at every decode step). AVX2 (no VNNI) runs the same 16-row panels for the Q4
- * formats with vpmaddubsw (PANEL_AVX2). ISA_AVX512_ROWS keeps the earlier row kernels (4 weight
- * rows x 1-2 activation rows on the unpacked tile, MICRO) selectable for benchmarks.
+ * prefetch the rows ahead (the weights stream from DRAM at every decode step). AVX2 (no VNNI)
+ * runs 16-row activation panels for the Q4 formats with vpmaddubsw (PANEL_AVX2).
+ * ISA_AVX512_ROWS keeps the earlier row kernels (4 weight rows x 1-2 activation rows on the
+ * unpacked tile, MICRO) selectable for benchmarks.
  */
 #include <math.h>
 #include <stdint.h>
@@ -43,6 +47,7 @@
 #define QK 32
 #define LANES 8 /* a block's scale is repeated over 8 float lanes (one ymm of block sums) */
 #define TILE_N 16
+#define MAX_PARTS 8 /* weight parts stacked along N in one call */
 #define FMT_Q4_0 0
 #define FMT_Q4_1 1
 #define FMT_Q8_0 2
@@ -54,7 +59,7 @@
 #define ISA_SCALAR 0
 #define ISA_AVX2 1
 #define ISA_AVX512_ROWS 2 /* VNNI on row-major blocks, 4 weight x 1-2 activation rows */
-#define ISA_AVX512 3      /* ISA_AVX512_ROWS plus 16-row activation panels (batch >= PANEL_MIN) */
+#define ISA_AVX512 3      /* ISA_AVX512_ROWS plus the row-interleaved tiles (batch >= PANEL_MIN) */
 #define PANEL 16
 #define PANEL_MIN 6
 #define PAIR 64 /* bytes of int8 activations per block pair (direct kernels) */
@@ -138,8 +143,10 @@ static void unpack_row(int fmt, const uint8_t *src, int64_t nb, uint8_t *u, floa
     }
 }
 
-/* One activation row x[K] -> q[K] int8, dx[nb * LANES], sx[nb] = dx * sum(q) per block. */
-static void quantize_row(const float *x, int64_t nb, int8_t *q, float *dx, float *sx) {
+/* One activation row x[K] -> q[K] int8, dx[nb * LANES], sx[nb] = dx * sum(q) per block and,
+ * when zq is given, zq[nb] = -z * sum(q) (the tiled path's zero-point term, Q4_0 and Q8_0). */
+static void quantize_row(const float *x, int64_t nb, int8_t *q, float *dx, float *sx, int32_t *zq,
+                         int32_t z) {
     int64_t b = 0;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
     /* the same arithmetic as the loop below (cvtps rounds to nearest even, as lrintf) */
@@ -154,7 +161,9 @@ static void quantize_row(const float *x, int64_t nb, int8_t *q, float *dx, float
         _mm_storeu_si128((__m128i *)(q + b * QK), _mm512_cvtsepi32_epi8(qlo));
         _mm_storeu_si128((__m128i *)(q + b * QK + 16), _mm512_cvtsepi32_epi8(qhi));
         _mm256_storeu_ps(dx + b * LANES, _mm256_set1_ps(d));
-        sx[b] = d * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
+        const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
+        sx[b] = d * (float)sum;
+        if (zq) zq[b] = -z * sum;
     }
 #endif
     for (; b < nb; b++) {
@@ -170,6 +179,7 @@ static void quantize_row(const float *x, int64_t nb, int8_t *q, float *dx, float
         }
         for (int l = 0; l < LANES; l++) dx[b * LANES + l] = d;
         sx[b] = d * (float)sum;
+        if (zq) zq[b] = -z * sum;
     }
 }
 
@@ -267,87 +277,214 @@ MICRO(1)
 MICRO(2)
 
 /*
- * NR weight rows x P panels of 16 activation rows (ggml's repacked-GEMM idea, transposed: the
- * activations are interleaved so a register's 16 lanes are 16 activation rows, and each weight
- * dword is broadcast to all of them). One vpdpbusd per 4 weights x 16 rows; per block of 32 the
- * int32 sums are scaled once (cvt, mul, fma per 8 vpdpbusd). xt: per panel, per block, per
- * group g of 4 elements, 16 rows x 4 int8 (64 bytes); dxt: per panel, per block, 16 scales dx
- * then 16 sx = dx sum(q); cw: [nb, TILE_N] (this tile's rows from u's first).
- * res[p][r][lane] = sum_b dw_rb dx_lane,b sum(u_rb q_lane,b) + cw_rb sx_lane,b.
+ * Batch >= PANEL_MIN (decode at batch 6+, prefill), AVX512-VNNI: a tile of 16 weight rows is
+ * unpacked once into a row-interleaved copy (unpack_tile: per block, per group g of 4
+ * elements, the 16 rows' 4 u8 side by side: 64 bytes, one register), and each activation
+ * dword (4 int8 of one row) is broadcast against it: one vpdpbusd = 4 elements x 16 weight
+ * rows (ggml-cpu's repacked GEMM, repack.cpp, with the roles of its operands as here). The
+ * 16 lanes are 16 output columns, so a result row is one 64-byte store, and the activations
+ * are read as quantize_row wrote them (no interleaved copy). Per block the int32 sums are
+ * scaled as everywhere else: acc += float(s) * (dw dx) + cw sx, lane by lane.
  */
-#define PANEL_MICRO(NR, P)                                                                     \
-    static void panel_##NR##x##P(const uint8_t *u, const float *dw, const float *cw, int64_t K, \
-                                 const uint8_t *xt, const float *dxt, int64_t nb,              \
-                                 float res[][NR][PANEL]) {                                     \
-        const int64_t ldw = nb * LANES, panel_bytes = nb * QK * PANEL;                         \
-        __m512 acc[P][NR];                                                                     \
-        for (int p = 0; p < P; p++)                                                            \
-            for (int r = 0; r < NR; r++) acc[p][r] = _mm512_setzero_ps();                      \
+
+/* 16 weight rows (at src, row_bytes apart; nb blocks of fmt each) -> ut [nb][8][16][4] u8,
+ * dwt and cwt [nb][16] float (dw and cw per block and row). */
+static void unpack_tile(int fmt, const uint8_t *src, int64_t row_bytes, int64_t nb, uint8_t *ut,
+                        float *dwt, float *cwt) {
+    const int bytes = tandem_quant_block_bytes(fmt), off = fmt == FMT_Q4_1 ? 4 : 2;
+    const __m512i mask = _mm512_set1_epi8(0x0f), flip = _mm512_set1_epi8((char)0x80);
+    const __m512i start = _mm512_mullo_epi32(
+        _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+        _mm512_set1_epi32((int32_t)row_bytes));
+    __m512i idx[4];
+    for (int j = 0; j < 4; j++) /* lane i < 8 <- dword j of row i: A0/A1 lane 4 i + j */
+        idx[j] = _mm512_add_epi32(_mm512_set_epi32(28, 24, 20, 16, 12, 8, 4, 0, 28, 24, 20, 16,
+                                                   12, 8, 4, 0), _mm512_set1_epi32(j));
+    for (int64_t b = 0; b < nb; b++) {
+        for (int h = 0; h < (fmt == FMT_Q8_0 ? 2 : 1); h++) {
+            __m512i a[4]; /* a[k]: rows 4k..4k+3, 16 bytes each */
+            for (int k = 0; k < 4; k++) {
+                __m512i v = _mm512_setzero_si512();
+                for (int q = 0; q < 4; q++)
+                    v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(
+                                                  src + (4 * k + q) * row_bytes + b * bytes + off + 16 * h)), q);
+                a[k] = v;
+            }
+            for (int j = 0; j < 4; j++) {
+                const __m512i lo = _mm512_permutex2var_epi32(a[0], idx[j], a[1]);
+                const __m512i hi = _mm512_permutex2var_epi32(a[2], idx[j], a[3]);
+                const __m512i v = _mm512_shuffle_i32x4(lo, hi, 0x44); /* dword j of 16 rows */
+                uint8_t *dst = ut + (b * 8 + j) * 64;
+                if (fmt == FMT_Q8_0) {
+                    _mm512_storeu_si512(dst + h * 4 * 64, _mm512_xor_si512(v, flip));
+                } else {
+                    _mm512_storeu_si512(dst, _mm512_and_si512(v, mask));
+                    _mm512_storeu_si512(dst + 4 * 64, _mm512_and_si512(_mm512_srli_epi16(v, 4), mask));
+                }
+            }
+        }
+        /* the fp16 d (and Q4_1's m, the next 2 bytes) of the block in every row */
+        const __m512i hv = _mm512_i32gather_epi32(start, src + b * bytes, 1);
+        const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(hv));
+        const __m512 c = fmt == FMT_Q4_1
+            ? _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(hv, 16)))
+            : _mm512_mul_ps(d, _mm512_set1_ps(fmt == FMT_Q8_0 ? -128.0f : -8.0f));
+        _mm512_storeu_ps(dwt + b * 16, d);
+        _mm512_storeu_ps(cwt + b * 16, c);
+    }
+}
+
+/* out[i * ldo + 16 t + r] for MR activation rows (xq, dx, sx at row m: quantize_row's layout)
+ * x NT tiles of 16 weight rows (ut, dwt, cwt for tile t at t * nb * 512, t * nb * 16; the last
+ * tile's rows r where rmask is set). Each broadcast activation dword serves the NT tiles:
+ * 2 x 5 (10 int32 sums, 10 float sums in registers) measured fastest, ~1.25x 1 x 8. */
+#define TILE_MICRO(NT, MR, ZP, NAME)                                                           \
+    static void NAME(const uint8_t *ut, const float *dwt, const float *cwt, int64_t nb,        \
+                     const int8_t *xq, const float *dx, const float *sx, const int32_t *zq,    \
+                     float *out, int64_t ldo, __mmask16 rmask) {                               \
+        const int64_t K = nb * QK;                                                             \
+        __m512 acc[NT][MR];                                                                    \
+        for (int t = 0; t < NT; t++)                                                           \
+            for (int i = 0; i < MR; i++) acc[t][i] = _mm512_setzero_ps();                      \
         for (int64_t b = 0; b < nb; b++) {                                                     \
-            __m512i s[P][NR];                                                                  \
-            for (int p = 0; p < P; p++)                                                        \
-                for (int r = 0; r < NR; r++) s[p][r] = _mm512_setzero_si512();                 \
+            __m512i s[NT][MR];                                                                 \
+            for (int t = 0; t < NT; t++)                                                       \
+                for (int i = 0; i < MR; i++)                                                   \
+                    s[t][i] = ZP ? _mm512_set1_epi32(zq[i * nb + b]) : _mm512_setzero_si512(); \
             for (int g = 0; g < QK / 4; g++) {                                                 \
-                __m512i xv[P];                                                                 \
-                for (int p = 0; p < P; p++)                                                    \
-                    xv[p] = _mm512_loadu_si512(xt + p * panel_bytes + (b * 8 + g) * 64);       \
-                for (int r = 0; r < NR; r++) {                                                 \
-                    int32_t w4;                                                                \
-                    memcpy(&w4, u + r * K + b * QK + 4 * g, 4);                                \
-                    const __m512i wv = _mm512_set1_epi32(w4);                                  \
-                    for (int p = 0; p < P; p++) s[p][r] = _mm512_dpbusd_epi32(s[p][r], wv, xv[p]); \
+                __m512i wv[NT];                                                                \
+                for (int t = 0; t < NT; t++)                                                   \
+                    wv[t] = _mm512_loadu_si512(ut + t * nb * 512 + (b * 8 + g) * 64);          \
+                for (int i = 0; i < MR; i++) {                                                 \
+                    int32_t x4;                                                                \
+                    memcpy(&x4, xq + i * K + b * QK + 4 * g, 4);                               \
+                    const __m512i xv = _mm512_set1_epi32(x4);                                  \
+                    for (int t = 0; t < NT; t++)                                               \
+                        s[t][i] = _mm512_dpbusd_epi32(s[t][i], wv[t], xv);                     \
                 }                                                                              \
             }                                                                                  \
-            for (int p = 0; p < P; p++) {                                                      \
-                const float *dp = dxt + (p * nb + b) * 2 * PANEL;                              \
-                const __m512 dxv = _mm512_loadu_ps(dp), sxv = _mm512_loadu_ps(dp + PANEL);     \
-                for (int r = 0; r < NR; r++) {                                                 \
-                    const __m512 sc = _mm512_mul_ps(dxv, _mm512_set1_ps(dw[r * ldw + b * LANES])); \
-                    acc[p][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[p][r]), sc, acc[p][r]);   \
-                    const __m512 cv = _mm512_set1_ps(cw[b * TILE_N + r]);                      \
-                    acc[p][r] = _mm512_fmadd_ps(sxv, cv, acc[p][r]);                           \
+            for (int t = 0; t < NT; t++) {                                                     \
+                const __m512 dwv = _mm512_loadu_ps(dwt + t * nb * 16 + b * 16);                \
+                const __m512 cwv = ZP ? dwv : _mm512_loadu_ps(cwt + t * nb * 16 + b * 16);     \
+                for (int i = 0; i < MR; i++) {                                                 \
+                    const __m512 dxv = _mm512_set1_ps(dx[(i * nb + b) * LANES]);               \
+                    const __m512 sc = _mm512_mul_ps(dwv, dxv);                                 \
+                    acc[t][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[t][i]), sc, acc[t][i]);   \
+                    if (!ZP)                                                                   \
+                        acc[t][i] =                                                            \
+                            _mm512_fmadd_ps(cwv, _mm512_set1_ps(sx[i * nb + b]), acc[t][i]);   \
                 }                                                                              \
             }                                                                                  \
         }                                                                                      \
-        for (int p = 0; p < P; p++)                                                            \
-            for (int r = 0; r < NR; r++) _mm512_storeu_ps(res[p][r], acc[p][r]);               \
+        for (int i = 0; i < MR; i++) {                                                         \
+            for (int t = 0; t + 1 < NT; t++) _mm512_storeu_ps(out + i * ldo + 16 * t, acc[t][i]); \
+            _mm512_mask_storeu_ps(out + i * ldo + 16 * (NT - 1), rmask, acc[NT - 1][i]);       \
+        }                                                                                      \
     }
-PANEL_MICRO(8, 1)
-PANEL_MICRO(4, 2)
-PANEL_MICRO(1, 1)
-PANEL_MICRO(1, 2)
+TILE_MICRO(2, 5, 0, tile_2x5)
+TILE_MICRO(2, 5, 1, tile_2x5_z)
+TILE_MICRO(2, 4, 0, tile_2x4)
+TILE_MICRO(2, 4, 1, tile_2x4_z)
+TILE_MICRO(2, 3, 0, tile_2x3)
+TILE_MICRO(2, 3, 1, tile_2x3_z)
+TILE_MICRO(2, 2, 0, tile_2x2)
+TILE_MICRO(2, 2, 1, tile_2x2_z)
+TILE_MICRO(2, 1, 0, tile_2x1)
+TILE_MICRO(2, 1, 1, tile_2x1_z)
+TILE_MICRO(1, 8, 0, tile_1x8)
+TILE_MICRO(1, 8, 1, tile_1x8_z)
+TILE_MICRO(1, 4, 0, tile_1x4)
+TILE_MICRO(1, 4, 1, tile_1x4_z)
+TILE_MICRO(1, 2, 0, tile_1x2)
+TILE_MICRO(1, 2, 1, tile_1x2_z)
+TILE_MICRO(1, 1, 0, tile_1x1)
+TILE_MICRO(1, 1, 1, tile_1x1_z)
 
-/* Activation rows [m0, m0 + PANEL * panels) of the tile, panels of 16 (lanes past M unset). */
-static void run_panels(const uint8_t *u, const float *dw, const float *cw, int64_t rows,
-                       const uint8_t *xt,
-                       const float *dxt, int64_t m0, int64_t panels, int64_t M, int64_t K,
-                       int64_t nb, float *out, int64_t ldo) {
-    float res[2][8][PANEL];
-    const int64_t panel_bytes = nb * QK * PANEL;
-    for (int64_t p = 0; p < panels;) {
-        const int two = p + 2 <= panels;
-        const uint8_t *xp = xt + p * panel_bytes;
-        const float *dp = dxt + p * nb * 2 * PANEL;
-        for (int64_t r0 = 0; r0 < rows;) {
-            const uint8_t *ur = u + r0 * K;
-            const float *dwr = dw + r0 * nb * LANES, *cwr = cw + r0;
-            int nr = two ? (rows - r0 >= 4 ? 4 : 1) : (rows - r0 >= 8 ? 8 : 1);
-            if (two && nr == 4) panel_4x2(ur, dwr, cwr, K, xp, dp, nb, (float(*)[4][PANEL])res);
-            else if (two) panel_1x2(ur, dwr, cwr, K, xp, dp, nb, (float(*)[1][PANEL])res);
-            else if (nr == 8) panel_8x1(ur, dwr, cwr, K, xp, dp, nb, (float(*)[8][PANEL])res);
-            else panel_1x1(ur, dwr, cwr, K, xp, dp, nb, (float(*)[1][PANEL])res);
-            const float *flat = &res[0][0][0];
-            for (int pp = 0; pp < 1 + two; pp++)
-                for (int r = 0; r < nr; r++)
-                    for (int l = 0; l < PANEL; l++) {
-                        const int64_t m = m0 + (p + pp) * PANEL + l;
-                        if (m < M) out[m * ldo + r0 + r] = flat[(pp * nr + r) * PANEL + l];
-                    }
-            r0 += nr;
+typedef void (*tile_fn)(const uint8_t *, const float *, const float *, int64_t, const int8_t *,
+                        const float *, const float *, const int32_t *, float *, int64_t,
+                        __mmask16);
+
+/* out[m, r] for every activation row m < M and rows r < rows of nt tiles (unpack_tile's ut,
+ * dwt, cwt for tile j at j * nb * 512, j * nb * 16): tiles two at a time, each chunk of 5
+ * activation rows (then 4..1) against both; a lone last tile runs chunks of 8. */
+static void run_tile_rows(const uint8_t *ut, const float *dwt, const float *cwt, int64_t nt,
+                          int64_t rows, const int8_t *xq, const float *dx, const float *sx,
+                          const int32_t *zq, int64_t M, int64_t nb, float *out, int64_t ldo) {
+    static const tile_fn pairs[2][6] = {
+        {NULL, tile_2x1, tile_2x2, tile_2x3, tile_2x4, tile_2x5},
+        {NULL, tile_2x1_z, tile_2x2_z, tile_2x3_z, tile_2x4_z, tile_2x5_z}};
+    static const tile_fn ones[2][9] = {
+        {NULL, tile_1x1, tile_1x2, tile_1x2, tile_1x4, tile_1x4, tile_1x4, tile_1x4, tile_1x8},
+        {NULL, tile_1x1_z, tile_1x2_z, tile_1x2_z, tile_1x4_z, tile_1x4_z, tile_1x4_z, tile_1x4_z,
+         tile_1x8_z}};
+    const tile_fn *pair = pairs[zq != NULL], *one = ones[zq != NULL];
+    static const int one_rows[9] = {0, 1, 2, 2, 4, 4, 4, 4, 8};
+    const int64_t K = nb * QK;
+    for (int64_t j = 0; j < nt;) {
+        const int two = j + 2 <= nt;
+        const int64_t left_r = rows - (j + two) * TILE_N;
+        const __mmask16 rm = left_r >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left_r) - 1);
+        for (int64_t m = 0; m < M;) {
+            const int64_t left = M - m;
+            const int mr = two ? (left >= 5 ? 5 : (int)left) : one_rows[left >= 8 ? 8 : left];
+            (two ? pair[mr] : one[mr])(ut + j * nb * 512, dwt + j * nb * 16, cwt + j * nb * 16,
+                                       nb, xq + m * K, dx + m * nb * LANES, sx + m * nb,
+                                       zq ? zq + m * nb : NULL, out + m * ldo + j * TILE_N, ldo,
+                                       rm);
+            m += mr;
         }
-        p += 1 + two;
+        j += 1 + two;
     }
 }
+
+#define GROUP_TILES 2 /* tiles per work item of the tiled path: run_tile_rows' pairs */
+
+/*
+ * The tiled path's work, called by every thread of a parallel region (an orphaned omp for):
+ * GROUP_TILES tiles of one part per item, unpacked, then run against every activation row.
+ * Returns non-zero when this thread's scratch could not be allocated.
+ */
+static int run_tiled(int fmt, const uint8_t *const *parts, const int64_t *part_rows,
+                     const int64_t *row_start, int num_parts, const int8_t *xq, const float *dx,
+                     const float *sx, const int32_t *zq, int64_t M, int64_t nb, float *out,
+                     int64_t ldo) {
+    const int64_t span = GROUP_TILES * TILE_N, row_bytes = nb * tandem_quant_block_bytes(fmt);
+    int64_t item_end[MAX_PARTS], items = 0;
+    for (int p = 0; p < num_parts; p++) {
+        items += (part_rows[p] + span - 1) / span;
+        item_end[p] = items;
+    }
+    uint8_t *ut = malloc((size_t)(GROUP_TILES * nb * 512 + TILE_N * row_bytes));
+    float *dwt = malloc(sizeof(float) * (size_t)(2 * GROUP_TILES * nb * 16));
+    const int failed = !ut || !dwt;
+    float *cwt = failed ? NULL : dwt + GROUP_TILES * nb * 16;
+#pragma omp for schedule(static)
+    for (int64_t it = 0; it < items; it++) {
+        if (failed) continue;
+        int p = 0;
+        while (it >= item_end[p]) p++;
+        const int64_t r0 = (it - (p ? item_end[p - 1] : 0)) * span;
+        const int64_t rows = part_rows[p] - r0 < span ? part_rows[p] - r0 : span;
+        const int64_t nt = (rows + TILE_N - 1) / TILE_N;
+        for (int64_t j = 0; j < nt; j++) {
+            const uint8_t *src = parts[p] + (r0 + j * TILE_N) * row_bytes;
+            if (rows - j * TILE_N < TILE_N) { /* a part's last rows: zero-padded to a tile */
+                uint8_t *pad = ut + GROUP_TILES * nb * 512;
+                memset(pad, 0, (size_t)(TILE_N * row_bytes));
+                memcpy(pad, src, (size_t)((rows - j * TILE_N) * row_bytes));
+                src = pad;
+            }
+            unpack_tile(fmt, src, row_bytes, nb, ut + j * nb * 512, dwt + j * nb * 16,
+                        cwt + j * nb * 16);
+        }
+        run_tile_rows(ut, dwt, cwt, nt, rows, xq, dx, sx, zq, M, nb, out + row_start[p] + r0,
+                      ldo);
+    }
+    free(ut);
+    free(dwt);
+    return failed;
+}
+
 /*
  * Small batches (M < PANEL_MIN: decode at batch 1-5), AVX512-VNNI: weight rows read straight
  * from the file's blocks, two blocks per 512-bit register, no unpacked copy (batch 1 streams
@@ -701,9 +838,6 @@ static void run_panels_avx2(const uint8_t *u, const float *dw, const float *cw, 
  * holds at least PANEL_MIN rows (fewer run through the row kernels). */
 static int64_t panel_rows(int64_t M, int isa, int fmt) {
     const int64_t mp = M % PANEL >= PANEL_MIN ? M : M - M % PANEL;
-#ifdef HAVE_MICROKERNEL
-    if (isa >= ISA_AVX512) return mp;
-#endif
 #if defined(__AVX2__)
     if (isa == ISA_AVX2 && fmt != FMT_Q8_0) return mp;
 #endif
@@ -722,8 +856,6 @@ static void run_tile(const uint8_t *u, const float *dw, const float *cw, int64_t
         run_panels_avx2(u, dw, cw, rows, xt, dxt, (mp + PANEL - 1) / PANEL, M, K, nb, out, ldo);
 #endif
 #ifdef HAVE_MICROKERNEL
-    if (mp > 0 && isa >= ISA_AVX512)
-        run_panels(u, dw, cw, rows, xt, dxt, 0, (mp + PANEL - 1) / PANEL, M, K, nb, out, ldo);
     float tmp[2 * 4];
     for (; isa >= ISA_AVX512_ROWS && r0 + 4 <= rows; r0 += 4) {
         const uint8_t *ur = u + r0 * K;
@@ -752,7 +884,7 @@ static void run_tile(const uint8_t *u, const float *dw, const float *cw, int64_t
     }
 }
 
-/* Rows [0, mp) of xq/dx interleaved into 16-row panels (layout in PANEL_MICRO); pad rows 0. */
+/* Rows [0, mp) of xq/dx interleaved into 16-row panels (PANEL_AVX2's layout); pad rows 0. */
 static void interleave_panels(const int8_t *xq, const float *dx, const float *sx, int64_t mp,
                               int64_t M, int64_t nb, uint8_t *xt, float *dxt) {
     const int64_t panels = (mp + PANEL - 1) / PANEL, K = nb * QK;
@@ -769,8 +901,6 @@ static void interleave_panels(const int8_t *xq, const float *dx, const float *sx
                 dxt[(p * nb + b) * 2 * PANEL + PANEL + l] = m < M ? sx[m * nb + b] : 0.0f;
             }
 }
-
-#define MAX_PARTS 8
 
 /*
  * out [M, N] (row stride ldo) = x [M, K] @ w^T, where w is num_parts matrices stacked along N
@@ -799,6 +929,7 @@ int tandem_quant_matmul_f32(const float *x, const uint8_t *const *parts, const i
     const int64_t np = (nb + 1) / 2;
     const int64_t padded = (mp + PANEL - 1) / PANEL * PANEL;
     const int direct = isa >= ISA_AVX512 && M < PANEL_MIN;
+    const int tiled = isa >= ISA_AVX512 && M >= PANEL_MIN; /* unpack_tile + run_tile_rows */
     const int gemv = direct && fmt != FMT_Q8_0; /* direct Q4: the 4-block kernel */
     const int64_t ng = (nb + 3) / 4, nc = (nb + 15) / 16;
     int8_t *xp = direct ? malloc((size_t)(M * (gemv ? ng * GEMV_GROUP : np * PAIR))) : NULL;
@@ -807,15 +938,20 @@ int tandem_quant_matmul_f32(const float *x, const uint8_t *const *parts, const i
     int8_t *xq = malloc((size_t)(M * K));
     float *dx = malloc(sizeof(float) * (size_t)(M * nb * LANES));
     float *sx = malloc(sizeof(float) * (size_t)(M * nb));
+    /* Q4_0 / Q8_0 on the tiled path: cw = -z dw, so the cw term joins the integer sum */
+    const int32_t zp = fmt == FMT_Q8_0 ? 128 : fmt == FMT_Q4_0 ? 8 : 0;
+    int32_t *zq = tiled && zp ? malloc(sizeof(int32_t) * (size_t)(M * nb)) : NULL;
     uint8_t *xt = padded ? malloc((size_t)(padded * K)) : NULL;
     float *dxt = padded ? malloc(sizeof(float) * (size_t)(padded * nb * 2)) : NULL;
-    int failed = !xq || !dx || !sx || (padded && (!xt || !dxt)) || (direct && (!xp || !dxp));
+    int failed = !xq || !dx || !sx || (padded && (!xt || !dxt)) || (direct && (!xp || !dxp))
+                 || (tiled && zp && !zq);
     if (failed) goto done;
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
 #pragma omp for schedule(static)
         for (int64_t m = 0; m < M; m++)
-            quantize_row(x + m * K, nb, xq + m * K, dx + m * nb * LANES, sx + m * nb);
+            quantize_row(x + m * K, nb, xq + m * K, dx + m * nb * LANES, sx + m * nb,
+                         zq ? zq + m * nb : NULL, zp);
 #pragma omp single
         {
             if (padded) interleave_panels(xq, dx, sx, mp, M, nb, xt, dxt);
@@ -824,12 +960,16 @@ int tandem_quant_matmul_f32(const float *x, const uint8_t *const *parts, const i
             else if (direct) permute_pairs(fmt, xq, dx, sx, M, nb, xp, dxp);
 #endif
         }
-        uint8_t *u = malloc((size_t)(TILE_N * K));
-        float *dw = malloc(sizeof(float) * (size_t)(TILE_N * nb * LANES));
-        float *cw = malloc(sizeof(float) * (size_t)(TILE_N * nb));
-        if (!u || !dw || !cw) failed = 1;
+#ifdef HAVE_MICROKERNEL
+        if (tiled) failed |= run_tiled(fmt, parts, part_rows, row_start, num_parts, xq, dx, sx, zq,
+                                       M, nb, out, ldo);
+#endif
+        uint8_t *u = tiled ? NULL : malloc((size_t)(TILE_N * K));
+        float *dw = tiled ? NULL : malloc(sizeof(float) * (size_t)(TILE_N * nb * LANES));
+        float *cw = tiled ? NULL : malloc(sizeof(float) * (size_t)(TILE_N * nb));
+        if (!tiled && (!u || !dw || !cw)) failed = 1;
 #pragma omp for schedule(static)
-        for (int64_t t = 0; t < tiles; t++) {
+        for (int64_t t = 0; t < (tiled ? 0 : tiles); t++) {
             if (!u || !dw || !cw) continue;
             int p = 0;
             while (t >= tile_end[p]) p++;
@@ -867,6 +1007,7 @@ done:
     free(xq);
     free(dx);
     free(sx);
+    free(zq);
     return failed ? TANDEM_NO_MEMORY : TANDEM_OK;
 }
 

@@ -110,8 +110,10 @@ def test_parts_equal_concatenated_weight():
     assert torch.equal(quant.quant_matmul(x, parts), quant.quant_matmul(x, whole))
 
 
-def test_thread_count_does_not_change_results():
-    w, x = make_weight("q8_0", 300, 576), torch.randn(7, 576)
+@pytest.mark.parametrize("fmt,rows,batch", [("q8_0", 300, 7), ("q4_1", 1000, 64)])
+def test_thread_count_does_not_change_results(fmt, rows, batch):
+    """Threads split the weight tiles (batch 7: row kernels; 64: 16-row panels)."""
+    w, x = make_weight(fmt, rows, 576, seed=4), torch.randn(batch, 576)
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
