@@ -7,13 +7,16 @@ Three measurements per precision (``--modes dtype:quantization,...``), each in a
   ``import_torch``, ``import_engine``, ``read_gguf`` (header and tensor map),
   ``build_model`` (weights, kernel load), ``kv_cache`` and the rest of the engine,
   ``warm_up``.
-- ``worker_s``: ``python -m services.cli serve decode`` from process start to gRPC health
-  SERVING (a private ``redis-server`` is started once for the run).
-- ``up_s`` (``--up``): ``python -m services.cli up`` from process start to its "Tandem is up"
-  log line (every worker registered, gateway SERVING).
+- ``worker_s`` / ``worker_cpu_s``: ``python -m services.cli serve decode`` from process start
+  to gRPC health SERVING, wall, and the worker's CPU seconds by then (user + system of all its
+  threads, ``/proc/PID/stat``); a private ``redis-server`` is started once for the run.
+- ``unified_s`` / ``unified_cpu_s``: the same for ``serve unified``.
+- ``up_s`` / ``up_cpu_s`` (``--up``): ``python -m services.cli up`` from process start to its
+  "Tandem is up" log line (every worker registered, gateway SERVING), wall, and the CPU
+  seconds of it and its children by then (``up_cpu_by_process``).
 
 Prints a table and writes JSON (``--out``). Compare figures only within one run; on a shared
-machine the CPU-time column is the steadier one.
+machine the CPU-time figures are the steadier ones.
 """
 from __future__ import annotations
 
@@ -93,11 +96,29 @@ def _env(dtype: str, quant: str, threads: int) -> dict[str, str]:
             "TANDEM_NUM_THREADS": str(threads), "TANDEM_NUM_KV_BLOCKS": "1024"}
 
 
-def worker_ready(redis_url: str, dtype: str, quant: str, threads: int, timeout_s: float) -> float:
-    """Seconds from spawning one decode worker to its health check answering SERVING."""
+def _cpu_s(pid: int) -> float:
+    """CPU seconds (user + system, all threads) process ``pid`` has used so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            out += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            pass
+    return out
+
+
+def worker_ready(redis_url: str, dtype: str, quant: str, threads: int, timeout_s: float,
+                 role: str = "decode") -> tuple[float, float]:
+    """(wall seconds, worker CPU seconds) from spawning one ``role`` worker to its health check
+    answering SERVING."""
     port = _free_port()
     t0 = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-m", "services.cli", "serve", "decode",
+    proc = subprocess.Popen([sys.executable, "-m", "services.cli", "serve", role,
                              "--redis-url", redis_url, "--worker-port", str(port)],
                             env=_env(dtype, quant, threads), stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
@@ -108,7 +129,7 @@ def worker_ready(redis_url: str, dtype: str, quant: str, threads: int, timeout_s
             if time.perf_counter() - t0 > timeout_s:
                 raise TimeoutError(f"worker not SERVING within {timeout_s:.0f}s")
             time.sleep(0.02)
-        return time.perf_counter() - t0
+        return time.perf_counter() - t0, _cpu_s(proc.pid)
     finally:
         _stop(proc)
 
@@ -122,8 +143,9 @@ def _stop(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
-def up_ready(dtype: str, quant: str, threads: int, timeout_s: float) -> float:
-    """Seconds from spawning ``tandem up`` to its "Tandem is up" line (own Redis included)."""
+def up_ready(dtype: str, quant: str, threads: int, timeout_s: float) -> tuple[float, dict]:
+    """(wall seconds, {process: CPU seconds}) from spawning ``tandem up`` to its "Tandem is up"
+    line (own Redis included)."""
     t0 = time.perf_counter()
     proc = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--port",
                              str(_free_port())], env=_env(dtype, quant, threads),
@@ -131,7 +153,13 @@ def up_ready(dtype: str, quant: str, threads: int, timeout_s: float) -> float:
     try:
         for line in proc.stderr:
             if "Tandem is up" in line:
-                return time.perf_counter() - t0
+                wall = time.perf_counter() - t0
+                cpu = {"up": _cpu_s(proc.pid)}
+                for child in _children(proc.pid):
+                    argv = Path(f"/proc/{child}/cmdline").read_text().split("\0")
+                    name = argv[argv.index("serve") + 1] if "serve" in argv else Path(argv[0]).name
+                    cpu[f"{name}-{child}"] = _cpu_s(child)
+                return wall, cpu
             if time.perf_counter() - t0 > timeout_s:
                 break
         raise RuntimeError(f"`tandem up` did not report ready (exit {proc.poll()})")
@@ -148,10 +176,15 @@ def run(args) -> dict:
         for spec in args.modes.split(","):
             dtype, quant = spec.split(":")
             row = {"phases": phases(dtype, quant, args.threads, 1024)}
-            row["worker_s"] = [worker_ready(redis.url, dtype, quant, args.threads, args.timeout_s)
-                               for _ in range(args.repeat)]
+            for role in ("decode", "unified"):
+                runs = [worker_ready(redis.url, dtype, quant, args.threads, args.timeout_s, role)
+                        for _ in range(args.repeat)]
+                key = "worker" if role == "decode" else role
+                row[key + "_s"], row[key + "_cpu_s"] = [r[0] for r in runs], [r[1] for r in runs]
             if args.up:
-                row["up_s"] = up_ready(dtype, quant, args.threads, args.timeout_s)
+                row["up_s"], row["up_cpu_by_process"] = up_ready(dtype, quant, args.threads,
+                                                                 args.timeout_s)
+                row["up_cpu_s"] = sum(row["up_cpu_by_process"].values())
             results[spec] = row
             print(json.dumps({spec: row}), flush=True)
     finally:
@@ -162,15 +195,16 @@ def run(args) -> dict:
 def print_table(results: dict) -> None:
     names = list(next(iter(results.values()))["phases"]["phases"])
     print(f"{'mode':<18}" + "".join(f"{n[:12]:>13}" for n in names)
-          + f"{'total':>8}{'worker s':>10}{'up s':>7}")
+          + f"{'total':>8}{'decode':>8}{'unified':>8}{'up':>7}")
+    nan = float("nan")
     for spec, r in results.items():
         ph = r["phases"]
-        for kind in ("wall_s", "cpu_s"):
-            cells = "".join(f"{ph['phases'][n][kind]:>13.2f}" for n in names)
-            total = ph["total_" + kind.split("_")[0] + "_s"]
-            tail = (f"{min(r['worker_s']):>10.2f}{r.get('up_s', float('nan')):>7.2f}"
-                    if kind == "wall_s" else "")
-            print(f"{spec + ' ' + kind[:-2]:<18}{cells}{total:>8.2f}{tail}")
+        for kind in ("wall", "cpu"):
+            cells = "".join(f"{ph['phases'][n][kind + '_s']:>13.2f}" for n in names)
+            suffix = "_s" if kind == "wall" else "_cpu_s"  # min over the repeats
+            tail = (f"{min(r['worker' + suffix]):>8.2f}{min(r['unified' + suffix]):>8.2f}"
+                    f"{r.get('up' + suffix, nan):>7.2f}")
+            print(f"{spec + ' ' + kind:<18}{cells}{ph['total_' + kind + '_s']:>8.2f}{tail}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -41,6 +41,7 @@ from services.supervisor import RestartPolicy, Supervisor, Unit
 log = logging.getLogger(__name__)
 
 STOP_MARGIN_S = 15.0  # beyond a child's drain bound: the gRPC server's stop, process exit
+READY_POLL_S = 0.05  # `up` start: how often it looks for the workers and the gateway's health
 
 
 @dataclass
@@ -201,36 +202,43 @@ class Stack:
 
     def wait_ready(self) -> None:
         """Block until every worker is registered and the gateway reports SERVING (with TLS on
-        the gateway: accepts connections)."""
-        deadline = time.monotonic() + self.opts.ready_timeout_s
-        while not asyncio.run(self._ready()):
-            self.check_alive()
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"stack not ready within {self.opts.ready_timeout_s:.0f}s")
-            time.sleep(0.5)
+        the gateway: accepts connections), looking every ``READY_POLL_S`` over one Redis client
+        and one channel. Raises TimeoutError after ``ready_timeout_s``, RuntimeError when a
+        child exits meanwhile."""
+        asyncio.run(self._wait_ready(time.monotonic() + self.opts.ready_timeout_s))
 
-    async def _ready(self) -> bool:
+    async def _wait_ready(self, deadline: float) -> None:
         redis = aioredis.Redis.from_url(self.redis_url)
+        # NOTE: reconnect quickly: a channel refused before the gateway listens backs off (1 s,
+        # then more by default) and would see it only that much later
+        channel = grpc.aio.insecure_channel(self.address, options=[
+            ("grpc.initial_reconnect_backoff_ms", 50), ("grpc.min_reconnect_backoff_ms", 50),
+            ("grpc.max_reconnect_backoff_ms", 250)])
         try:
-            registry = WorkerRegistry(redis)
-            if len(await registry.list("prefill")) < self.opts.num_prefill:
-                return False
-            if len(await registry.list("decode")) < self.opts.num_decode:
-                return False
-            if len(await registry.list("unified")) < self.opts.num_unified:
-                return False
+            while not await self._ready(WorkerRegistry(redis), channel):
+                self.check_alive()
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"stack not ready within {self.opts.ready_timeout_s:.0f}s")
+                await asyncio.sleep(READY_POLL_S)
+        finally:
+            await channel.close()
+            await redis.aclose()
+
+    async def _ready(self, registry: WorkerRegistry, channel: grpc.aio.Channel) -> bool:
+        try:
+            for role, count in (("prefill", self.opts.num_prefill), ("decode", self.opts.num_decode),
+                                ("unified", self.opts.num_unified)):
+                if count and len(await registry.list(role)) < count:
+                    return False
         except (redis_errors.RedisError, OSError):  # Redis slow or restarting: not ready yet
             return False
-        finally:
-            await redis.aclose()
         if self.settings.gateway.tls_cert_file:  # NOTE: TLS: this process may not trust its CA
             return await listening(self.opts.host, self.opts.port)
-        async with grpc.aio.insecure_channel(f"{self.opts.host}:{self.opts.port}") as channel:
-            try:
-                resp = await health_pb2_grpc.HealthStub(channel).Check(
-                    health_pb2.HealthCheckRequest(), timeout=1.0)
-            except grpc.aio.AioRpcError:
-                return False
+        try:
+            resp = await health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(), timeout=1.0)
+        except grpc.aio.AioRpcError:
+            return False
         return resp.status == health_pb2.HealthCheckResponse.SERVING
 
     def stop(self, timeout_s: float | None = None) -> None:

@@ -14,7 +14,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from services.engine.engine import EngineConfig
+from services.engine.engine_config import EngineConfig
 from services.settings_choices import (  # noqa: F401 - re-exported: callers name them from here
     Device, DType, KVFailurePolicy, KVTransportKind, Layout, LogFormat, LogLevel, Quantization)
 

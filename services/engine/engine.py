@@ -21,16 +21,15 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
 
 from .block_manager import BlockManager
 from .config import KVCacheLayout, ModelConfig
+from .engine_config import EngineConfig  # noqa: F401 - re-exported: callers name it from here
 from .faults import EngineFaults
+from .kv_alloc import zeroed_kv_cache
 from .metrics import EngineMetrics
-from .model_files import default_model_path
 from .model_runner import ModelRunner
 from .outputs import EngineDeadError, RequestOutput
 from .policy import create_scheduler
@@ -43,28 +42,6 @@ from .scheduler import SchedulerConfig, SchedulerOutput
 log = logging.getLogger(__name__)
 
 MAX_STEPS_LOST_ALL = 3  # single-request steps in a row that fail: the engine's fault, not theirs
-
-
-class EngineConfig(BaseModel):
-    """Engine knobs; validated, a bad value raises ``ValueError`` naming the field."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    model: str = Field(default_factory=lambda: str(default_model_path()))  # .gguf or HF dir
-    dtype: str = "float32"  # float32 | bfloat16 | auto
-    quantization: str = "none"  # none | auto | q4_0 | q4_1 | q8_0 (see engine.quantized)
-    device: str = "cpu"
-    block_size: int = Field(default=16, gt=0)  # tokens per KV block
-    num_kv_blocks: int | None = Field(default=None, gt=0)  # overrides kv_cache_memory_gib
-    kv_cache_memory_gib: float = Field(default=1.0, gt=0)
-    max_num_seqs: int = Field(default=64, gt=0)
-    max_num_batched_tokens: int = Field(default=2048, gt=0)
-    max_model_len: int | None = Field(default=None, gt=1)  # default: the model's context
-    scheduling_policy: Literal["continuous", "static"] = "continuous"
-    enable_prefix_caching: bool = True
-    # tokens one prompt chunk may take per step while others wait (scheduler.py); 0: no cap;
-    # None: the role's default (a prefill worker caps, see services/serve.py; otherwise none)
-    long_prefill_token_threshold: int | None = Field(default=None, ge=0)
 
 
 class LLMEngine:
@@ -88,7 +65,7 @@ class LLMEngine:
         num_blocks = config.num_kv_blocks or max(1, int(config.kv_cache_memory_gib * 2**30) // per_block)
         kv_shape = (self.layout.num_layers, 2, num_blocks, config.block_size,
                     self.layout.num_kv_heads, self.layout.head_dim)
-        self.kv_cache = torch.zeros(kv_shape, dtype=dtype, device=config.device)
+        self.kv_cache = zeroed_kv_cache(kv_shape, dtype, config.device)  # zero pages on first touch
         self.max_model_len = min(config.max_model_len or model_config.max_position_embeddings,
                                  model_config.max_position_embeddings)
         self.block_manager = BlockManager(num_blocks, config.block_size)

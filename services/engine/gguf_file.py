@@ -38,13 +38,15 @@ class GGUFTensor:
 
 class GGUFFile:
     """Metadata (``fields``: key -> scalar, string, or list for arrays of scalars; arrays of
-    strings only as their length unless listed in ``read_string_arrays``) and tensors.
+    strings only as their length unless listed in ``read_string_arrays``) and tensors (none
+    with ``read_tensors=False``).
 
     Raises ``ValueError`` for a file that is not GGUF v2/v3 or has a tensor of a type outside
     ``GGML_TYPES`` (named in the message), ``FileNotFoundError`` when ``path`` is missing.
     """
 
-    def __init__(self, path: str | os.PathLike, read_string_arrays: tuple[str, ...] = ()) -> None:
+    def __init__(self, path: str | os.PathLike, read_string_arrays: tuple[str, ...] = (),
+                 read_tensors: bool = True) -> None:
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"GGUF file {path} does not exist")
@@ -62,6 +64,9 @@ class GGUFFile:
         for _ in range(num_kv):
             key = self._string()
             self.fields[key] = self._value(self._read("I"), key in read_string_arrays)
+        if not read_tensors:  # metadata only (a tokenizer): any tensor type is fine
+            self.tensors = []
+            return
         infos = [self._tensor_info() for _ in range(num_tensors)]
         align = int(self.fields.get("general.alignment", 32))
         start = (self._pos + align - 1) // align * align

@@ -6,10 +6,15 @@ from typing import Any
 
 
 def gguf_field(reader: Any, key: str, default: Any = None) -> Any:
-    """Value of metadata ``key`` of a ``gguf.GGUFReader``: str, int, float, bool or a list.
+    """Value of metadata ``key`` of a ``gguf.GGUFReader`` or a ``gguf_file.GGUFFile``: str,
+    int, float, bool or a list (a ``GGUFFile`` gives an array of strings only if it was opened
+    with the key in ``read_string_arrays``, else its length).
 
     Returns ``default`` when the key is absent. Works on every ``gguf`` version (no ``contents()``).
     """
+    field = getattr(reader, "field", None)
+    if field is not None:  # a GGUFFile: values already decoded
+        return field(key, default)
     from gguf import GGUFValueType
 
     field = reader.get_field(key)

@@ -18,6 +18,8 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, proc
 
 from services.engine.gguf_metadata import gguf_field
 
+# the GGUF string arrays the tokenizer reads (``gguf_file.GGUFFile(read_string_arrays=...)``)
+GGUF_STRING_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges")
 _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp's llama_token_type values in tokenizer.ggml.token_type
 # llama.cpp's LLAMA_VOCAB_PRE_TYPE_LLAMA3 split (Llama 3 files say "llama-bpe").
 _LLAMA3_SPLIT = (
@@ -121,16 +123,16 @@ class Tokenizer:
             ValueError: ``tokenizer.ggml.model`` is not ``gpt2`` or ``tokenizer.ggml.pre`` is
                 unsupported (the message names the value).
         """
-        from gguf import GGUFReader
+        from services.engine.gguf_file import GGUFFile  # NOTE: ~10x faster than gguf.GGUFReader
 
         if not Path(path).is_file():
             raise FileNotFoundError(f"GGUF file {path} does not exist")
-        return cls.from_gguf_reader(GGUFReader(path))
+        return cls.from_gguf_reader(GGUFFile(path, GGUF_STRING_ARRAYS, read_tensors=False))
 
     @classmethod
     def from_gguf_reader(cls, reader: Any) -> Tokenizer:
-        """``from_gguf`` over an open ``gguf.GGUFReader`` (parsing a file's header takes
-        seconds: callers that need more of it read it once). Raises ValueError as ``from_gguf``."""
+        """``from_gguf`` over an open ``gguf.GGUFReader`` or ``gguf_file.GGUFFile`` (opened with
+        ``GGUF_STRING_ARRAYS``): callers that need more of the header read it once. Raises ValueError as ``from_gguf``."""
         kind = gguf_field(reader, "tokenizer.ggml.model")
         if kind != "gpt2":
             raise ValueError(f"unsupported tokenizer.ggml.model {kind!r}: only 'gpt2' (byte-level BPE)")

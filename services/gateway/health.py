@@ -2,9 +2,10 @@
 registry lists at least one live prefill and one live decode worker, or one live unified worker
 (it prefills and decodes alone).
 
-Checked every half heartbeat, so ``grpc.health.v1`` follows a change (Redis refusing
-connections, the last worker of a role leaving the registry, recovery) within one heartbeat
-interval; a Redis that hangs is noticed when a check times out, after one more heartbeat (a
+Checked every half heartbeat (every ``NOT_READY_PERIOD_S`` while not ready: a starting stack
+is SERVING as soon as its workers have registered), so ``grpc.health.v1`` follows a change
+(Redis refusing connections, the last worker of a role leaving the registry, recovery) within
+one heartbeat interval; a Redis that hangs is noticed when a check times out, after one more heartbeat (a
 shorter bound made health flap on a loaded machine). Readiness probes, ``tandem up`` and load
 balancers read it.
 """
@@ -26,11 +27,13 @@ SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 REQUIRED_ROLES = ("prefill", "decode")  # or else UNIFIED_ROLE alone
 UNIFIED_ROLE = "unified"
+NOT_READY_PERIOD_S = 0.1  # while not ready (a stack starting), look this often: SERVING sooner
 
 
 class ReadinessMonitor:
     """Sets ``health_servicer``'s status of ``""`` and each of ``service_names`` from
-    ``check()`` every ``heartbeat_s / 2`` seconds, starting NOT_SERVING."""
+    ``check()`` every ``heartbeat_s / 2`` seconds (at most ``NOT_READY_PERIOD_S`` while not
+    ready), starting NOT_SERVING."""
 
     def __init__(self, registry: WorkerRegistry, health_servicer, service_names: Iterable[str],
                  heartbeat_s: float) -> None:
@@ -101,4 +104,5 @@ class ReadinessMonitor:
                 await self.update()
             except Exception:  # noqa: BLE001 — health must keep being checked
                 log.exception("readiness check failed")
-            await asyncio.sleep(max(0.0, self.period_s - (loop.time() - started)))
+            period_s = self.period_s if self.ready else min(self.period_s, NOT_READY_PERIOD_S)
+            await asyncio.sleep(max(0.0, period_s - (loop.time() - started)))

@@ -10,7 +10,7 @@ from typing import Any
 
 from services.engine.gguf_metadata import gguf_field
 from services.engine.model_files import DEFAULT_MODEL_NAME, default_model_path
-from services.engine.tokenizer import Tokenizer
+from services.engine.tokenizer import GGUF_STRING_ARRAYS, Tokenizer
 
 HF_DEFAULT_CONTEXT = 2048  # LlamaConfig's max_position_embeddings default
 
@@ -42,18 +42,20 @@ class ModelCard:
                        int(raw["vocab_size"]))
         if not path.is_file():
             raise FileNotFoundError(f"model path {path} does not exist")
-        from gguf import GGUFReader
+        from services.engine.gguf_file import GGUFFile
 
-        return cls.from_gguf_reader(GGUFReader(path), name)
+        return cls.from_gguf_reader(GGUFFile(path, read_tensors=False), name)
 
     @classmethod
     def from_gguf_reader(cls, reader: Any, name: str) -> ModelCard:
-        """The card from an open ``gguf.GGUFReader``. Raises ValueError as ``load``."""
+        """The card from an open ``gguf.GGUFReader`` or ``gguf_file.GGUFFile``. Raises
+        ValueError as ``load``."""
         arch = gguf_field(reader, "general.architecture")
         context = gguf_field(reader, f"{arch}.context_length")
         vocab = gguf_field(reader, f"{arch}.vocab_size")
-        if vocab is None:
-            vocab = len(gguf_field(reader, "tokenizer.ggml.tokens", []))
+        if vocab is None:  # a GGUFFile gives the length of a string array it did not read
+            tokens = gguf_field(reader, "tokenizer.ggml.tokens", [])
+            vocab = tokens if isinstance(tokens, int) else len(tokens)
         if context is None or not vocab:
             raise ValueError(f"GGUF metadata {arch}.context_length or the vocabulary is missing")
         return cls(name, int(context), int(vocab))
@@ -68,9 +70,11 @@ def load_model_header(path: str | os.PathLike) -> tuple[ModelCard, Tokenizer]:
         return ModelCard.load(path), Tokenizer.load(path)
     if not path.is_file():
         raise FileNotFoundError(f"model path {path} does not exist")
-    from gguf import GGUFReader
+    from services.engine.gguf_file import GGUFFile
 
-    reader = GGUFReader(path)
+    # NOTE: GGUFFile, not gguf.GGUFReader: that one makes a numpy view per vocabulary string
+    # and merge (~200k), seconds of CPU at every gateway start
+    reader = GGUFFile(path, GGUF_STRING_ARRAYS, read_tensors=False)
     return ModelCard.from_gguf_reader(reader, served_model_name(path)), Tokenizer.from_gguf_reader(reader)
 
 

@@ -1,0 +1,36 @@
+"""``EngineConfig``: the engine's knobs, in a module that imports no torch.
+
+The settings tree (``services/settings.py``) is read by every process, the gateway and
+``tandem up``'s own process included; those never run the engine and must not pay
+``import torch`` (about 3 CPU s) to parse their settings. ``services.engine.engine``
+re-exports this class.
+"""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from .model_files import default_model_path
+
+
+class EngineConfig(BaseModel):
+    """Engine knobs; validated, a bad value raises ``ValueError`` naming the field."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    model: str = Field(default_factory=lambda: str(default_model_path()))  # .gguf or HF dir
+    dtype: str = "float32"  # float32 | bfloat16 | auto
+    quantization: str = "none"  # none | auto | q4_0 | q4_1 | q8_0 (see engine.quantized)
+    device: str = "cpu"
+    block_size: int = Field(default=16, gt=0)  # tokens per KV block
+    num_kv_blocks: int | None = Field(default=None, gt=0)  # overrides kv_cache_memory_gib
+    kv_cache_memory_gib: float = Field(default=1.0, gt=0)
+    max_num_seqs: int = Field(default=64, gt=0)
+    max_num_batched_tokens: int = Field(default=2048, gt=0)
+    max_model_len: int | None = Field(default=None, gt=1)  # default: the model's context
+    scheduling_policy: Literal["continuous", "static"] = "continuous"
+    enable_prefix_caching: bool = True
+    # tokens one prompt chunk may take per step while others wait (scheduler.py); 0: no cap;
+    # None: the role's default (a prefill worker caps, see services/serve.py; otherwise none)
+    long_prefill_token_threshold: int | None = Field(default=None, ge=0)
