@@ -9,7 +9,7 @@ holds no literal host or port; it receives these values as constructor arguments
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -48,18 +48,22 @@ ENGINE_HELP = {
     "long_prefill_token_threshold": "most prompt tokens one request computes per step while "
                                     "others wait (0: no cap; default: prefill workers a quarter "
                                     "of max_num_batched_tokens, others no cap)",
+    "step_threads": "threads of a step of at most 8 tokens: auto (timed while serving, one or "
+                    "all of worker.num_threads, whichever is faster) or all",
 }
 ENGINE_NAMES = {"kv_cache_memory_gib": ("TANDEM_KV_CACHE_GIB", "--kv-cache-gib")}
 
 
 class EngineSection(EngineConfig):
     """``EngineConfig`` with closed choices as enums. Every default is ``EngineConfig``'s except
-    precision: a served worker defaults to ``auto`` (the fastest exact-enough combination this
-    machine supports, logged at start), the in-process engine to float32/none (the oracle mode)."""
+    precision and ``step_threads``: a served worker defaults to ``auto`` (the fastest exact-enough
+    combination this machine supports, logged at start; small steps on the thread count timed
+    fastest), the in-process engine to float32/none (the oracle mode) and every thread."""
 
     dtype: DType = DType.auto
     device: Device = Device(EngineConfig.model_fields["device"].default)
     quantization: Quantization = Quantization.auto
+    step_threads: Literal["auto", "all"] = "auto"
 
     def engine_config(self) -> EngineConfig:
         """The plain ``EngineConfig`` the engine takes."""

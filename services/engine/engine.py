@@ -38,6 +38,7 @@ from .request import Request, RequestStatus
 from .sampler import TokenLogprobs
 from .sampling_params import SamplingParams
 from .scheduler import SchedulerConfig, SchedulerOutput
+from .step_threads import StepThreads
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +76,8 @@ class LLMEngine:
                             config.long_prefill_token_threshold or 0),
             self.block_manager,
         )
-        self.runner = ModelRunner(model, self.kv_cache, config.block_size)
+        self.runner = ModelRunner(model, self.kv_cache, config.block_size,
+                                  StepThreads(config.step_threads, torch.get_num_threads()))
         self.metrics = EngineMetrics(max_model_len=self.max_model_len)
         self._faults = EngineFaults() if fault_injection else None
         self._steps_lost_all = 0  # failed steps in a row whose every request failed alone

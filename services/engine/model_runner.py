@@ -6,6 +6,7 @@ last token of each sequence whose prompt (or recompute) completes this step.
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -18,6 +19,7 @@ from .model import LlamaForCausalLM
 from .request import Request
 from .sampler import SamplingMetadata, TokenLogprobs, make_generator, plain_greedy, sample
 from .scheduler import SchedulerOutput
+from .step_threads import StepThreads
 
 
 @dataclass
@@ -37,8 +39,11 @@ def _untimed(phase: str, fn: Callable, *args):
 class ModelRunner:
     """Owns the model and the KV cache tensor; ``execute`` runs one engine step's batch."""
 
-    def __init__(self, model: LlamaForCausalLM, kv_cache: torch.Tensor, block_size: int) -> None:
+    def __init__(self, model: LlamaForCausalLM, kv_cache: torch.Tensor, block_size: int,
+                 step_threads: StepThreads | None = None) -> None:
         self.model = model
+        # threads of each step (step_threads.py); default: torch's, every step
+        self.step_threads = step_threads or StepThreads("all", torch.get_num_threads())
         self.kv_cache = kv_cache  # [num_layers, 2, num_blocks, block_size, kv_heads, head_dim]
         self.block_size = block_size
         self.device = kv_cache.device
@@ -92,10 +97,22 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput, timed: Callable = _untimed,
                 ) -> tuple[list[int | None], list[TokenLogprobs | None]]:
         """One step's model work: ``prepare_inputs`` -> ``forward`` -> ``sample``; returns what
-        ``sample`` does. ``timed(phase, fn, *args)`` runs each phase (the engine times them)."""
+        ``sample`` does. ``timed(phase, fn, *args)`` runs each phase (the engine times them).
+        ``forward`` and ``sample`` run on ``step_threads.choose(num_tokens)`` threads."""
         inputs = timed("prepare_inputs", self.prepare_inputs, out)
-        logits = timed("forward", self.forward, inputs)
-        return timed("sample", self.sample, out, inputs, logits)
+        num_tokens, every = inputs.input_ids.shape[0], self.step_threads.num_threads
+        threads = self.step_threads.choose(num_tokens)
+        if threads != every:
+            torch.set_num_threads(threads)  # the CPU kernels read it per call
+        started = time.perf_counter()
+        try:
+            logits = timed("forward", self.forward, inputs)
+            result = timed("sample", self.sample, out, inputs, logits)
+        finally:
+            if threads != every:
+                torch.set_num_threads(every)
+        self.step_threads.record(num_tokens, threads, time.perf_counter() - started)
+        return result
 
     def prepare_inputs(self, out: SchedulerOutput) -> ModelInputs:
         reqs = out.scheduled

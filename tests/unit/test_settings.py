@@ -31,11 +31,13 @@ OLD_FLAGS = ["--model", "--device", "--dtype", "--block-size", "--kv-cache-gib",
              "--kv-port", "--worker-id", "--kv-transport", "--log-level"]
 
 
-def test_engine_defaults_are_engine_configs_own_but_a_served_worker_picks_its_precision():
+def test_engine_defaults_are_engine_configs_own_but_a_served_worker_picks_precision_and_threads():
     engine = Settings().engine
     assert engine.dtype is DType.auto and engine.quantization is Quantization.auto
-    assert engine.engine_config() == EngineConfig(dtype="auto", quantization="auto")
-    assert (EngineConfig().dtype, EngineConfig().quantization) == ("float32", "none")
+    assert engine.engine_config() == EngineConfig(dtype="auto", quantization="auto",
+                                                  step_threads="auto")
+    assert (EngineConfig().dtype, EngineConfig().quantization, EngineConfig().step_threads) == (
+        "float32", "none", "all")
 
 
 def test_every_old_env_var_and_flag_still_names_a_setting_and_none_twice():

@@ -1,0 +1,77 @@
+"""How many threads a small engine step runs on: measured while serving, not assumed.
+
+A decode step of a few sequences reads every weight once whatever its batch (94 MB for the
+built-in Q4_1 model), in about 150 kernel calls that each split their work across the
+worker's OpenMP team: one fork and one join per call. When other processes share the cores
+(``tandem up`` on a small machine: the gateway, the client, the worker's own event loop), a
+team member that is preempted stalls the rest at every join. Measured on 2 AMD EPYC cores
+(docs/benchmarks.md, 2026-11-23 evening): the served single-stream TPOT was 24 ms on 2 threads
+and 13.6 ms on 1, although in process 2 threads are faster (7.7 against 9.9 ms a step). On
+another machine, or with cores of its own, 2 threads may win; so the engine measures.
+
+``StepThreads("auto")``: steps of at most ``SMALL_STEP_TOKENS`` tokens are timed (wall clock,
+which is what TPOT sees) on one thread and on all, per size bucket, ``FIRST_SAMPLES`` times each
+in turn, and then run on the faster by an exponentially weighted mean; every ``EXPLORE_EVERY``-th small step in a bucket re-times the
+other choice, so a change in load is followed. Larger steps (prefill chunks, big batches) use
+every thread. ``"all"`` always uses every thread (the in-process default: figures that compare
+across runs). Outputs do not depend on the choice: every CPU kernel's result for a row is the
+same whatever its thread count (tests/kernels/test_quant_tiles.py, test_decode_fast_paths.py).
+"""
+from __future__ import annotations
+
+import logging
+
+log = logging.getLogger(__name__)
+
+SMALL_STEP_TOKENS = 8  # the weight-bound regime: the bytes read do not grow with the batch
+EXPLORE_EVERY = 32  # per bucket: at worst one slower step in this many
+EWMA_WEIGHT = 0.2  # of the newest step time
+FIRST_SAMPLES = 4  # steps timed on each choice, in turn, before the first decision (after
+# one more that warms it up and is not counted)
+
+
+class StepThreads:
+    """Picks the thread count of each step (``choose``) and learns from its time (``record``).
+
+    ``mode``: ``"auto"`` or ``"all"``; ``num_threads``: the worker's threads (>= 1). Raises
+    ValueError naming ``step_threads`` for another mode.
+    """
+
+    def __init__(self, mode: str, num_threads: int) -> None:
+        if mode not in ("auto", "all"):
+            raise ValueError(f"step_threads: {mode!r} is not one of auto, all")
+        self.num_threads = num_threads
+        self.options = (1, num_threads) if mode == "auto" and num_threads > 1 else ()
+        self._ms: dict[tuple[int, int], float] = {}  # (bucket, threads) -> mean wall ms
+        self._timed: dict[tuple[int, int], int] = {}  # (bucket, threads) -> steps timed
+        self._steps: dict[int, int] = {}  # bucket -> small steps chosen so far
+        self._decided: set[int] = set()  # buckets whose first choice has been logged
+
+    def choose(self, num_tokens: int) -> int:
+        """Threads for a step of ``num_tokens`` tokens."""
+        if not self.options or num_tokens > SMALL_STEP_TOKENS:
+            return self.num_threads
+        bucket = num_tokens.bit_length()  # 1 | 2-3 | 4-7 | 8 tokens
+        n = self._steps[bucket] = self._steps.get(bucket, 0) + 1
+        timed = [self._timed.get((bucket, t), 0) for t in self.options]
+        if min(timed) <= FIRST_SAMPLES:
+            return self.options[timed.index(min(timed))]
+        fast, slow = sorted(self.options, key=lambda t: self._ms[bucket, t])
+        if bucket not in self._decided:
+            self._decided.add(bucket)
+            lo, hi = 2 ** (bucket - 1), min(2 ** bucket - 1, SMALL_STEP_TOKENS)
+            log.info("steps of %s token(s) run on %d thread(s): %.1f ms against %.1f ms on %d "
+                     "(re-timed every %d steps)", lo if lo == hi else f"{lo}-{hi}", fast,
+                     self._ms[bucket, fast], self._ms[bucket, slow], slow, EXPLORE_EVERY)
+        return slow if n % EXPLORE_EVERY == 0 else fast
+
+    def record(self, num_tokens: int, threads: int, seconds: float) -> None:
+        """The wall time of a step that ran ``num_tokens`` tokens on ``threads`` threads."""
+        if not self.options or num_tokens > SMALL_STEP_TOKENS:
+            return
+        key, ms = (num_tokens.bit_length(), threads), seconds * 1e3
+        n = self._timed[key] = self._timed.get(key, 0) + 1
+        if n == 1:
+            return  # the warm-up step: caches and pages of this choice are cold
+        old = self._ms.get(key, ms)
+        self._ms[key] = old + (1 / (n - 1) if n <= FIRST_SAMPLES + 1 else EWMA_WEIGHT) * (ms - old)

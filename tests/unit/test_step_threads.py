@@ -1,0 +1,107 @@
+"""StepThreads: which thread count small steps run on, learned from their times; and a served
+engine's tokens do not depend on it."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from services.engine.step_threads import (EXPLORE_EVERY, FIRST_SAMPLES, SMALL_STEP_TOKENS,
+                                          StepThreads)
+
+
+def run(chooser: StepThreads, num_tokens: int, ms_by_threads: dict[int, float], steps: int,
+        ) -> list[int]:
+    """Step ``steps`` times; a step on ``t`` threads takes ``ms_by_threads[t]``. The choices."""
+    chosen = []
+    for _ in range(steps):
+        t = chooser.choose(num_tokens)
+        chooser.record(num_tokens, t, ms_by_threads[t] / 1e3)
+        chosen.append(t)
+    return chosen
+
+
+@pytest.mark.parametrize("fast", [1, 4])
+def test_small_steps_settle_on_the_faster_count_and_retime_the_other(fast, caplog):
+    chooser = StepThreads("auto", 4)
+    ms = {1: 10.0, 4: 20.0} if fast == 1 else {1: 20.0, 4: 10.0}
+    warm = 2 * (FIRST_SAMPLES + 1)
+    with caplog.at_level(logging.INFO, logger="services.engine.step_threads"):
+        chosen = run(chooser, 1, ms, warm + 4 * EXPLORE_EVERY)
+    assert sorted(chosen[:warm]) == [1] * (warm // 2) + [4] * (warm // 2)  # each timed in turn
+    after = chosen[warm:]
+    slow = 4 if fast == 1 else 1
+    assert after.count(slow) == 4 and after.count(fast) == len(after) - 4  # one in EXPLORE_EVERY
+    assert [r.getMessage() for r in caplog.records] == [
+        f"steps of 1 token(s) run on {fast} thread(s): 10.0 ms against 20.0 ms on {slow} "
+        f"(re-timed every {EXPLORE_EVERY} steps)"]
+
+
+def test_a_change_in_load_is_followed():
+    chooser = StepThreads("auto", 2)
+    run(chooser, 2, {1: 10.0, 2: 20.0}, 2 * (FIRST_SAMPLES + 1) + EXPLORE_EVERY)
+    assert chooser.choose(2) == 1
+    later = run(chooser, 2, {1: 10.0, 2: 5.0}, 10 * EXPLORE_EVERY)  # 2 threads became faster
+    assert later[-EXPLORE_EVERY:].count(1) == 1  # only the one re-timing step in the window
+
+
+def test_warm_up_step_is_not_counted():
+    chooser = StepThreads("auto", 2)
+    for t, ms in ((1, 500.0), (2, 500.0)):  # the first step of each choice: cold, ignored
+        assert chooser.choose(1) == t
+        chooser.record(1, t, ms / 1e3)
+    run(chooser, 1, {1: 10.0, 2: 12.0}, 2 * FIRST_SAMPLES)
+    assert chooser.choose(1) == 1 and chooser._ms[1, 1] == pytest.approx(10.0)
+
+
+def test_buckets_learn_apart_and_big_steps_use_every_thread():
+    chooser = StepThreads("auto", 2)
+    warm = 2 * (FIRST_SAMPLES + 1)
+    run(chooser, 1, {1: 10.0, 2: 20.0}, warm)
+    run(chooser, 8, {1: 40.0, 2: 20.0}, warm)
+    assert (chooser.choose(1), chooser.choose(8)) == (1, 2)
+    assert chooser.choose(5) in (1, 2) and chooser._timed.get((3, 1)) is None  # 5: bucket 4-7
+    assert chooser.choose(SMALL_STEP_TOKENS + 1) == 2
+    chooser.record(SMALL_STEP_TOKENS + 1, 2, 1.0)
+    assert all(bucket <= SMALL_STEP_TOKENS.bit_length() for bucket, _ in chooser._timed)
+
+
+@pytest.mark.parametrize("mode,threads", [("all", 4), ("auto", 1)])
+def test_all_or_one_thread_never_varies(mode, threads):
+    chooser = StepThreads(mode, threads)
+    assert set(run(chooser, 1, {threads: 1.0}, 100)) == {threads}
+
+
+def test_unknown_mode_names_the_setting():
+    with pytest.raises(ValueError, match="step_threads"):
+        StepThreads("fast", 2)
+
+
+def test_engine_tokens_do_not_depend_on_the_thread_count(gguf_path):
+    """A quantized engine on 2 threads: greedy tokens with small steps timed on 1 and 2
+    threads ("auto", which tries both) equal those with every step on 2 ("all")."""
+    from services.engine.engine import EngineConfig
+    from services.engine.llm import LLM
+    from services.engine.sampling_params import SamplingParams
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        prompts = [[1, 504, 3459, 28, 2], [1, 2524, 314, 253, 1621]]
+        outs = {}
+        for mode in ("all", "auto"):
+            llm = LLM(EngineConfig(model=str(gguf_path), quantization="auto", step_threads=mode,
+                                   num_kv_blocks=64))
+            tried = set()
+            original = llm.engine.runner.step_threads.choose
+            llm.engine.runner.step_threads.choose = lambda n: tried.add(t := original(n)) or t
+            params = SamplingParams(max_tokens=3 * (FIRST_SAMPLES + 1), temperature=0.0,
+                                    ignore_eos=True)
+            outs[mode] = [c.token_ids for c in llm.generate(prompts, params)]
+            outs[mode + "_tried"] = tried
+        assert outs["auto_tried"] == {1, 2} and outs["all_tried"] == {2}
+        assert outs["auto"] == outs["all"]
+    finally:
+        torch.set_num_threads(threads)
