@@ -76,8 +76,9 @@ class LLMEngine:
                             config.long_prefill_token_threshold or 0),
             self.block_manager,
         )
-        self.runner = ModelRunner(model, self.kv_cache, config.block_size,
-                                  StepThreads(config.step_threads, torch.get_num_threads()))
+        threads = StepThreads(config.step_threads if config.device == "cpu" else "all",
+                              torch.get_num_threads())  # CPU threads matter on CPU only
+        self.runner = ModelRunner(model, self.kv_cache, config.block_size, threads)
         self.metrics = EngineMetrics(max_model_len=self.max_model_len)
         self._faults = EngineFaults() if fault_injection else None
         self._steps_lost_all = 0  # failed steps in a row whose every request failed alone
