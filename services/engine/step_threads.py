@@ -11,8 +11,9 @@ another machine, or with cores of its own, 2 threads may win; so the engine meas
 
 ``StepThreads("auto")``: steps of at most ``SMALL_STEP_TOKENS`` tokens are timed (wall clock,
 which is what TPOT sees) on one thread and on all, per size bucket, ``FIRST_SAMPLES`` times each
-in turn, and then run on the faster by an exponentially weighted mean; every ``EXPLORE_EVERY``-th small step in a bucket re-times the
-other choice, so a change in load is followed. Larger steps (prefill chunks, big batches) use
+in turn, and then run on the faster by an exponentially weighted mean; every
+``EXPLORE_EVERY``-th small step in a bucket re-times the other choice, so a change in load is
+followed. Larger steps (prefill chunks, big batches) use
 every thread. ``"all"`` always uses every thread (the in-process default: figures that compare
 across runs). Outputs do not depend on the choice: every CPU kernel's result for a row is the
 same whatever its thread count (tests/kernels/test_quant_tiles.py, test_decode_fast_paths.py).
@@ -44,7 +45,6 @@ class StepThreads:
         self.options = (1, num_threads) if mode == "auto" and num_threads > 1 else ()
         self._ms: dict[tuple[int, int], float] = {}  # (bucket, threads) -> mean wall ms
         self._timed: dict[tuple[int, int], int] = {}  # (bucket, threads) -> steps timed
-        self._steps: dict[int, int] = {}  # bucket -> small steps chosen so far
         self._decided: set[int] = set()  # buckets whose first choice has been logged
 
     def choose(self, num_tokens: int) -> int:
@@ -52,7 +52,6 @@ class StepThreads:
         if not self.options or num_tokens > SMALL_STEP_TOKENS:
             return self.num_threads
         bucket = num_tokens.bit_length()  # 1 | 2-3 | 4-7 | 8 tokens
-        n = self._steps[bucket] = self._steps.get(bucket, 0) + 1
         timed = [self._timed.get((bucket, t), 0) for t in self.options]
         if min(timed) <= FIRST_SAMPLES:
             return self.options[timed.index(min(timed))]
@@ -63,7 +62,7 @@ class StepThreads:
             log.info("steps of %s token(s) run on %d thread(s): %.1f ms against %.1f ms on %d "
                      "(re-timed every %d steps)", lo if lo == hi else f"{lo}-{hi}", fast,
                      self._ms[bucket, fast], self._ms[bucket, slow], slow, EXPLORE_EVERY)
-        return slow if n % EXPLORE_EVERY == 0 else fast
+        return slow if sum(timed) % EXPLORE_EVERY == 0 else fast
 
     def record(self, num_tokens: int, threads: int, seconds: float) -> None:
         """The wall time of a step that ran ``num_tokens`` tokens on ``threads`` threads."""
