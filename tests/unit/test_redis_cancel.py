@@ -33,10 +33,10 @@ class NoHealth:
         pass
 
 
-def run_in_thread(scenario: Callable[[], Awaitable[int]]) -> int:
+def run_in_thread(scenario: Callable[[], Awaitable[bool]]) -> bool:
     """``scenario()``'s result, run by ``asyncio.run`` in a daemon thread; AssertionError when
     it does not finish within ``BOUND_S``."""
-    result: list[int] = []
+    result: list[bool] = []
     errors: list[BaseException] = []
 
     def target() -> None:
@@ -70,36 +70,40 @@ async def stop_within(stop: Awaitable[None], task: asyncio.Task | None) -> None:
     done.pop().result()
 
 
-def test_readiness_drain_ends_the_check_it_cancels(redis_url: str) -> None:
-    async def scenario() -> int:
+def cancels_end(redis_url: str, seed: int,
+                cancel_one: Callable[[WorkerRegistry, int, float], Awaitable[None]]) -> bool:
+    """Run ``cancel_one(registry, i, delay_s)`` ``CANCELS`` times (``delay_s``: a random wait
+    before the stop, under 10 ms) over registered workers, in ``run_in_thread``; whether the
+    Redis client still answers afterwards."""
+    async def scenario() -> bool:
         client, registry = await registered(redis_url)
-        rng = random.Random(0)
+        rng = random.Random(seed)
         try:
-            for _ in range(CANCELS):
-                monitor = ReadinessMonitor(registry, NoHealth(), ["svc"], CHECK_S)
-                await monitor.start()
-                await asyncio.sleep(rng.random() * 0.01)
-                await stop_within(monitor.drain(), monitor._task)
-                assert monitor._task is None and monitor.ready is False
+            for i in range(CANCELS):
+                await cancel_one(registry, i, rng.random() * 0.01)
             return await client.ping()
         finally:
             await client.aclose()
 
-    assert run_in_thread(scenario) is True  # and the client still answers
+    return run_in_thread(scenario)
+
+
+def test_readiness_drain_ends_the_check_it_cancels(redis_url: str) -> None:
+    async def drain_one(registry: WorkerRegistry, i: int, delay_s: float) -> None:
+        monitor = ReadinessMonitor(registry, NoHealth(), ["svc"], CHECK_S)
+        await monitor.start()
+        await asyncio.sleep(delay_s)
+        await stop_within(monitor.drain(), monitor._task)
+        assert monitor._task is None and monitor.ready is False
+
+    assert cancels_end(redis_url, 0, drain_one) is True
 
 
 def test_heartbeater_stop_ends_the_heartbeat_it_cancels(redis_url: str) -> None:
-    async def scenario() -> int:
-        client, registry = await registered(redis_url)
-        rng = random.Random(1)
-        try:
-            for i in range(CANCELS):
-                beats = Heartbeater(registry, lambda i=i: WorkerInfo(f"decode-{i}", "decode", "127.0.0.1:1"))
-                beats.start()
-                await asyncio.sleep(rng.random() * 0.01)
-                await stop_within(beats.stop(), beats._task)
-            return await client.ping()
-        finally:
-            await client.aclose()
+    async def stop_one(registry: WorkerRegistry, i: int, delay_s: float) -> None:
+        beats = Heartbeater(registry, lambda: WorkerInfo(f"decode-{i}", "decode", "127.0.0.1:1"))
+        beats.start()
+        await asyncio.sleep(delay_s)
+        await stop_within(beats.stop(), beats._task)
 
-    assert run_in_thread(scenario) is True
+    assert cancels_end(redis_url, 1, stop_one) is True
