@@ -214,8 +214,9 @@ class Stack:
         channel = grpc.aio.insecure_channel(self.address, options=[
             ("grpc.initial_reconnect_backoff_ms", 50), ("grpc.min_reconnect_backoff_ms", 50),
             ("grpc.max_reconnect_backoff_ms", 250)])
+        registry = WorkerRegistry(redis)
         try:
-            while not await self._ready(WorkerRegistry(redis), channel):
+            while not await self._ready(registry, channel):
                 self.check_alive()
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"stack not ready within {self.opts.ready_timeout_s:.0f}s")

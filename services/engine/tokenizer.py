@@ -132,7 +132,8 @@ class Tokenizer:
     @classmethod
     def from_gguf_reader(cls, reader: Any) -> Tokenizer:
         """``from_gguf`` over an open ``gguf.GGUFReader`` or ``gguf_file.GGUFFile`` (opened with
-        ``GGUF_STRING_ARRAYS``): callers that need more of the header read it once. Raises ValueError as ``from_gguf``."""
+        ``GGUF_STRING_ARRAYS``): callers that need more of the header read it once. Raises
+        ValueError as ``from_gguf``."""
         kind = gguf_field(reader, "tokenizer.ggml.model")
         if kind != "gpt2":
             raise ValueError(f"unsupported tokenizer.ggml.model {kind!r}: only 'gpt2' (byte-level BPE)")

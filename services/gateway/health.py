@@ -5,9 +5,9 @@ registry lists at least one live prefill and one live decode worker, or one live
 Checked every half heartbeat (every ``NOT_READY_PERIOD_S`` while not ready: a starting stack
 is SERVING as soon as its workers have registered), so ``grpc.health.v1`` follows a change
 (Redis refusing connections, the last worker of a role leaving the registry, recovery) within
-one heartbeat interval; a Redis that hangs is noticed when a check times out, after one more heartbeat (a
-shorter bound made health flap on a loaded machine). Readiness probes, ``tandem up`` and load
-balancers read it.
+one heartbeat interval; a Redis that hangs is noticed when a check times out, after one more
+heartbeat (a shorter bound made health flap on a loaded machine). Readiness probes,
+``tandem up`` and load balancers read it.
 """
 from __future__ import annotations
 
