@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 from services.api import worker_pb2, worker_pb2_grpc
@@ -67,9 +69,8 @@ async def serve_worker(opts: WorkerOptions, num_threads: int) -> None:
         opts = dataclasses.replace(opts, internal_secret=read_internal_secret())
     warn_if_open(opts.internal_secret, f"{opts.role} worker")
     await check_redis(opts.redis_url)
-    engine = await asyncio.to_thread(LLMEngine, role_engine_config(opts),
-                                     fault_injection=opts.fault_injection)
-    log.info("%s engine warmed up in %.2fs", opts.role, await asyncio.to_thread(engine.warm_up))
+    engine, warm_up_s = await on_passing_thread(_load_engine, LLMEngine, opts)
+    log.info("%s engine warmed up in %.2fs", opts.role, warm_up_s)
     runtime = WorkerRuntime(opts, engine)
     runtime.metrics = WorkerMetrics(served_model_name(opts.engine.model), opts.role,
                                     runtime.worker_id, engine, lambda: runtime.reservations)
@@ -104,6 +105,27 @@ async def serve_worker(opts: WorkerOptions, num_threads: int) -> None:
     if runtime.died.is_set():
         log.critical("%s worker %s exits: its engine died", opts.role, runtime.worker_id)
         raise SystemExit(EXIT_ENGINE_DIED)
+
+
+def _load_engine(engine_cls, opts: WorkerOptions):
+    """``(engine, warm-up seconds)``: the role's engine, loaded and warmed up."""
+    engine = engine_cls(role_engine_config(opts), fault_injection=opts.fault_injection)
+    return engine, engine.warm_up()
+
+
+async def on_passing_thread(fn, *args):
+    """``fn(*args)`` on a thread of its own that has ended when this returns.
+
+    Why not ``asyncio.to_thread``: an OpenMP thread team belongs to the thread that started it
+    and lives as long as that thread. Loading and warming up start one (torch's and our
+    kernels' parallel regions); on an executor thread it would idle there for good, and once a
+    process holds more OpenMP threads than CPUs, libgomp cuts every barrier's spin to 1,000
+    iterations (its "throttled" spin count) and puts waiting threads to sleep. Every decode step
+    on the engine thread then paid ~150 futex sleeps and wake-ups: 24-28 ms a step on 2 threads
+    of the 2-core machine instead of 9 (docs/benchmarks.md, 2026-11-23 20:00)."""
+    loop = asyncio.get_running_loop()
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-load") as once:
+        return await loop.run_in_executor(once, functools.partial(fn, *args))
 
 
 async def _wait_for_signal_or(signalled: asyncio.Event, event: asyncio.Event) -> None:
