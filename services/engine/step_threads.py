@@ -2,12 +2,16 @@
 
 A decode step of a few sequences reads every weight once whatever its batch (94 MB for the
 built-in Q4_1 model), in about 150 kernel calls that each split their work across the
-worker's OpenMP team: one fork and one join per call. When other processes share the cores
+worker's OpenMP team: a fork and a join per call. When other processes share the cores
 (``tandem up`` on a small machine: the gateway, the client, the worker's own event loop), a
-team member that is preempted stalls the rest at every join. Measured on 2 AMD EPYC cores
-(docs/benchmarks.md, 2026-11-23 evening): the served single-stream TPOT was 24 ms on 2 threads
-and 13.6 ms on 1, although in process 2 threads are faster (7.7 against 9.9 ms a step). On
-another machine, or with cores of its own, 2 threads may win; so the engine measures.
+team member that is preempted stalls the rest at the next join, so the served step costs more
+than in process and a second thread gains less. Measured on 2 AMD EPYC cores
+(docs/benchmarks.md, 2026-11-23, 20:00 sitting): 2 threads won at 1 and 4 streams (8.3 against
+10.6 ms a step at 1, 29 against 41 at 4), and auto's TPOT was 0.1-0.6 ms under "all"'s at 1
+stream and 4-5 ms under at 4 (one run each way, twice; what makes the gap at 4 was not
+profiled). With more load beside the worker, 1 thread can win
+outright; so the engine measures. (The 24 ms served TPOT on 2 threads first blamed on this was
+libgomp's throttled spin: ``services.serve.on_passing_thread``.)
 
 ``StepThreads("auto")``: steps of at most ``SMALL_STEP_TOKENS`` tokens are timed (wall clock,
 which is what TPOT sees) on one thread and on all, per size bucket, ``FIRST_SAMPLES`` times each
