@@ -43,7 +43,7 @@ def test_ctrl_c_stops_every_process():
         assert len(up.children()) == 3  # gateway, prefill, decode
         assert len(up.redis_pids()) == 1
         settings_file = up.settings_file
-        assert up.stop() == 0
+        assert up.stop() == 0, up.log[-4000:]  # the end of the log: what did not stop
     finally:
         up.proc.kill()
     assert processes_mentioning(settings_file) == []

@@ -102,7 +102,7 @@ def test_killed_decode_worker_is_restarted_while_its_streams_migrate():
         assert up.proc.poll() is None, "tandem up stopped"
         assert len(up.children()) == 4  # gateway, prefill-0, decode-0, decode-1
         assert zombies_of(up.proc.pid) == []
-        assert up.stop() == 0
+        assert up.stop() == 0, up.log[-4000:]  # the end of the log: what did not stop
     finally:
         up.proc.kill()
         up.proc.wait()

@@ -24,7 +24,7 @@ def test_tandem_up_serves_openai_http_on_the_port_given():
         r = httpx.post(f"{base}/v1/completions", timeout=300, json={
             "prompt": "The capital of France is", "max_tokens": 3, "temperature": 0, "ignore_eos": True})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
-        assert up.stop() == 0
+        assert up.stop() == 0, up.log[-4000:]  # the end of the log: what did not stop
     finally:
         up.proc.kill()
 

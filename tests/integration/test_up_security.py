@@ -58,7 +58,7 @@ def test_up_with_api_key_requires_it_and_never_prints_it():
         assert refused.returncode == 1 and "UNAUTHENTICATED" in refused.stderr
         assert "API keys required" in up.log
     finally:
-        assert up.stop() == 0
+        assert up.stop() == 0, up.log[-4000:]  # the end of the log: what did not stop
     assert key not in up.log
 
 
@@ -82,4 +82,4 @@ def test_up_with_tls_serves_https_and_grpc_tls(tmp_path):
                 return [m async for m in gateway_pb2_grpc.GatewayStub(ch).Generate(request, timeout=300)]
         assert asyncio.run(run())[-1].usage.completion_tokens == 2
     finally:
-        assert up.stop() == 0
+        assert up.stop() == 0, up.log[-4000:]  # the end of the log: what did not stop
