@@ -89,20 +89,22 @@ class KVReservation(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., transport: _Optional[str] = ..., transport_metadata: _Optional[bytes] = ..., block_ids: _Optional[_Iterable[int]] = ..., lease_s: _Optional[float] = ..., write_token: _Optional[bytes] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
-    __slots__ = ("reservation", "token_ids", "finish_reason", "num_output_tokens", "logprobs", "kv_recomputed")
+    __slots__ = ("reservation", "token_ids", "finish_reason", "num_output_tokens", "logprobs", "kv_recomputed", "num_cached_tokens")
     RESERVATION_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     NUM_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     KV_RECOMPUTED_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     reservation: KVReservation
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: str
     num_output_tokens: int
     logprobs: _containers.RepeatedCompositeFieldContainer[SampledLogprobs]
     kv_recomputed: str
-    def __init__(self, reservation: _Optional[_Union[KVReservation, _Mapping]] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., num_output_tokens: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[SampledLogprobs, _Mapping]]] = ..., kv_recomputed: _Optional[str] = ...) -> None: ...
+    num_cached_tokens: int
+    def __init__(self, reservation: _Optional[_Union[KVReservation, _Mapping]] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., num_output_tokens: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[SampledLogprobs, _Mapping]]] = ..., kv_recomputed: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "destination")

@@ -123,6 +123,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 kv = await trace.kv_wait(outcome, request.kv_failure_policy != FAIL)
                 await self._start(rid, kv, request.kv_failure_policy, queue)
                 recomputed = "" if kv.kind == "landed" else f"{kv.kind}: {kv.why}"
+            computed_here = request.local_prefill or bool(recomputed)  # else: the prefill worker's
             async for outs in _batches(queue):
                 for out in outs:
                     self.rt.check_output(out)  # failed alone, or the engine died: an error
@@ -132,8 +133,9 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                     token_ids=[t for o in outs for t in o.new_token_ids],
                     finish_reason=last.finish_reason or "", num_output_tokens=last.num_output_tokens,
                     logprobs=[logprobs_to_proto(lp) for o in outs for lp in o.logprobs or ()],
-                    kv_recomputed=recomputed)
-                recomputed = ""
+                    kv_recomputed=recomputed,
+                    num_cached_tokens=max(req.num_cached_tokens, 0) if computed_here else 0)
+                recomputed, computed_here = "", False
                 lease.renew()
                 if finished:
                     return

@@ -185,6 +185,8 @@ class GatewayCore:
         clock, code = TokenClock(self.metrics, prepared.arrival_time), "CANCELLED"
         try:
             async for msg in tokens:
+                if msg.num_cached_tokens:  # the worker computed the prompt itself
+                    record.num_cached_tokens = msg.num_cached_tokens
                 response = self._response(prepared, record, text_out, msg)
                 clock.sent(len(msg.token_ids))
                 yield response

@@ -5,6 +5,9 @@ token counts equal the server's records, the plots are PNGs, the unified worker'
 sampled, and a goodput SLO no request can meet gives 0 goodput."""
 from __future__ import annotations
 
+import json
+
+import httpx
 import pytest
 
 from services.launcher import Stack, UpOptions
@@ -68,3 +71,28 @@ def test_unified_workers_load_was_sampled(http_run):
     worker = view["workers"]["unified-0"]
     assert worker["max_running_batch"] >= 1  # it computed prompts and decoded them
     assert 0.0 <= worker["mean_kv_usage"] <= worker["max_kv_usage"] <= 1.0
+
+
+def test_unified_prefix_cache_hits_are_cached_tokens(http_stack):
+    """The unified worker computes the prompt itself, so its hits reach ``usage`` through the
+    decode stream (``DecodeResponse.num_cached_tokens``), not a prefill worker's response."""
+    _, url = http_stack
+    prompt = "Count these for me: " + ", ".join(f"box {i}" for i in range(40))
+    body = {"model": "SmolLM2-135M-Instruct", "prompt": prompt, "max_tokens": 4,
+            "temperature": 0}
+    usages = []
+    for stream in (False, True):  # the second request is the one that can hit
+        r = httpx.post(f"{url}/completions", timeout=60, json={
+            **body, "stream": stream, "stream_options": {"include_usage": True}}
+            if stream else body)
+        assert r.status_code == 200, r.text
+        if stream:
+            last = [line for line in r.text.splitlines() if '"usage"' in line][-1]
+            usages.append(json.loads(last.removeprefix("data: "))["usage"])
+        else:
+            usages.append(r.json()["usage"])
+    n = usages[1]["prompt_tokens"]
+    assert n > 3 * 16
+    # every full block but the one holding the last prompt token (recomputed for its logits)
+    assert usages[1]["prompt_tokens_details"]["cached_tokens"] == (n - 1) // 16 * 16
+    assert usages[0]["prompt_tokens_details"]["cached_tokens"] == 0
