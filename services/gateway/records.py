@@ -32,7 +32,7 @@ class RequestRecord:
         self.calls: list = []  # grpc.aio calls and tasks to this request's workers
         self.aborted = False  # Abort was called
         self.num_output_tokens = 0
-        self.num_cached_tokens = 0  # prompt tokens the prefill worker found in its prefix cache
+        self.num_cached_tokens = 0  # prompt tokens the worker that computed the prompt found cached
         self.finish_reason = ""  # set when the last response went out
         self.error: str | None = None  # set when the request failed
         self._writes: asyncio.Future | None = None  # the latest queued Redis write
@@ -81,7 +81,7 @@ class RequestRecord:
 
     def usage(self, prompt_tokens: int) -> gateway_pb2.Usage:
         """The request's token counts so far (OpenAI's ``usage``; ``cached_tokens``: prefix-cache
-        hits the prefill worker reported)."""
+        hits the worker that computed the prompt reported)."""
         completion = self.num_output_tokens
         return gateway_pb2.Usage(prompt_tokens=prompt_tokens, completion_tokens=completion,
                                  total_tokens=prompt_tokens + completion,
