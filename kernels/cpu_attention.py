@@ -40,7 +40,7 @@ SOURCE = Path(__file__).with_name("csrc") / "paged_decode_attention.c"
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffast-math", "-fPIC", "-std=c11")
 LDFLAGS = ("-shared", "-fopenmp")
 _ERRORS = {1: "a block table entry is outside the KV cache", 2: "a sequence length is outside "
-           "1..(block_table columns x block_size)"}
+           "1..(block_table columns x block_size)", 3: "out of memory for the split context's parts"}
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 
 

@@ -17,6 +17,9 @@ pytestmark = pytest.mark.skipif(
     not (shutil.which("cc") or shutil.which("gcc")), reason="no C compiler on this machine")
 
 LENGTHS = [37, 2, 90, 16, 1, 64, 33, 5, 71, 17, 48, 9, 15, 32, 129]  # 1, block edges, ragged
+# few (sequence, KV head) items: long contexts are cut into parts and merged (split-K); 1100 and
+# 2000 make parts longer than the 64-token minimum, 65 one token past it
+FEW_LONG = [2000, 1, 65, 1100]
 
 
 def decode_batch(block_size=16, num_heads=9, num_kv_heads=3, head_dim=64, lengths=LENGTHS):
@@ -38,14 +41,17 @@ def test_kernel_is_built_and_loaded():
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(2, 2, 8), (6, 2, 8), (9, 3, 64),
                                                              (8, 1, 32)])
-def test_matches_naive_attention(block_size, num_heads, num_kv_heads, head_dim):
-    batch = decode_batch(block_size, num_heads, num_kv_heads, head_dim)
+@pytest.mark.parametrize("lengths", [LENGTHS, FEW_LONG], ids=["many", "few-long"])
+def test_matches_naive_attention(block_size, num_heads, num_kv_heads, head_dim, lengths):
+    batch = decode_batch(block_size, num_heads, num_kv_heads, head_dim, lengths)
     torch.testing.assert_close(run(batch).double(), naive_batch(batch), atol=1e-5, rtol=1e-5)
 
 
-def test_same_bits_for_any_thread_count():
-    """Each (sequence, KV head) is computed by one thread, in a fixed order."""
-    batch = decode_batch()
+@pytest.mark.parametrize("lengths", [LENGTHS, FEW_LONG], ids=["many", "few-long"])
+def test_same_bits_for_any_thread_count(lengths):
+    """Each (sequence, KV head, context part) is computed by one thread, and the parts (cut by
+    the context alone) are merged in a fixed order."""
+    batch = decode_batch(lengths=lengths)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
