@@ -7,7 +7,7 @@
  * shares every K/V row it reads, so each row is loaded from memory once per step. Two passes
  * over the context: scores q.k for the whole context into a per-thread scratch row, then the
  * softmax-weighted sum of V. Items are spread over OpenMP threads dynamically (contexts are
- * ragged). Source: PagedAttention (Kwon et al., SOSP 2023), section 4.1, the decode kernel.
+ * ragged); with few items, contexts are also cut into parts (split-K, below). Source: PagedAttention (Kwon et al., SOSP 2023), section 4.1, the decode kernel.
  */
 #include <math.h>
 #include <stdint.h>
