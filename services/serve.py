@@ -59,7 +59,6 @@ async def serve_worker(opts: WorkerOptions, num_threads: int) -> None:
     ``SystemExit(EXIT_ENGINE_DIED)``."""
     import torch  # NOTE: here, not at the top: the gateway process must not load torch
 
-    from services.engine.engine import LLMEngine
     from services.gateway.model_card import served_model_name
     from services.observability.metrics import MetricsServer, WorkerMetrics
     from services.worker import WorkerRuntime
@@ -69,7 +68,7 @@ async def serve_worker(opts: WorkerOptions, num_threads: int) -> None:
         opts = dataclasses.replace(opts, internal_secret=read_internal_secret())
     warn_if_open(opts.internal_secret, f"{opts.role} worker")
     await check_redis(opts.redis_url)
-    engine, warm_up_s = await on_passing_thread(_load_engine, LLMEngine, opts)
+    engine, warm_up_s = await on_passing_thread(_load_engine, opts)
     log.info("%s engine warmed up in %.2fs", opts.role, warm_up_s)
     runtime = WorkerRuntime(opts, engine)
     runtime.metrics = WorkerMetrics(served_model_name(opts.engine.model), opts.role,
@@ -107,9 +106,11 @@ async def serve_worker(opts: WorkerOptions, num_threads: int) -> None:
         raise SystemExit(EXIT_ENGINE_DIED)
 
 
-def _load_engine(engine_cls, opts: WorkerOptions):
+def _load_engine(opts: WorkerOptions):
     """``(engine, warm-up seconds)``: the role's engine, loaded and warmed up."""
-    engine = engine_cls(role_engine_config(opts), fault_injection=opts.fault_injection)
+    from services.engine.engine import LLMEngine
+
+    engine = LLMEngine(role_engine_config(opts), fault_injection=opts.fault_injection)
     return engine, engine.warm_up()
 
 

@@ -9,18 +9,18 @@ than in process and a second thread gains less. Measured on 2 AMD EPYC cores
 (docs/benchmarks.md, 2026-11-23, 20:00 sitting): 2 threads won at 1 and 4 streams (8.3 against
 10.6 ms a step at 1, 29 against 41 at 4), and auto's TPOT was 0.1-0.6 ms under "all"'s at 1
 stream and 4-5 ms under at 4 (one run each way, twice; what makes the gap at 4 was not
-profiled). With more load beside the worker, 1 thread can win
-outright; so the engine measures. (The 24 ms served TPOT on 2 threads first blamed on this was
-libgomp's throttled spin: ``services.serve.on_passing_thread``.)
+profiled). With more load beside the worker, 1 thread can win outright; so the engine
+measures. (The 24 ms served TPOT on 2 threads first blamed on this was libgomp's throttled
+spin: ``services.serve.on_passing_thread``.)
 
 ``StepThreads("auto")``: steps of at most ``SMALL_STEP_TOKENS`` tokens are timed (wall clock,
 which is what TPOT sees) on one thread and on all, per size bucket, ``FIRST_SAMPLES`` times each
 in turn, and then run on the faster by an exponentially weighted mean; every
 ``EXPLORE_EVERY``-th small step in a bucket re-times the other choice, so a change in load is
-followed. Larger steps (prefill chunks, big batches) use
-every thread. ``"all"`` always uses every thread (the in-process default: figures that compare
-across runs). Outputs do not depend on the choice: every CPU kernel's result for a row is the
-same whatever its thread count (tests/kernels/test_quant_tiles.py, test_decode_fast_paths.py).
+followed. Larger steps (prefill chunks, big batches) use every thread. ``"all"`` always uses
+every thread (the in-process default: figures that compare across runs). Outputs do not depend
+on the choice: every CPU kernel's result for a row is the same whatever its thread count
+(tests/kernels/test_quant_tiles.py, test_decode_fast_paths.py).
 """
 from __future__ import annotations
 
