@@ -168,7 +168,7 @@ class DecodePlan:
         self.num_seqs, self.num_heads, self.num_kv_heads = self.lens.shape[0], num_heads, num_kv_heads
         self.max_len = int(self.lens.max()) if self.num_seqs else 0
         self.scale, self.num_threads = scale, num_threads
-        self.scratch = torch.empty(num_threads, num_heads // num_kv_heads, self.max_len)
+        self.scratch = torch.empty(num_threads, num_heads, self.max_len)
 
     @property
     def kernel_address(self) -> int:

@@ -3,17 +3,21 @@
  * paged cache (no gather, no padding). Built and called by kernels/cpu_attention.py, which
  * documents the contract; the layouts are those of kernels/reference.py.
  *
- * Work item = (sequence, KV head): the item's group of query heads (grouped-query attention)
- * shares every K/V row it reads, so each row is loaded from memory once per step. Two passes
- * over the context: scores q.k for the whole context into a per-thread scratch row, then the
- * softmax-weighted sum of V. Items are spread over OpenMP threads dynamically (contexts are
- * ragged); with few items, contexts are also cut into parts (split-K, below). Source:
- * PagedAttention (Kwon et al., SOSP 2023), section 4.1, the decode kernel.
+ * Work item = (sequence, part of its context), every KV head: a token's K (or V) row of all
+ * KV heads is contiguous in its block, so an item streams whole rows in address order, and
+ * each row is read once for the whole group of query heads that shares it (grouped-query
+ * attention). Two passes over the part: scores q.k into a per-thread scratch row per head,
+ * then the softmax-weighted sum of V. Items are spread over OpenMP threads dynamically
+ * (contexts are ragged); with few sequences, contexts are cut into several parts (split-K,
+ * below). Source: PagedAttention (Kwon et al., SOSP 2023), section 4.1, the decode kernel.
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -23,89 +27,232 @@
 #define TANDEM_BAD_SEQ_LEN 2
 #define TANDEM_NO_MEMORY 3
 
-/* Prefetch one KV head's rows of a block: rows token_stride floats apart, head_dim each. */
-static inline void prefetch_rows(const float *row, int64_t rows, int64_t token_stride,
-                                 int64_t head_dim) {
-    for (int64_t r = 0; r < rows; ++r)
-        for (int64_t d = 0; d < head_dim; d += 16) /* 16 floats: one 64-byte line */
-            __builtin_prefetch(row + r * token_stride + d);
-}
-
-/* The tokens [t0, t0 + *n) of [t0, t_end) that lie in one block: returns their first row of
- * KV head kv_head in cache; prefetches that head's rows of the next block when the range goes
- * on (K/V stream from DRAM at every decode step: -20 to -40% time at 300-1000 tokens). Walking
- * block by block keeps the division out of the per-token loop. */
-static inline const float *block_run(const float *cache, const int64_t *table, int64_t kv_head,
-                                     int64_t t0, int64_t t_end, int64_t head_dim,
-                                     int64_t block_size, int64_t token_stride,
-                                     int64_t block_stride, int64_t *n) {
+/* The tokens [t0, t0 + *n) of [t0, t_end) that lie in one block: returns the row of token t0
+ * (every KV head) in cache, and in *next the first row of the following block when the range
+ * goes on (else NULL). Walking block by block keeps the division out of the per-token loop. */
+static inline const float *block_run(const float *cache, const int64_t *table, int64_t t0,
+                                     int64_t t_end, int64_t block_size, int64_t token_stride,
+                                     int64_t *n, const float **next) {
     const int64_t blk = t0 / block_size, off = t0 - blk * block_size;
+    const int64_t block_stride = block_size * token_stride;
     *n = t_end - t0 < block_size - off ? t_end - t0 : block_size - off;
-    if (t0 + *n < t_end)
-        prefetch_rows(cache + table[blk + 1] * block_stride + kv_head * head_dim, block_size,
-                      token_stride, head_dim);
-    return cache + table[blk] * block_stride + kv_head * head_dim + off * token_stride;
+    *next = t0 + *n < t_end ? cache + table[blk + 1] * block_stride : NULL;
+    return cache + table[blk] * block_stride + off * token_stride;
 }
 
-/* Few work items (batch 1-5 with 3 KV heads) leave threads idle: each item's context is then
+/* Prefetch row i of the next block (K/V stream from DRAM at every decode step and blocks lie
+ * anywhere in the cache: the hardware prefetcher cannot guess the next one). A row per token
+ * keeps the prefetches spread out instead of a burst that fills the miss queue. */
+static inline void prefetch_row(const float *next, int64_t i, int64_t token_stride) {
+    if (next)
+        for (int64_t d = 0; d < token_stride; d += 16) /* 16 floats: one 64-byte line */
+            __builtin_prefetch(next + i * token_stride + d);
+}
+
+/* The two passes over the tokens [t_begin, t_end) of one sequence, every head (query head h
+ * reads KV head h / group; q and os are [num_heads, head_dim]):
+ *   score:  scores[h * stride + t - t_begin] = scale * q[h] . K[t]
+ *   weigh:  os[h] = sum over t of scores[h * stride + t - t_begin] V[t]
+ */
+typedef void (*score_fn)(const float *q, const float *k_cache, const int64_t *table,
+                         int64_t num_kv_heads, int64_t group, int64_t head_dim, int64_t t_begin,
+                         int64_t t_end, int64_t block_size, float scale, float *scores,
+                         int64_t stride);
+typedef void (*weigh_fn)(const float *v_cache, const int64_t *table, int64_t num_kv_heads,
+                         int64_t group, int64_t head_dim, int64_t t_begin, int64_t t_end,
+                         int64_t block_size, const float *scores, int64_t stride, float *os);
+
+/* Any shape, plain loops (vectorised over head_dim by the compiler). */
+static void score_range(const float *q, const float *k_cache, const int64_t *table,
+                        int64_t num_kv_heads, int64_t group, int64_t head_dim, int64_t t_begin,
+                        int64_t t_end, int64_t block_size, float scale, float *scores,
+                        int64_t stride) {
+    const int64_t token_stride = num_kv_heads * head_dim, num_heads = num_kv_heads * group;
+    for (int64_t t0 = t_begin, n; t0 < t_end; t0 += n) {
+        const float *next;
+        const float *kb = block_run(k_cache, table, t0, t_end, block_size, token_stride, &n,
+                                    &next);
+        for (int64_t i = 0; i < n; ++i) {
+            prefetch_row(next, i, token_stride);
+            for (int64_t h = 0; h < num_heads; ++h) {
+                const float *qh = q + h * head_dim;
+                const float *k = kb + i * token_stride + (h / group) * head_dim;
+                float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+                for (int64_t d = 0; d < head_dim; ++d)
+                    dot += qh[d] * k[d];
+                scores[h * stride + t0 - t_begin + i] = dot * scale;
+            }
+        }
+    }
+}
+
+static void weigh_values(const float *v_cache, const int64_t *table, int64_t num_kv_heads,
+                         int64_t group, int64_t head_dim, int64_t t_begin, int64_t t_end,
+                         int64_t block_size, const float *scores, int64_t stride, float *os) {
+    const int64_t token_stride = num_kv_heads * head_dim, num_heads = num_kv_heads * group;
+    memset(os, 0, sizeof(float) * (size_t)(num_heads * head_dim));
+    for (int64_t t0 = t_begin, n; t0 < t_end; t0 += n) {
+        const float *next;
+        const float *vb = block_run(v_cache, table, t0, t_end, block_size, token_stride, &n,
+                                    &next);
+        for (int64_t i = 0; i < n; ++i) {
+            prefetch_row(next, i, token_stride);
+            for (int64_t h = 0; h < num_heads; ++h) {
+                const float p = scores[h * stride + t0 - t_begin + i];
+                const float *v = vb + i * token_stride + (h / group) * head_dim;
+                float *oh = os + h * head_dim;
+#pragma omp simd
+                for (int64_t d = 0; d < head_dim; ++d)
+                    oh[d] += p * v[d];
+            }
+        }
+    }
+}
+
+#if defined(__AVX512F__)
+/*
+ * The same passes with AVX-512 intrinsics for G query heads per KV head and head_dim = 16 C.
+ * The plain loops end each dot product in its own horizontal sum and load and store every
+ * output row again for each token (a store-to-load chain through L1): 3x slower with the
+ * context in cache. Here, block by block and KV head by KV head, the group's queries stay in
+ * registers and a token's G dot products share one horizontal sum of four vectors (hsum4); the
+ * weighted V sum keeps the group's G x C accumulators in registers over a block. Same
+ * products, summed in another order.
+ */
+
+/* Sum of each of 4 vectors -> {sum a, sum b, sum c, sum d}. */
+static inline __m128 hsum4(__m512 a, __m512 b, __m512 c, __m512 d) {
+    const __m256 a8 = _mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1));
+    const __m256 b8 = _mm256_add_ps(_mm512_castps512_ps256(b), _mm512_extractf32x8_ps(b, 1));
+    const __m256 c8 = _mm256_add_ps(_mm512_castps512_ps256(c), _mm512_extractf32x8_ps(c, 1));
+    const __m256 d8 = _mm256_add_ps(_mm512_castps512_ps256(d), _mm512_extractf32x8_ps(d, 1));
+    const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a8, b8), _mm256_hadd_ps(c8, d8));
+    return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+}
+
+#define AVX512_PASSES(G, C)                                                                    \
+    static void score_##G##x##C(const float *q, const float *k_cache, const int64_t *table,    \
+                                int64_t num_kv_heads, int64_t group, int64_t head_dim,         \
+                                int64_t t_begin, int64_t t_end, int64_t block_size,            \
+                                float scale, float *scores, int64_t stride) {                   \
+        const int64_t token_stride = num_kv_heads * 16 * C;                                    \
+        const __m128 sv = _mm_set1_ps(scale);                                                  \
+        (void)group, (void)head_dim;                                                           \
+        for (int64_t t0 = t_begin, n; t0 < t_end; t0 += n) {                                   \
+            const float *next;                                                                 \
+            const float *kb = block_run(k_cache, table, t0, t_end, block_size, token_stride,   \
+                                        &n, &next);                                            \
+            for (int64_t kh = 0; kh < num_kv_heads; ++kh) {                                    \
+                __m512 qv[G][C];                                                               \
+                for (int g = 0; g < G; ++g)                                                    \
+                    for (int c = 0; c < C; ++c)                                                \
+                        qv[g][c] = _mm512_loadu_ps(q + ((kh * G + g) * C + c) * 16);           \
+                float *dst = scores + kh * G * stride + t0 - t_begin;                          \
+                for (int64_t i = 0; i < n; ++i) {                                              \
+                    if (kh == 0) prefetch_row(next, i, token_stride);                          \
+                    const float *k = kb + i * token_stride + kh * 16 * C;                      \
+                    __m512 kv[C];                                                              \
+                    for (int c = 0; c < C; ++c) kv[c] = _mm512_loadu_ps(k + 16 * c);           \
+                    for (int g0 = 0; g0 < G; g0 += 4) {                                        \
+                        __m512 acc[4];                                                         \
+                        for (int j = 0; j < 4; ++j) {                                          \
+                            acc[j] = _mm512_setzero_ps();                                      \
+                            if (g0 + j < G)                                                    \
+                                for (int c = 0; c < C; ++c)                                    \
+                                    acc[j] = _mm512_fmadd_ps(qv[g0 + j][c], kv[c], acc[j]);    \
+                        }                                                                      \
+                        float four[4];                                                         \
+                        _mm_storeu_ps(four, _mm_mul_ps(hsum4(acc[0], acc[1], acc[2], acc[3]),  \
+                                                       sv));                                   \
+                        for (int j = 0; j < 4 && g0 + j < G; ++j)                              \
+                            dst[(g0 + j) * stride + i] = four[j];                              \
+                    }                                                                          \
+                }                                                                              \
+            }                                                                                  \
+        }                                                                                      \
+    }                                                                                          \
+    static void weigh_##G##x##C(const float *v_cache, const int64_t *table,                    \
+                                int64_t num_kv_heads, int64_t group, int64_t head_dim,         \
+                                int64_t t_begin, int64_t t_end, int64_t block_size,            \
+                                const float *scores, int64_t stride, float *os) {              \
+        const int64_t token_stride = num_kv_heads * 16 * C;                                    \
+        (void)group, (void)head_dim;                                                           \
+        memset(os, 0, sizeof(float) * (size_t)(num_kv_heads * G * C * 16));                    \
+        for (int64_t t0 = t_begin, n; t0 < t_end; t0 += n) {                                   \
+            const float *next;                                                                 \
+            const float *vb = block_run(v_cache, table, t0, t_end, block_size, token_stride,   \
+                                        &n, &next);                                            \
+            for (int64_t kh = 0; kh < num_kv_heads; ++kh) {                                    \
+                float *o = os + kh * G * C * 16;                                               \
+                const float *p = scores + kh * G * stride + t0 - t_begin;                      \
+                __m512 acc[G][C];                                                              \
+                for (int g = 0; g < G; ++g)                                                    \
+                    for (int c = 0; c < C; ++c) acc[g][c] = _mm512_loadu_ps(o + (g * C + c) * 16); \
+                for (int64_t i = 0; i < n; ++i) {                                              \
+                    if (kh == 0) prefetch_row(next, i, token_stride);                          \
+                    const float *v = vb + i * token_stride + kh * 16 * C;                      \
+                    __m512 vv[C];                                                              \
+                    for (int c = 0; c < C; ++c) vv[c] = _mm512_loadu_ps(v + 16 * c);           \
+                    for (int g = 0; g < G; ++g) {                                              \
+                        const __m512 pg = _mm512_set1_ps(p[g * stride + i]);                   \
+                        for (int c = 0; c < C; ++c)                                            \
+                            acc[g][c] = _mm512_fmadd_ps(pg, vv[c], acc[g][c]);                 \
+                    }                                                                          \
+                }                                                                              \
+                for (int g = 0; g < G; ++g)                                                    \
+                    for (int c = 0; c < C; ++c) _mm512_storeu_ps(o + (g * C + c) * 16, acc[g][c]); \
+            }                                                                                  \
+        }                                                                                      \
+    }
+
+/* (group, head_dim / 16) pairs with G x C <= 24 accumulators: head_dim 32, 64, 128 */
+AVX512_PASSES(1, 2)
+AVX512_PASSES(1, 4)
+AVX512_PASSES(1, 8)
+AVX512_PASSES(2, 2)
+AVX512_PASSES(2, 4)
+AVX512_PASSES(2, 8)
+AVX512_PASSES(3, 2)
+AVX512_PASSES(3, 4)
+AVX512_PASSES(3, 8)
+AVX512_PASSES(4, 2)
+AVX512_PASSES(4, 4)
+AVX512_PASSES(8, 2)
+#define SHAPE(G, C) {G, 16 * C, score_##G##x##C, weigh_##G##x##C}
+static const struct { int64_t group, head_dim; score_fn score; weigh_fn weigh; } AVX512_SHAPES[] = {
+    SHAPE(1, 2), SHAPE(1, 4), SHAPE(1, 8), SHAPE(2, 2), SHAPE(2, 4), SHAPE(2, 8),
+    SHAPE(3, 2), SHAPE(3, 4), SHAPE(3, 8), SHAPE(4, 2), SHAPE(4, 4), SHAPE(8, 2)};
+#endif
+
+/* The passes for this shape: AVX-512 where compiled in and instantiated, else the loops. */
+static void choose_passes(int64_t group, int64_t head_dim, score_fn *score, weigh_fn *weigh) {
+    *score = score_range;
+    *weigh = weigh_values;
+    (void)group, (void)head_dim;
+#if defined(__AVX512F__)
+    for (size_t i = 0; i < sizeof(AVX512_SHAPES) / sizeof(AVX512_SHAPES[0]); ++i)
+        if (AVX512_SHAPES[i].group == group && AVX512_SHAPES[i].head_dim == head_dim) {
+            *score = AVX512_SHAPES[i].score;
+            *weigh = AVX512_SHAPES[i].weigh;
+        }
+#endif
+}
+
+/* Few work items (batch 1-15) leave threads idle or unbalanced: each sequence's context is then
  * cut into up to MAX_PARTS parts of whole blocks, attended separately (local max, sum and
  * unnormalised output) and merged, as flash-decoding's split-K (Dao et al., "Flash-Decoding
  * for long-context inference", 2023). The cut depends on the context only, never on the
  * thread count, so a row's result is the same on any number of threads. */
-#define SPLIT_BELOW_ITEMS 16
+#define SPLIT_BELOW_SEQS 16
 #define MAX_PARTS 16
 #define MIN_PART_TOKENS 64
 
-/* Scores of query heads qs[0..group) against K rows [t_begin, t_end) of one KV head, scaled,
- * into scores[g * stride + t - t_begin]; returns nothing. */
-static void score_range(const float *qs, const float *k_cache, const int64_t *table,
-                        int64_t kv_head, int64_t t_begin, int64_t t_end, int64_t group,
-                        int64_t head_dim, int64_t block_size, int64_t token_stride,
-                        int64_t block_stride, float scale, float *scores, int64_t stride) {
-    for (int64_t t0 = t_begin, n; t0 < t_end; t0 += n) {
-        const float *kb = block_run(k_cache, table, kv_head, t0, t_end, head_dim, block_size,
-                                    token_stride, block_stride, &n);
-        for (int64_t i = 0; i < n; ++i) {
-            const float *k = kb + i * token_stride;
-            for (int64_t g = 0; g < group; ++g) {
-                const float *qg = qs + g * head_dim;
-                float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-                for (int64_t d = 0; d < head_dim; ++d)
-                    dot += qg[d] * k[d];
-                scores[g * stride + t0 - t_begin + i] = dot * scale;
-            }
-        }
-    }
-}
 
-/* os[g] = sum over t in [t_begin, t_end) of p[g][t] V[t] (os zeroed first), p read from
- * scores as score_range wrote them. */
-static void weigh_values(const float *v_cache, const int64_t *table, int64_t kv_head,
-                         int64_t t_begin, int64_t t_end, int64_t group, int64_t head_dim,
-                         int64_t block_size, int64_t token_stride, int64_t block_stride,
-                         const float *scores, int64_t stride, float *os) {
-    memset(os, 0, sizeof(float) * group * head_dim);
-    for (int64_t t0 = t_begin, n; t0 < t_end; t0 += n) {
-        const float *vb = block_run(v_cache, table, kv_head, t0, t_end, head_dim, block_size,
-                                    token_stride, block_stride, &n);
-        for (int64_t i = 0; i < n; ++i) {
-            const float *v = vb + i * token_stride;
-            for (int64_t g = 0; g < group; ++g) {
-                const float p = scores[g * stride + t0 - t_begin + i];
-                float *og = os + g * head_dim;
-#pragma omp simd
-                for (int64_t d = 0; d < head_dim; ++d)
-                    og[d] += p * v[d];
-            }
-        }
-    }
-}
-
-/* The parts of a context of len tokens: whole blocks each, at least MIN_PART_TOKENS, at most
- * MAX_PARTS of them; 1 when the items alone fill the threads. */
-static int64_t part_tokens(int64_t len, int64_t items, int64_t block_size) {
-    if (items >= SPLIT_BELOW_ITEMS) return len;
+/* The tokens per part of a context of len tokens: whole blocks each, at least MIN_PART_TOKENS,
+ * at most MAX_PARTS parts; the whole context when the sequences alone fill the threads. */
+static int64_t part_tokens(int64_t len, int64_t num_seqs, int64_t block_size) {
+    if (num_seqs >= SPLIT_BELOW_SEQS) return len;
     int64_t per = (len + MAX_PARTS - 1) / MAX_PARTS;
     per = per < MIN_PART_TOKENS ? MIN_PART_TOKENS : per;
     return (per + block_size - 1) / block_size * block_size;
@@ -118,14 +265,12 @@ int tandem_paged_decode_attention_f32(
     const int64_t *block_tables, /* [num_seqs, max_blocks] */
     const int64_t *seq_lens,     /* [num_seqs] */
     float *out,                  /* [num_seqs, num_heads, head_dim] */
-    float *scratch,              /* [num_threads, num_heads / num_kv_heads, max_seq_len] */
+    float *scratch,              /* [num_threads, num_heads, max_seq_len] */
     int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
     int64_t num_blocks, int64_t block_size, int64_t max_blocks, int64_t max_seq_len,
     float scale, int num_threads)
 {
-    const int64_t group = num_heads / num_kv_heads;
-    const int64_t token_stride = num_kv_heads * head_dim;
-    const int64_t block_stride = block_size * token_stride;
+    const int64_t group = num_heads / num_kv_heads, row = num_heads * head_dim;
 
     /* Validate first: a bad block id must not become an out-of-bounds read. */
     for (int64_t s = 0; s < num_seqs; ++s) {
@@ -137,20 +282,23 @@ int tandem_paged_decode_attention_f32(
             if (table[b] < 0 || table[b] >= num_blocks)
                 return TANDEM_BAD_BLOCK_ID;
     }
+    score_fn score;
+    weigh_fn weigh;
+    choose_passes(group, head_dim, &score, &weigh);
 
-    const int64_t items = num_seqs * num_kv_heads;
     int64_t max_parts = 1;
     for (int64_t s = 0; s < num_seqs; ++s) {
-        const int64_t per = part_tokens(seq_lens[s], items, block_size);
+        const int64_t per = part_tokens(seq_lens[s], num_seqs, block_size);
         const int64_t parts = (seq_lens[s] + per - 1) / per;
         max_parts = parts > max_parts ? parts : max_parts;
     }
-    /* split: per (item, part) the unnormalised output [group, head_dim], max and sum [group] */
+    /* split: per (sequence, part) the unnormalised output [num_heads, head_dim], and the
+     * max and sum of each head's scores [num_heads] */
     float *part_out = NULL, *part_max = NULL, *part_sum = NULL;
     if (max_parts > 1) {
-        part_out = malloc(sizeof(float) * (size_t)(items * max_parts * group * head_dim));
-        part_max = malloc(sizeof(float) * (size_t)(items * max_parts * group));
-        part_sum = malloc(sizeof(float) * (size_t)(items * max_parts * group));
+        part_out = malloc(sizeof(float) * (size_t)(num_seqs * max_parts * row));
+        part_max = malloc(sizeof(float) * (size_t)(num_seqs * max_parts * num_heads));
+        part_sum = malloc(sizeof(float) * (size_t)(num_seqs * max_parts * num_heads));
         if (!part_out || !part_max || !part_sum) {
             free(part_out);
             free(part_max);
@@ -162,78 +310,71 @@ int tandem_paged_decode_attention_f32(
 #pragma omp parallel num_threads(num_threads)
     {
 #ifdef _OPENMP
-        float *scores = scratch + (int64_t)omp_get_thread_num() * group * max_seq_len;
+        float *scores = scratch + (int64_t)omp_get_thread_num() * num_heads * max_seq_len;
 #else
         float *scores = scratch;
 #endif
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t work = 0; work < items * max_parts; ++work) {
-            const int64_t item = work / max_parts, part = work % max_parts;
-            const int64_t s = item / num_kv_heads, kv_head = item % num_kv_heads;
-            const int64_t len = seq_lens[s], per = part_tokens(len, items, block_size);
+        for (int64_t work = 0; work < num_seqs * max_parts; ++work) {
+            const int64_t s = work / max_parts, part = work % max_parts;
+            const int64_t len = seq_lens[s], per = part_tokens(len, num_seqs, block_size);
             const int64_t t_begin = part * per;
             if (t_begin >= len) continue;  /* a shorter sequence than the longest: no such part */
             const int64_t t_end = t_begin + per < len ? t_begin + per : len, n = t_end - t_begin;
             const int64_t *table = block_tables + s * max_blocks;
-            /* this item's query heads are contiguous: kv_head * group ... + group - 1 */
-            const float *qs = q + (s * num_heads + kv_head * group) * head_dim;
-            score_range(qs, k_cache, table, kv_head, t_begin, t_end, group, head_dim, block_size,
-                        token_stride, block_stride, scale, scores, n);
+            score(q + s * row, k_cache, table, num_kv_heads, group, head_dim, t_begin, t_end,
+                  block_size, scale, scores, n);
             const int whole = n == len;  /* one part: normalise here, as the unsplit kernel */
-            for (int64_t g = 0; g < group; ++g) {
-                float *row = scores + g * n;
-                float max = row[0];
+            for (int64_t h = 0; h < num_heads; ++h) {
+                float *sc = scores + h * n;
+                float max = sc[0];
                 for (int64_t t = 1; t < n; ++t)
-                    max = row[t] > max ? row[t] : max;
+                    max = sc[t] > max ? sc[t] : max;
                 float sum = 0.0f;
                 for (int64_t t = 0; t < n; ++t) {
-                    row[t] = expf(row[t] - max);
-                    sum += row[t];
+                    sc[t] = expf(sc[t] - max);
+                    sum += sc[t];
                 }
                 if (whole) {
                     const float inv = 1.0f / sum;
                     for (int64_t t = 0; t < n; ++t)
-                        row[t] *= inv;
+                        sc[t] *= inv;
                 } else {
-                    part_max[(item * max_parts + part) * group + g] = max;
-                    part_sum[(item * max_parts + part) * group + g] = sum;
+                    part_max[work * num_heads + h] = max;
+                    part_sum[work * num_heads + h] = sum;
                 }
             }
-            float *os = whole ? out + (s * num_heads + kv_head * group) * head_dim
-                              : part_out + (item * max_parts + part) * group * head_dim;
-            weigh_values(v_cache, table, kv_head, t_begin, t_end, group, head_dim, block_size,
-                         token_stride, block_stride, scores, n, os);
+            weigh(v_cache, table, num_kv_heads, group, head_dim, t_begin, t_end, block_size,
+                  scores, n, whole ? out + s * row : part_out + work * row);
         }
         if (max_parts > 1) {
             /* merge the parts (after the loop's barrier): out = sum_p e^(m_p - M) o_p /
              * sum_p e^(m_p - M) l_p, parts in order */
 #pragma omp for schedule(static)
-            for (int64_t item = 0; item < items; ++item) {
-                const int64_t s = item / num_kv_heads, kv_head = item % num_kv_heads;
-                const int64_t len = seq_lens[s], per = part_tokens(len, items, block_size);
+            for (int64_t s = 0; s < num_seqs; ++s) {
+                const int64_t len = seq_lens[s], per = part_tokens(len, num_seqs, block_size);
                 const int64_t parts = (len + per - 1) / per;
                 if (parts == 1) continue;  /* written in place above */
-                float *os = out + (s * num_heads + kv_head * group) * head_dim;
-                for (int64_t g = 0; g < group; ++g) {
-                    const float *m = part_max + item * max_parts * group + g;
-                    const float *l = part_sum + item * max_parts * group + g;
+                for (int64_t h = 0; h < num_heads; ++h) {
+                    const float *m = part_max + s * max_parts * num_heads + h;
+                    const float *l = part_sum + s * max_parts * num_heads + h;
                     float M = m[0];
                     for (int64_t p = 1; p < parts; ++p)
-                        M = m[p * group] > M ? m[p * group] : M;
-                    float total = 0.0f, *og = os + g * head_dim;
-                    memset(og, 0, sizeof(float) * head_dim);
+                        M = m[p * num_heads] > M ? m[p * num_heads] : M;
+                    float total = 0.0f, *oh = out + s * row + h * head_dim;
+                    memset(oh, 0, sizeof(float) * head_dim);
                     for (int64_t p = 0; p < parts; ++p) {
-                        const float w = expf(m[p * group] - M);
-                        const float *o = part_out + ((item * max_parts + p) * group + g) * head_dim;
-                        total += w * l[p * group];
+                        const float w = expf(m[p * num_heads] - M);
+                        const float *o = part_out + (s * max_parts + p) * row + h * head_dim;
+                        total += w * l[p * num_heads];
 #pragma omp simd
                         for (int64_t d = 0; d < head_dim; ++d)
-                            og[d] += w * o[d];
+                            oh[d] += w * o[d];
                     }
                     const float inv = 1.0f / total;
 #pragma omp simd
                     for (int64_t d = 0; d < head_dim; ++d)
-                        og[d] *= inv;
+                        oh[d] *= inv;
                 }
             }
         }
