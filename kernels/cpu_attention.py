@@ -69,7 +69,8 @@ def build(compiler: str | None = None) -> Path:
 
 def build_shared_library(source: Path, compiler: str | None = None) -> Path:
     """Compile the C file ``source`` with ``CFLAGS``/``LDFLAGS`` into a shared library cached in
-    ``cache_dir()`` under a hash of the source, the flags and this CPU; returns its path.
+    ``cache_dir()`` under a hash of the source, the headers beside it (``csrc/*.h``), the flags
+    and this CPU; returns its path.
 
     Raises ``RuntimeError`` (with the compiler's output) when no compiler is found or the build
     fails. Safe under concurrent builds: each compiles to a temporary file and renames it.
@@ -77,7 +78,9 @@ def build_shared_library(source: Path, compiler: str | None = None) -> Path:
     cc = compiler or os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not cc:
         raise RuntimeError("no C compiler found (set $CC, or install gcc)")
-    key = hashlib.sha256(b"\0".join([source.read_bytes(), " ".join((cc, *CFLAGS, *LDFLAGS)).encode(),
+    headers = [h.read_bytes() for h in sorted(source.parent.glob("*.h"))]
+    key = hashlib.sha256(b"\0".join([source.read_bytes(), *headers,
+                                     " ".join((cc, *CFLAGS, *LDFLAGS)).encode(),
                                      _cpu_id().encode()])).hexdigest()[:16]
     target = cache_dir() / f"{source.stem}-{key}.so"
     if target.exists():

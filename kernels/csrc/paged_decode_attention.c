@@ -15,9 +15,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "simd_sums.h"
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -110,7 +108,7 @@ static void weigh_values(const float *v_cache, const int64_t *table, int64_t num
     }
 }
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
 /*
  * The same passes with AVX-512 intrinsics for G query heads per KV head and head_dim = 16 C.
  * The plain loops end each dot product in its own horizontal sum and load and store every
@@ -120,16 +118,6 @@ static void weigh_values(const float *v_cache, const int64_t *table, int64_t num
  * weighted V sum keeps the group's G x C accumulators in registers over a block. Same
  * products, summed in another order.
  */
-
-/* Sum of each of 4 vectors -> {sum a, sum b, sum c, sum d}. */
-static inline __m128 hsum4(__m512 a, __m512 b, __m512 c, __m512 d) {
-    const __m256 a8 = _mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1));
-    const __m256 b8 = _mm256_add_ps(_mm512_castps512_ps256(b), _mm512_extractf32x8_ps(b, 1));
-    const __m256 c8 = _mm256_add_ps(_mm512_castps512_ps256(c), _mm512_extractf32x8_ps(c, 1));
-    const __m256 d8 = _mm256_add_ps(_mm512_castps512_ps256(d), _mm512_extractf32x8_ps(d, 1));
-    const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a8, b8), _mm256_hadd_ps(c8, d8));
-    return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
-}
 
 #define AVX512_PASSES(G, C)                                                                    \
     static void score_##G##x##C(const float *q, const float *k_cache, const int64_t *table,    \
@@ -230,7 +218,7 @@ static void choose_passes(int64_t group, int64_t head_dim, score_fn *score, weig
     *score = score_range;
     *weigh = weigh_values;
     (void)group, (void)head_dim;
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
     for (size_t i = 0; i < sizeof(AVX512_SHAPES) / sizeof(AVX512_SHAPES[0]); ++i)
         if (AVX512_SHAPES[i].group == group && AVX512_SHAPES[i].head_dim == head_dim) {
             *score = AVX512_SHAPES[i].score;

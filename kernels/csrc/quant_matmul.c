@@ -43,6 +43,7 @@
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
+#include "simd_sums.h"
 
 #define QK 32
 #define LANES 8 /* a block's scale is repeated over 8 float lanes (one ymm of block sums) */
@@ -229,16 +230,6 @@ static float dot_blocks(const uint8_t *u, const float *dw, const int8_t *q, cons
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define HAVE_MICROKERNEL 1
-/* Sum of each of 4 float vectors -> one __m128 {sum a, sum b, sum c, sum d}. */
-static inline __m128 hsum4(__m512 a, __m512 b, __m512 c, __m512 d) {
-    __m256 a8 = _mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1));
-    __m256 b8 = _mm256_add_ps(_mm512_castps512_ps256(b), _mm512_extractf32x8_ps(b, 1));
-    __m256 c8 = _mm256_add_ps(_mm512_castps512_ps256(c), _mm512_extractf32x8_ps(c, 1));
-    __m256 d8 = _mm256_add_ps(_mm512_castps512_ps256(d), _mm512_extractf32x8_ps(d, 1));
-    __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a8, b8), _mm256_hadd_ps(c8, d8));
-    return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
-}
-
 /*
  * 4 weight rows (u, dw with row strides K and nb * LANES) x MR activation rows (MR = 1 or 2):
  * out[i][r] = sum_b dw_rb dx_ib sum(u_rb q_ib). Two blocks per 512-bit register; an odd last

@@ -2,6 +2,7 @@
 float64 attention, its argument checks, its build, and the engine's CPU dispatch to it."""
 from __future__ import annotations
 
+import ctypes
 import shutil
 
 import pytest
@@ -112,6 +113,20 @@ def test_build_is_cached_and_reports_compiler_errors(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="building paged_decode_attention.c failed"):
         cpu_attention.build(compiler="false")
     assert sorted(p.name for p in (tmp_path / "kernels").iterdir()) == [first.name]  # no debris
+
+
+def test_a_changed_header_gets_a_new_build(tmp_path, monkeypatch):
+    """The kernels include ``csrc/simd_sums.h``: a cached build must not outlive a change to it."""
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path / "cache"))
+    src = tmp_path / "csrc"
+    src.mkdir()
+    (src / "kernel.c").write_text('#include "value.h"\nint tandem_value(void) { return VALUE; }\n')
+    built = []
+    for value in (1, 2):
+        (src / "value.h").write_text(f"#define VALUE {value}\n")
+        built.append(cpu_attention.build_shared_library(src / "kernel.c"))
+        assert ctypes.CDLL(str(built[-1])).tandem_value() == value
+    assert built[0] != built[1]
 
 
 def test_engine_cpu_dispatch_splits_decode_and_prefill(monkeypatch):
