@@ -1,13 +1,15 @@
-"""Matrix products on llama.cpp's quantized weight blocks (Q4_0, Q4_1, Q8_0), read in place.
+"""Matrix products on llama.cpp's GGUF weight formats (Q4_0, Q4_1, Q8_0, F32), read in place.
 
 A ``QuantizedWeight`` holds a ``[out_features, in_features]`` matrix as the GGUF file stores
-it: per row, ``in_features / 32`` blocks of 18 (Q4_0), 20 (Q4_1) or 34 (Q8_0) bytes; nothing is
-expanded to float32. ``quant_matmul`` runs the C kernel ``csrc/quant_matmul.c`` (OpenMP;
-AVX512-VNNI, AVX2 or scalar, picked by the build for the CPU it runs on): activations are
-quantized to int8 per 32-element block and multiplied with integer dot products, llama.cpp's
-method (ggml-cpu ``quants.c``, ``ggml_vec_dot_q4_1_q8_1`` and friends). The error against
-dequantize-then-matmul in float32 is the activation rounding: at most ``dx / 2`` per element,
-``dx = max|x_block| / 127`` (see ``activation_error_bound``).
+it: per row, ``in_features / 32`` blocks of 18 (Q4_0), 20 (Q4_1), 34 (Q8_0) or 128 (F32: 32
+plain floats, not quantized) bytes; nothing is expanded to float32. ``quant_matmul`` runs the C
+kernel ``csrc/quant_matmul.c`` (OpenMP; AVX512-VNNI, AVX2 or scalar, picked by the build for
+the CPU it runs on). For the quantized formats, activations are quantized to int8 per
+32-element block and multiplied with integer dot products, llama.cpp's method (ggml-cpu
+``quants.c``, ``ggml_vec_dot_q4_1_q8_1`` and friends); the error against
+dequantize-then-matmul is the activation rounding: at most ``dx / 2`` per element,
+``dx = max|x_block| / 127`` (see ``activation_error_bound``). F32 rows are multiplied in
+float32 (ggml's ``ggml_vec_dot_f32``): only the float32 sums' rounding.
 
 The kernel is built on first use like ``kernels.cpu_attention`` (same compiler, flags and
 cache directory, keyed by source, flags and CPU). Without a compiler the functions fall back to
@@ -32,8 +34,9 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "quant_matmul.c"
 BLOCK = 32  # elements per block in every supported format
-# format name -> (kernel code, bytes per block of 32 elements)
-FORMATS = {"q4_0": (0, 18), "q4_1": (1, 20), "q8_0": (2, 34)}
+# format name -> (kernel code, bytes per block of 32 elements); "f32" is not quantized
+FORMATS = {"q4_0": (0, 18), "q4_1": (1, 20), "q8_0": (2, 34), "f32": (3, 128)}
+QUANTIZED = ("q4_0", "q4_1", "q8_0")  # the formats whose activations are quantized to int8
 _ERRORS = {1: "unknown block format", 2: "bad shape (in_features must be a positive multiple "
            "of 32; row ids inside the matrix)", 3: "out of memory for the kernel's scratch"}
 _I64, _PTR, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
@@ -234,7 +237,9 @@ def _part_arrays(parts: tuple[tuple[int, int], ...]) -> tuple[ctypes.Array, ctyp
 def block_scales(weight: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor]:
     """Per block ``(d, c)`` float32 ``[out_features, in_features // 32]`` with
     ``w = d * u + c`` for the kernel's unsigned ``u`` (Q4: 0..15, Q8_0: 0..255), read from the
-    blocks' fp16 fields."""
+    blocks' fp16 fields. Raises ``ValueError`` naming ``fmt`` for F32 (no block scales)."""
+    if weight.fmt not in QUANTIZED:
+        raise ValueError(f"fmt: {weight.fmt} weights have no block scales")
     nb, nbytes = weight.in_features // BLOCK, FORMATS[weight.fmt][1]
     raw = weight.data.reshape(weight.out_features, nb, nbytes)
     d = raw[..., 0:2].contiguous().view(torch.float16).squeeze(-1).float()
@@ -254,9 +259,15 @@ def activation_error_bound(x: torch.Tensor, weight: QuantizedWeight) -> torch.Te
     ``d_w dx sum(u q)`` and ``c_w dx sum(q)``: at most ``gamma * sum_b |terms|`` with
     ``gamma = (K / 32 + 4) * 2 * 2^-24`` (Higham, Accuracy and Stability of Numerical
     Algorithms, 2nd ed., section 3.1: a sum of n products errs by at most gamma_n sum |terms|).
+    F32 weights have only (2): the kernel sums 16 lanes over ``K / 16`` steps, then the 16
+    lanes, so ``gamma_n`` with ``n = K / 16 + 16`` times ``|x| @ |W|^T``.
     """
     x = x.reshape(-1, x.shape[-1]).float()
     m, k = x.shape
+    if weight.fmt == "f32":
+        n = k // 16 + 16
+        gamma = n * 2.0**-24 / (1 - n * 2.0**-24)
+        return gamma * (x.abs().double() @ dequantize(weight).abs().double().T).float()
     nb = k // BLOCK
     dx = x.abs().reshape(m, nb, BLOCK).amax(-1) / 127.0  # [M, nb]
     w = dequantize(weight)

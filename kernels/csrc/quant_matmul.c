@@ -6,6 +6,7 @@
  *   Q4_0 (18 bytes): fp16 d, 16 bytes of nibbles;      w = d * (q - 8)
  *   Q4_1 (20 bytes): fp16 d, fp16 m, 16 bytes nibbles; w = d * q + m
  *   Q8_0 (34 bytes): fp16 d, 32 int8;                  w = d * q
+ *   F32 (128 bytes): 32 float32 (not quantized; its own float kernel, f32_matmul)
  * Nibble j of a Q4 block (byte j & 15) is element j, byte j >> 4 is element j + 16.
  *
  * Method (llama.cpp's, ggml-cpu quants.c): each 32-element block of every activation row is
@@ -52,6 +53,7 @@
 #define FMT_Q4_0 0
 #define FMT_Q4_1 1
 #define FMT_Q8_0 2
+#define FMT_F32 3 /* plain float32 rows (GGUF F32), "blocks" of 32 floats: f32_matmul */
 #define TANDEM_OK 0
 #define TANDEM_BAD_FORMAT 1
 #define TANDEM_BAD_SHAPE 2
@@ -82,7 +84,8 @@ static float fp16_to_f32(uint16_t h) {
 }
 
 int tandem_quant_block_bytes(int fmt) {
-    return fmt == FMT_Q4_0 ? 18 : fmt == FMT_Q4_1 ? 20 : fmt == FMT_Q8_0 ? 34 : 0;
+    return fmt == FMT_Q4_0 ? 18 : fmt == FMT_Q4_1 ? 20 : fmt == FMT_Q8_0 ? 34
+           : fmt == FMT_F32 ? 4 * QK : 0;
 }
 
 /* The best path this build has: ISA_AVX512, ISA_AVX2 or ISA_SCALAR. */
@@ -894,6 +897,109 @@ static void interleave_panels(const int8_t *xq, const float *dx, const float *sx
 }
 
 /*
+ * F32 weights (fmt FMT_F32): the rows are float32 as the file stores them, so nothing is
+ * quantized; the activations multiply them in float32 with float32 sums (ggml-cpu's
+ * ggml_vec_dot_f32). Batch 1 streams 4 bytes a weight from DRAM, so the kernel's job is to
+ * keep the memory busy: R weight rows x A activation rows share each load in registers
+ * (f32_micro; R = 1 below 8 activation rows, so a core reads one sequential stream), and a
+ * thread's 16-row tile meets every activation row while it is in L1/L2 (activation rows in
+ * chunks of F32_MCHUNK).
+ */
+#define F32_MCHUNK 64
+
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+/* out[a * ldo + r] = w row r . x row a for r < R, a < A (R = 1 or 4, A <= 4); K % 16 == 0. */
+static inline __attribute__((always_inline)) void f32_micro(const int R, const int A,
+                                                            const float *w, const float *x,
+                                                            int64_t K, float *out, int64_t ldo) {
+    __m512 acc[4][4];
+    for (int r = 0; r < R; r++)
+        for (int a = 0; a < A; a++) acc[r][a] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 16) {
+        __m512 wv[4];
+        for (int r = 0; r < R; r++) {
+            /* NOTE: 4 rows: prefetch the next 4, a cache line a row per step (25% faster at
+             * 16 activation rows); 1 row: the hardware prefetcher alone is faster */
+            if (R == 4) _mm_prefetch((const char *)(w + (r + R) * K + k), _MM_HINT_T0);
+            wv[r] = _mm512_loadu_ps(w + r * K + k);
+        }
+        for (int a = 0; a < A; a++) {
+            const __m512 xv = _mm512_loadu_ps(x + a * K + k);
+            for (int r = 0; r < R; r++) acc[r][a] = _mm512_fmadd_ps(wv[r], xv, acc[r][a]);
+        }
+    }
+    /* one lane of hsum4 sums one vector by the same tree in any slot: a row's bits do not
+     * depend on R, so not on the batch (the 1-row path below 8 rows, 4 rows from 8) */
+    for (int a = 0; a < A; a++) {
+        if (R == 4)
+            _mm_storeu_ps(out + a * ldo, hsum4(acc[0][a], acc[1][a], acc[2][a], acc[3][a]));
+        else
+            out[a * ldo] = _mm_cvtss_f32(hsum4(acc[0][a], acc[0][a], acc[0][a], acc[0][a]));
+    }
+}
+
+/* f32_micro with R and A as constants (each pair its own unrolled copy). */
+static void f32_block(int R, int A, const float *w, const float *x, int64_t K, float *out,
+                      int64_t ldo) {
+#define F32_CASE(r_, a_) \
+    if (R == r_ && A == a_) return f32_micro(r_, a_, w, x, K, out, ldo);
+    F32_CASE(4, 4) F32_CASE(4, 3) F32_CASE(4, 2) F32_CASE(4, 1)
+    F32_CASE(1, 4) F32_CASE(1, 3) F32_CASE(1, 2) F32_CASE(1, 1)
+#undef F32_CASE
+}
+#endif
+
+/* out[m * ldo + r] for weight rows [0, rows) at w and activation rows [0, M) at x. */
+static void f32_rows(const float *w, int64_t rows, const float *x, int64_t M, int64_t K,
+                     float *out, int64_t ldo, int isa) {
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+    if (isa >= ISA_AVX512_ROWS) {
+        for (int64_t m0 = 0; m0 < M; m0 += F32_MCHUNK) {
+            const int64_t m1 = m0 + F32_MCHUNK < M ? m0 + F32_MCHUNK : M;
+            for (int64_t r = 0; r < rows;) {
+                /* NOTE: below 8 activation rows, one weight row at a time: a core streams one
+                 * row at 24-28 GB/s but 4 interleaved rows at 13-15 (measured); from 8 rows
+                 * the compute dominates and 4 rows share each activation load */
+                const int R = M >= 8 && rows - r >= 4 ? 4 : 1;
+                for (int64_t m = m0; m < m1; m += 4)
+                    f32_block(R, m1 - m >= 4 ? 4 : (int)(m1 - m), w + r * K, x + m * K, K,
+                              out + m * ldo + r, ldo);
+                r += R;
+            }
+        }
+        return;
+    }
+#endif
+    (void)isa;
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t m = 0; m < M; m++) {
+            float acc[16] = {0};
+            for (int64_t k = 0; k < K; k += 16)
+                for (int j = 0; j < 16; j++) acc[j] += w[r * K + k + j] * x[m * K + k + j];
+            float total = 0.0f;
+            for (int j = 0; j < 16; j++) total += acc[j];
+            out[m * ldo + r] = total;
+        }
+}
+
+/* tandem_quant_matmul_f32 for F32 weights: tiles of TILE_N rows over the threads. */
+static int f32_matmul(const float *x, const uint8_t *const *parts, const int64_t *part_rows,
+                      const int64_t *tile_end, const int64_t *row_start,
+                      int64_t tiles, float *out, int64_t M, int64_t K, int64_t ldo,
+                      int num_threads, int isa) {
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t t = 0; t < tiles; t++) {
+        int p = 0;
+        while (t >= tile_end[p]) p++;
+        const int64_t first = p ? tile_end[p - 1] : 0, r0 = (t - first) * TILE_N;
+        const int64_t rows = part_rows[p] - r0 < TILE_N ? part_rows[p] - r0 : TILE_N;
+        f32_rows((const float *)parts[p] + r0 * K, rows, x, M, K, out + row_start[p] + r0, ldo,
+                 isa);
+    }
+    return TANDEM_OK;
+}
+
+/*
  * out [M, N] (row stride ldo) = x [M, K] @ w^T, where w is num_parts matrices stacked along N
  * (part p: part_rows[p] rows of K / 32 blocks of format fmt at parts[p]; fused q/k/v or
  * gate/up without copying them together). Returns TANDEM_OK, or an error code before writing
@@ -916,6 +1022,9 @@ int tandem_quant_matmul_f32(const float *x, const uint8_t *const *parts, const i
     }
     if (K <= 0 || K % QK != 0 || M < 0 || ldo < N) return TANDEM_BAD_SHAPE;
     if (M == 0 || N == 0) return TANDEM_OK;
+    if (fmt == FMT_F32)
+        return f32_matmul(x, parts, part_rows, tile_end, row_start, tiles, out, M, K,
+                          ldo, num_threads, isa);
     const int64_t nb = K / QK, row_bytes = nb * bytes, mp = panel_rows(M, isa, fmt);
     const int64_t np = (nb + 1) / 2;
     const int64_t padded = (mp + PANEL - 1) / PANEL * PANEL;
@@ -1010,6 +1119,10 @@ int tandem_quant_dequantize_rows(const uint8_t *w, const int64_t *ids, float *ou
     if (K <= 0 || K % QK != 0) return TANDEM_BAD_SHAPE;
     for (int64_t r = 0; r < R; r++)
         if (ids[r] < 0 || ids[r] >= N) return TANDEM_BAD_SHAPE;
+    if (fmt == FMT_F32) {
+        for (int64_t r = 0; r < R; r++) memcpy(out + r * K, w + ids[r] * K * 4, sizeof(float) * K);
+        return TANDEM_OK;
+    }
     const int64_t nb = K / QK;
     uint8_t u[QK];
     float dw[LANES], cw;

@@ -21,7 +21,7 @@ class EngineConfig(BaseModel):
 
     model: str = Field(default_factory=lambda: str(default_model_path()))  # .gguf or HF dir
     dtype: str = "float32"  # float32 | bfloat16 | auto
-    quantization: str = "none"  # none | auto | q4_0 | q4_1 | q8_0 (see engine.quantized)
+    quantization: str = "none"  # none | auto | q4_0 | q4_1 | q8_0 | f32 (engine.quantized)
     device: str = "cpu"
     block_size: int = Field(default=16, gt=0)  # tokens per KV block
     num_kv_blocks: int | None = Field(default=None, gt=0)  # overrides kv_cache_memory_gib

@@ -9,9 +9,13 @@ expanded to float32, otherwise), and returns the model ready to run.
   ``kernels.quant.quant_matmul``; tensors already in that format are used in place, others are
   quantized once at load (``gguf.quants.quantize``, llama.cpp's reference quantizers). The
   embedding / tied LM head stays in its file format when that is supported (the default
-  model's is Q8_0), else dense.
-- ``auto``: the file's own formats when the C kernel is available and the file's linear
-  weights are all in supported formats, else ``none``; the choice is logged.
+  model's is Q8_0; an F32 file's is F32), else dense.
+- ``f32``: the same, with the linear layers as float32 rows (a GGUF F32 file's, in place): not
+  quantized, but run by the same C kernels and fused forward as the block formats, where
+  ``none`` runs torch's modules (the token-exact oracle).
+- ``auto``: for a GGUF file, its own format when the C kernel is available and the file's
+  linear weights are all in one supported format (F32 included), else ``none``; for other
+  checkpoints ``none``. The choice is logged.
 """
 from __future__ import annotations
 
@@ -76,8 +80,9 @@ def resolve_precision(dtype: str, quantization: str, file_formats: set[str], dev
         quantization = (next(iter(file_formats)) if supported and device == "cpu"
                         and quant.available() else "none")
     if dtype == "auto":
-        # NOTE: quantized layers compute in int8 whatever the activation dtype; bf16 elsewhere
-        # only pays where the CPU has bf16 instructions (measured 5x slower without them).
+        # NOTE: the kernel's layers compute in int8 (F32: float32) whatever the activation
+        # dtype; bf16 elsewhere only pays where the CPU has bf16 instructions (measured 5x
+        # slower without them).
         native = device != "cpu" or cpu_has_native_bf16()
         dtype = "bfloat16" if native and quantization == "none" else "float32"
     return Precision(dtype, quantization)
@@ -136,7 +141,7 @@ def build_model(path: str | None, dtype: str, quantization: str, device: str,
     from .quantized_loader import file_weight_formats, load_gguf_quantized
 
     is_gguf = weights is None and path is not None and str(path).lower().endswith(".gguf")
-    formats = file_weight_formats(path) if is_gguf else {"f32"}
+    formats = file_weight_formats(path) if is_gguf else set()  # not GGUF: auto stays dense
     precision = resolve_precision(dtype, quantization, formats, device)
     torch_dtype = getattr(torch, precision.dtype)
     if precision.quantization == "none":

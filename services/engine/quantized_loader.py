@@ -1,4 +1,4 @@
-"""GGUF weights kept in their block formats: nothing expanded to float32 at load.
+"""GGUF weights kept in their block formats (F32 rows too): nothing expanded to float32 at load.
 
 The file is memory-mapped (``gguf_file.GGUFFile``); a tensor already in the requested format is
 used in place, as the bytes of its rows (q/k rows reordered from llama.cpp's rotary layout to
@@ -52,7 +52,9 @@ def _quantize(weights: np.ndarray, fmt: str) -> QuantizedWeight:
     from gguf.quants import quantize
 
     data = quantize(np.ascontiguousarray(weights, dtype=np.float32), GGMLQuantizationType[fmt.upper()])
-    return QuantizedWeight(torch.from_numpy(data), fmt, weights.shape[0], weights.shape[1])
+    # NOTE: F32 "quantizes" to float32 values; a QuantizedWeight holds their bytes
+    return QuantizedWeight(torch.from_numpy(data.view(np.uint8)), fmt, weights.shape[0],
+                           weights.shape[1])
 
 
 def load_gguf_quantized(path: str | os.PathLike, fmt: str,

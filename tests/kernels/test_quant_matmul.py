@@ -1,9 +1,10 @@
 """The quantized-weight matmul (``kernels.quant``, C kernel ``csrc/quant_matmul.c``) against
-dequantize-then-matmul in float32, over a grid of shapes and block-format edge cases.
+dequantize-then-matmul in float64, over a grid of shapes and block-format edge cases.
 
 Weights are quantized with gguf-py's reference quantizers (llama.cpp's algorithms), so the
 blocks are what a GGUF file holds. The tolerance is ``activation_error_bound``: the int8
-rounding of each activation block plus float32 accumulation, derived in its docstring.
+rounding of each activation block plus float32 accumulation (F32 weights: the accumulation
+alone), derived in its docstring.
 """
 from __future__ import annotations
 
@@ -26,13 +27,13 @@ def make_weight(fmt: str, n: int, k: int, seed: int = 0, scale: float = 0.05) ->
 
     rng = np.random.default_rng(seed)
     w = (rng.standard_normal((n, k)) * scale).astype(np.float32)
-    data = quantize(w, GGMLQuantizationType[fmt.upper()])
+    data = quantize(w, GGMLQuantizationType[fmt.upper()]).view(np.uint8)  # F32: its bytes
     return QuantizedWeight(torch.from_numpy(data), fmt, n, k)
 
 
 def check_close(x: torch.Tensor, w: QuantizedWeight, isa: str | None = None) -> torch.Tensor:
     y = quant.quant_matmul(x, w, isa=isa)
-    ref = x.float() @ quant.dequantize(w).T
+    ref = (x.double() @ quant.dequantize(w).double().T).float()
     bound = quant.activation_error_bound(x, w)
     err = (y - ref).abs()
     assert torch.isfinite(y).all()
@@ -57,7 +58,7 @@ def test_dequantize_equals_gguf(fmt):
     assert torch.equal(quant.dequantize_rows(w, ids), torch.from_numpy(expected)[ids])
 
 
-@pytest.mark.parametrize("fmt", list(quant.FORMATS))
+@pytest.mark.parametrize("fmt", quant.QUANTIZED)
 @pytest.mark.parametrize("n,k", [(1, 32), (37, 96), (64, 576), (576, 1536), (1536, 576), (17, 64)])
 @pytest.mark.parametrize("m", [1, 2, 3, 5, 16, 17, 64])
 def test_matches_dequantized_matmul(fmt, n, k, m):
@@ -68,6 +69,26 @@ def test_matches_dequantized_matmul(fmt, n, k, m):
     scale = x.abs() @ quant.dequantize(w).abs().T
     assert (quant.activation_error_bound(x, w) <= 0.05 * scale + 1e-6).all()
     assert err.max() > 0  # activations really were quantized (a float path would be exact)
+
+
+@pytest.mark.parametrize("n,k", [(1, 32), (37, 96), (576, 1536), (1536, 576), (17, 64)])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 7, 8, 9, 16, 17, 65, 130])
+def test_f32_rows_match_float64_matmul(n, k, m):
+    """F32 weights (plain float rows, not quantized): one weight row at a time below 8
+    activation rows, 4 x 4 register blocks from 8 (with 1-3 row and column tails), and
+    activation chunks of 64 rows (65, 130 cross them). Only float32 sums' rounding differs
+    from float64, far inside the bound."""
+    w = make_weight("f32", n, k, seed=n * k + m)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+    check_close(x, w)
+    assert torch.equal(quant.dequantize(w).view(torch.uint8), w.data)  # the rows, as stored
+    scale = x.abs() @ quant.dequantize(w).abs().T
+    assert (quant.activation_error_bound(x, w) <= 1e-5 * scale + 1e-12).all()
+
+
+def test_f32_weights_have_no_block_scales():
+    with pytest.raises(ValueError, match="fmt"):
+        quant.block_scales(make_weight("f32", 4, 32))
 
 
 @pytest.mark.parametrize("fmt", list(quant.FORMATS))
@@ -110,7 +131,8 @@ def test_parts_equal_concatenated_weight():
     assert torch.equal(quant.quant_matmul(x, parts), quant.quant_matmul(x, whole))
 
 
-@pytest.mark.parametrize("fmt,rows,batch", [("q8_0", 300, 7), ("q4_1", 1000, 64)])
+@pytest.mark.parametrize("fmt,rows,batch", [("q8_0", 300, 7), ("q4_1", 1000, 64),
+                                            ("f32", 1000, 1), ("f32", 300, 70)])
 def test_thread_count_does_not_change_results(fmt, rows, batch):
     """Threads split the weight tiles (batch 7: row kernels; 64: 16-row panels)."""
     w, x = make_weight(fmt, rows, 576, seed=4), torch.randn(batch, 576)
@@ -135,7 +157,7 @@ def test_all_zero_blocks_and_zero_activations_give_exact_zeros(fmt):
     assert torch.equal(quant.quant_matmul(torch.zeros(3, k), w), torch.zeros(3, n))
 
 
-@pytest.mark.parametrize("fmt", list(quant.FORMATS))
+@pytest.mark.parametrize("fmt", quant.QUANTIZED)
 @pytest.mark.parametrize("d", [65504.0, 6e-8, -1.0])  # fp16 max, smallest subnormal, negative
 def test_extreme_scales(fmt, d):
     w = make_weight(fmt, 16, 64)

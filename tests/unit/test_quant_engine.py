@@ -40,8 +40,12 @@ def test_auto_serves_the_files_format_and_none_stays_float32():
     dense = resolve_precision("auto", "none", {"q4_1"}, "cpu")
     assert dense.dtype == ("bfloat16" if cpu_has_native_bf16() else "float32")
     assert resolve_precision("float32", "none", {"q4_1"}, "cpu").quantization == "none"
-    # a float checkpoint has nothing to serve in place: auto does not invent a format
-    assert resolve_precision("float32", "auto", {"f32"}, "cpu").quantization == "none"
+    # a checkpoint that is not GGUF has no format to serve in place: auto does not invent one
+    assert resolve_precision("float32", "auto", set(), "cpu").quantization == "none"
+    # an F32 GGUF runs its float rows through the same kernels, in float32
+    f32 = resolve_precision("auto", "auto", {"f32"}, "cpu")
+    assert f32.quantization == ("f32" if quant.available() else "none")
+    assert f32.dtype == "float32" or not quant.available()
 
 
 def test_gguf_file_reads_what_gguf_reader_reads():
@@ -66,6 +70,34 @@ def test_quantized_load_keeps_blocks_and_dequantizes_to_the_float_loader():
     for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.7.self_attn.k_proj.weight",
                  "model.layers.29.mlp.down_proj.weight", "model.embed_tokens.weight"):
         assert torch.equal(quant.dequantize(blocks[name]), ref[name]), name
+
+
+def test_f32_file_is_served_in_place_through_the_kernels(f32_gguf_path):
+    import numpy as np
+
+    from services.engine import quantized_loader
+
+    config, dense, blocks = load_gguf_quantized(f32_gguf_path, "f32")
+    ref_config, ref = dense_weights()
+    assert config == ref_config
+    assert blocks["model.embed_tokens.weight"].fmt == "f32"
+    for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.7.self_attn.k_proj.weight",
+                 "model.layers.29.mlp.down_proj.weight", "model.embed_tokens.weight"):
+        assert torch.equal(quant.dequantize(blocks[name]), ref[name]), name
+    file_map = quantized_loader._reader(str(f32_gguf_path))._map
+    assert np.shares_memory(blocks["model.layers.29.mlp.down_proj.weight"].data.numpy(), file_map)
+    engine = LLMEngine(EngineConfig(model=str(f32_gguf_path), dtype="auto", quantization="auto",
+                                    num_kv_blocks=64))
+    if not quant.available():
+        pytest.skip("no C kernel: auto serves the file dense")
+    assert (engine.precision.dtype, engine.precision.quantization) == ("float32", "f32")
+    assert engine.runner.model.fused_forward is not None  # the C layer loop, not torch modules
+    assert engine.weight_bytes <= os.path.getsize(f32_gguf_path)
+    engine.add_request(engine.make_request("q", list(range(20, 60)),
+                                           SamplingParams(temperature=0, max_tokens=4)))
+    while engine.has_work():
+        engine.step()
+    assert engine.block_manager.num_free_blocks == 64
 
 
 def test_requantized_format_is_close_to_the_file():
