@@ -259,14 +259,13 @@ def activation_error_bound(x: torch.Tensor, weight: QuantizedWeight) -> torch.Te
     ``d_w dx sum(u q)`` and ``c_w dx sum(q)``: at most ``gamma * sum_b |terms|`` with
     ``gamma = (K / 32 + 4) * 2 * 2^-24`` (Higham, Accuracy and Stability of Numerical
     Algorithms, 2nd ed., section 3.1: a sum of n products errs by at most gamma_n sum |terms|).
-    F32 weights have only (2): the kernel sums 16 lanes over ``K / 16`` steps, then the 16
-    lanes, so ``gamma_n`` with ``n = K / 16 + 16`` times ``|x| @ |W|^T``.
+    F32 weights have only (2): ``gamma_K * |x| @ |W|^T`` (the panel kernel sums k in order;
+    the row kernel's 16 lane sums and tree are shallower).
     """
     x = x.reshape(-1, x.shape[-1]).float()
     m, k = x.shape
     if weight.fmt == "f32":
-        n = k // 16 + 16
-        gamma = n * 2.0**-24 / (1 - n * 2.0**-24)
+        gamma = k * 2.0**-24 / (1 - k * 2.0**-24)
         return gamma * (x.abs().double() @ dequantize(weight).abs().double().T).float()
     nb = k // BLOCK
     dx = x.abs().reshape(m, nb, BLOCK).amax(-1) / 127.0  # [M, nb]

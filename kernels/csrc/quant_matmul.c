@@ -896,77 +896,105 @@ static void interleave_panels(const int8_t *xq, const float *dx, const float *sx
             }
 }
 
+/* Tile t of the parts (tile_end: cumulative tile counts): its part, first row and row count. */
+static inline int64_t locate_tile(int64_t t, const int64_t *tile_end, const int64_t *part_rows,
+                                  int *part, int64_t *r0) {
+    int p = 0;
+    while (t >= tile_end[p]) p++;
+    *part = p;
+    *r0 = (t - (p ? tile_end[p - 1] : 0)) * TILE_N;
+    return part_rows[p] - *r0 < TILE_N ? part_rows[p] - *r0 : TILE_N;
+}
+
 /*
  * F32 weights (fmt FMT_F32): the rows are float32 as the file stores them, so nothing is
- * quantized; the activations multiply them in float32 with float32 sums (ggml-cpu's
- * ggml_vec_dot_f32). Batch 1 streams 4 bytes a weight from DRAM, so the kernel's job is to
- * keep the memory busy: R weight rows x A activation rows share each load in registers
- * (f32_micro; R = 1 below 8 activation rows, so a core reads one sequential stream), and a
- * thread's 16-row tile meets every activation row while it is in L1/L2 (activation rows in
- * chunks of F32_MCHUNK).
+ * quantized; the activations multiply them in float32 with float32 sums. Two kernels:
+ * - One or two activation rows (decode at batch 1-2): the weights stream from DRAM, 4 bytes
+ *   each, so the job is keeping the memory busy: each thread reads its rows in address order,
+ *   one row at a time (f32_dot, ggml-cpu's ggml_vec_dot_f32 arithmetic: 16 lane sums, then a
+ *   tree). A core streams one row at 24-28 GB/s, 4 interleaved rows at 13-15 (measured).
+ * - From 3 rows (F32_PANEL_MIN; measured, whole model at batch 3-16: as fast as the row kernel
+ *   at 3-4, up to 1.5x faster above; at 2 the panel's 16 lanes cost more than the stream):
+ *   the activations are transposed once into panels of 16 rows ([K][16], zero padded), and
+ *   each weight element is broadcast against a panel's 16 lanes (f32_panel_micro: up to 16
+ *   weight rows x 16 activation rows in 16 registers, one FMA per 2 loads), the layout of
+ *   BLIS-style GEMM micro-kernels (Van Zee and van de Geijn, "BLIS", ACM TOMS 41(3), 2015).
+ *   Activation panels are taken F32_MCHUNK rows at a time, so a chunk stays in L2 while every
+ *   weight tile meets it. Each output sums k in order, one FMA a step, whatever the batch.
  */
+#define F32_PANEL_MIN 3
 #define F32_MCHUNK 64
 
 #if defined(__AVX512F__) && defined(__AVX512DQ__)
-/* out[a * ldo + r] = w row r . x row a for r < R, a < A (R = 1 or 4, A <= 4); K % 16 == 0. */
-static inline __attribute__((always_inline)) void f32_micro(const int R, const int A,
-                                                            const float *w, const float *x,
-                                                            int64_t K, float *out, int64_t ldo) {
-    __m512 acc[4][4];
-    for (int r = 0; r < R; r++)
-        for (int a = 0; a < A; a++) acc[r][a] = _mm512_setzero_ps();
-    for (int64_t k = 0; k < K; k += 16) {
-        __m512 wv[4];
-        for (int r = 0; r < R; r++) {
-            /* NOTE: 4 rows: prefetch the next 4, a cache line a row per step (25% faster at
-             * 16 activation rows); 1 row: the hardware prefetcher alone is faster */
-            if (R == 4) _mm_prefetch((const char *)(w + (r + R) * K + k), _MM_HINT_T0);
-            wv[r] = _mm512_loadu_ps(w + r * K + k);
-        }
-        for (int a = 0; a < A; a++) {
-            const __m512 xv = _mm512_loadu_ps(x + a * K + k);
-            for (int r = 0; r < R; r++) acc[r][a] = _mm512_fmadd_ps(wv[r], xv, acc[r][a]);
-        }
-    }
-    /* one lane of hsum4 sums one vector by the same tree in any slot: a row's bits do not
-     * depend on R, so not on the batch (the 1-row path below 8 rows, 4 rows from 8) */
-    for (int a = 0; a < A; a++) {
-        if (R == 4)
-            _mm_storeu_ps(out + a * ldo, hsum4(acc[0][a], acc[1][a], acc[2][a], acc[3][a]));
-        else
-            out[a * ldo] = _mm_cvtss_f32(hsum4(acc[0][a], acc[0][a], acc[0][a], acc[0][a]));
+/* w row . x row (K floats each, K % 16 == 0). */
+static inline float f32_dot(const float *w, const float *x, int64_t K) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 16)
+        acc = _mm512_fmadd_ps(_mm512_loadu_ps(w + k), _mm512_loadu_ps(x + k), acc);
+    return _mm512_reduce_add_ps(acc);
+}
+
+/* x rows [16 p, 16 p + 16) (those < M; the rest zero) -> xt [K][16], for p < panels. */
+static void f32_transpose_panel(const float *x, int64_t M, int64_t K, int64_t p, float *xt) {
+    const int64_t m0 = 16 * p, have = M - m0 < 16 ? M - m0 : 16;
+    for (int64_t k0 = 0; k0 < K; k0 += 16) {
+        float block[16][16]; /* [row][k]: 16 rows' 16 floats, then read column-wise */
+        for (int l = 0; l < 16; l++)
+            for (int j = 0; j < 16; j++) block[l][j] = l < have ? x[(m0 + l) * K + k0 + j] : 0.0f;
+        for (int j = 0; j < 16; j++)
+            for (int l = 0; l < 16; l++) xt[(k0 + j) * 16 + l] = block[l][j];
     }
 }
 
-/* f32_micro with R and A as constants (each pair its own unrolled copy). */
-static void f32_block(int R, int A, const float *w, const float *x, int64_t K, float *out,
-                      int64_t ldo) {
-#define F32_CASE(r_, a_) \
-    if (R == r_ && A == a_) return f32_micro(r_, a_, w, x, K, out, ldo);
-    F32_CASE(4, 4) F32_CASE(4, 3) F32_CASE(4, 2) F32_CASE(4, 1)
-    F32_CASE(1, 4) F32_CASE(1, 3) F32_CASE(1, 2) F32_CASE(1, 1)
-#undef F32_CASE
+/* res[r][l] = w row r . activation row l of the panel xt ([K][16]), r < R (R <= 16); when
+ * ahead is given, one cache line of it is prefetched a step (16 rows: K lines, the next tile). */
+static inline __attribute__((always_inline)) void f32_panel_micro(const int R, const float *w,
+                                                                  int64_t K, const float *xt,
+                                                                  float *res, const float *ahead) {
+    __m512 acc[16];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k++) {
+        /* NOTE: 16 interleaved row streams from DRAM read slowly (see f32_rows); the next
+         * tile is one contiguous block, fetched ahead in order */
+        if (ahead) _mm_prefetch((const char *)(ahead + k * 16), _MM_HINT_T1);
+        const __m512 xv = _mm512_loadu_ps(xt + k * 16);
+        for (int r = 0; r < R; r++)
+            acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(w[r * K + k]), xv, acc[r]);
+    }
+    for (int r = 0; r < R; r++) _mm512_storeu_ps(res + r * 16, acc[r]);
+}
+
+/* out[m * ldo + r] for the rows (<= 16) of a weight tile at w and the activation rows
+ * [0, M) of the panels at xt (M <= F32_MCHUNK). */
+static void f32_panel_tile(const float *w, int64_t rows, const float *xt, int64_t M, int64_t K,
+                           float *out, int64_t ldo) {
+    float res[16 * 16];
+    for (int64_t m0 = 0; m0 < M; m0 += 16) {
+        const float *panel = xt + m0 * K;
+        for (int64_t r = 0; r < rows;) {
+            const int R = rows - r >= 16 ? 16 : rows - r >= 8 ? 8 : rows - r >= 4 ? 4 : 1;
+            const float *ahead = m0 == 0 ? w + TILE_N * K : NULL; /* past a part: harmless */
+            if (R == 16) f32_panel_micro(16, w + r * K, K, panel, res, ahead);
+            else if (R == 8) f32_panel_micro(8, w + r * K, K, panel, res, NULL);
+            else if (R == 4) f32_panel_micro(4, w + r * K, K, panel, res, NULL);
+            else f32_panel_micro(1, w + r * K, K, panel, res, NULL);
+            const int64_t have = M - m0 < 16 ? M - m0 : 16;
+            for (int64_t l = 0; l < have; l++)
+                for (int j = 0; j < R; j++) out[(m0 + l) * ldo + r + j] = res[j * 16 + l];
+            r += R;
+        }
+    }
 }
 #endif
 
-/* out[m * ldo + r] for weight rows [0, rows) at w and activation rows [0, M) at x. */
+/* out[m * ldo + r] for weight rows [0, rows) at w and activation rows [0, M) at x: f32_dot
+ * (M < F32_PANEL_MIN on AVX-512), or plain loops on the scalar and AVX2 paths. */
 static void f32_rows(const float *w, int64_t rows, const float *x, int64_t M, int64_t K,
                      float *out, int64_t ldo, int isa) {
 #if defined(__AVX512F__) && defined(__AVX512DQ__)
     if (isa >= ISA_AVX512_ROWS) {
-        for (int64_t m0 = 0; m0 < M; m0 += F32_MCHUNK) {
-            const int64_t m1 = m0 + F32_MCHUNK < M ? m0 + F32_MCHUNK : M;
-            for (int64_t r = 0; r < rows;) {
-                /* NOTE: below 8 activation rows, one weight row at a time: a core streams one
-                 * row at 24-28 GB/s but 4 interleaved rows at 13-15 (measured); from 8 rows
-                 * the compute dominates and 4 rows share each activation load */
-                const int R = M >= 8 && rows - r >= 4 ? 4 : 1;
-                for (int64_t m = m0; m < m1; m += 4)
-                    f32_block(R, m1 - m >= 4 ? 4 : (int)(m1 - m), w + r * K, x + m * K, K,
-                              out + m * ldo + r, ldo);
-                r += R;
-            }
-        }
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t m = 0; m < M; m++) out[m * ldo + r] = f32_dot(w + r * K, x + m * K, K);
         return;
     }
 #endif
@@ -984,18 +1012,47 @@ static void f32_rows(const float *w, int64_t rows, const float *x, int64_t M, in
 
 /* tandem_quant_matmul_f32 for F32 weights: tiles of TILE_N rows over the threads. */
 static int f32_matmul(const float *x, const uint8_t *const *parts, const int64_t *part_rows,
-                      const int64_t *tile_end, const int64_t *row_start,
-                      int64_t tiles, float *out, int64_t M, int64_t K, int64_t ldo,
-                      int num_threads, int isa) {
-#pragma omp parallel for schedule(static) num_threads(num_threads)
-    for (int64_t t = 0; t < tiles; t++) {
-        int p = 0;
-        while (t >= tile_end[p]) p++;
-        const int64_t first = p ? tile_end[p - 1] : 0, r0 = (t - first) * TILE_N;
-        const int64_t rows = part_rows[p] - r0 < TILE_N ? part_rows[p] - r0 : TILE_N;
-        f32_rows((const float *)parts[p] + r0 * K, rows, x, M, K, out + row_start[p] + r0, ldo,
-                 isa);
+                      const int64_t *tile_end, const int64_t *row_start, int64_t tiles,
+                      float *out, int64_t M, int64_t K, int64_t ldo, int num_threads, int isa) {
+    int panels = 0;
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+    panels = isa >= ISA_AVX512_ROWS && M >= F32_PANEL_MIN;
+#endif
+    const int64_t num_panels = (M + 15) / 16;
+    float *xt = panels ? malloc(sizeof(float) * (size_t)(num_panels * 16 * K)) : NULL;
+    if (panels && !xt) return TANDEM_NO_MEMORY;
+#pragma omp parallel num_threads(num_threads)
+    {
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+        if (panels) {
+#pragma omp for schedule(static)
+            for (int64_t p = 0; p < num_panels; p++)
+                f32_transpose_panel(x, M, K, p, xt + p * 16 * K);
+            for (int64_t m0 = 0; m0 < M; m0 += F32_MCHUNK) {
+                const int64_t mc = M - m0 < F32_MCHUNK ? M - m0 : F32_MCHUNK;
+#pragma omp for schedule(static)
+                for (int64_t t = 0; t < tiles; t++) {
+                    int p;
+                    int64_t r0;
+                    const int64_t rows = locate_tile(t, tile_end, part_rows, &p, &r0);
+                    f32_panel_tile((const float *)parts[p] + r0 * K, rows, xt + m0 * K, mc, K,
+                                   out + m0 * ldo + row_start[p] + r0, ldo);
+                }
+            }
+        }
+#endif
+        if (!panels) {
+#pragma omp for schedule(static)
+            for (int64_t t = 0; t < tiles; t++) {
+                int p;
+                int64_t r0;
+                const int64_t rows = locate_tile(t, tile_end, part_rows, &p, &r0);
+                f32_rows((const float *)parts[p] + r0 * K, rows, x, M, K,
+                         out + row_start[p] + r0, ldo, isa);
+            }
+        }
     }
+    free(xt);
     return TANDEM_OK;
 }
 
@@ -1071,10 +1128,9 @@ int tandem_quant_matmul_f32(const float *x, const uint8_t *const *parts, const i
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < (tiled ? 0 : tiles); t++) {
             if (!u || !dw || !cw) continue;
-            int p = 0;
-            while (t >= tile_end[p]) p++;
-            const int64_t first = p ? tile_end[p - 1] : 0, r0 = (t - first) * TILE_N;
-            const int64_t rows = part_rows[p] - r0 < TILE_N ? part_rows[p] - r0 : TILE_N;
+            int p;
+            int64_t r0;
+            const int64_t rows = locate_tile(t, tile_end, part_rows, &p, &r0);
             const uint8_t *src = parts[p] + r0 * row_bytes;
 #ifdef HAVE_MICROKERNEL
             if (gemv) {

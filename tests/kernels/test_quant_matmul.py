@@ -74,16 +74,16 @@ def test_matches_dequantized_matmul(fmt, n, k, m):
 @pytest.mark.parametrize("n,k", [(1, 32), (37, 96), (576, 1536), (1536, 576), (17, 64)])
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 7, 8, 9, 16, 17, 65, 130])
 def test_f32_rows_match_float64_matmul(n, k, m):
-    """F32 weights (plain float rows, not quantized): one weight row at a time below 8
-    activation rows, 4 x 4 register blocks from 8 (with 1-3 row and column tails), and
-    activation chunks of 64 rows (65, 130 cross them). Only float32 sums' rounding differs
-    from float64, far inside the bound."""
+    """F32 weights (plain float rows, not quantized): the row kernel at batch 1-2; from 3,
+    16-row activation panels (zero padded: 3, 17) against weight tiles of 16, 8, 4 and 1 rows
+    (37 = 16 + 16 + 4 + 1), in chunks of 64 activation rows (65, 130 cross them). Only the
+    float32 sums' rounding differs from float64, far inside the bound."""
     w = make_weight("f32", n, k, seed=n * k + m)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
     check_close(x, w)
     assert torch.equal(quant.dequantize(w).view(torch.uint8), w.data)  # the rows, as stored
     scale = x.abs() @ quant.dequantize(w).abs().T
-    assert (quant.activation_error_bound(x, w) <= 1e-5 * scale + 1e-12).all()
+    assert (quant.activation_error_bound(x, w) <= 1e-4 * scale + 1e-12).all()
 
 
 def test_f32_weights_have_no_block_scales():
