@@ -15,9 +15,11 @@ spin: ``services.serve.on_passing_thread``.)
 
 ``StepThreads("auto")``: steps of at most ``SMALL_STEP_TOKENS`` tokens are timed (wall clock,
 which is what TPOT sees) on one thread and on all, per size bucket, ``FIRST_SAMPLES`` times each
-in turn, and then run on the faster by an exponentially weighted mean; every
-``EXPLORE_EVERY``-th small step in a bucket re-times the other choice, so a change in load is
-followed. Larger steps (prefill chunks, big batches) use every thread. ``"all"`` always uses
+in turn, and then run on the faster by an exponentially weighted mean; one small step in
+every ``EXPLORE_EVERY`` or more re-times the other choice, so a change in load is followed. The
+interval grows with the gap so that re-timing costs at most ``MAX_EXPLORE_COST`` of the step
+time (a choice twice as slow is re-timed every 100 steps, not 32: its p99 ITL showed it),
+up to ``MAX_EXPLORE_EVERY``. Larger steps (prefill chunks, big batches) use every thread. ``"all"`` always uses
 every thread (the in-process default: figures that compare across runs). Outputs do not depend
 on the choice: every CPU kernel's result for a row is the same whatever its thread count
 (tests/kernels/test_quant_tiles.py, test_decode_fast_paths.py).
@@ -25,11 +27,14 @@ on the choice: every CPU kernel's result for a row is the same whatever its thre
 from __future__ import annotations
 
 import logging
+import math
 
 log = logging.getLogger(__name__)
 
 SMALL_STEP_TOKENS = 8  # the weight-bound regime: the bytes read do not grow with the batch
-EXPLORE_EVERY = 32  # per bucket: at worst one slower step in this many
+EXPLORE_EVERY = 32  # per bucket: at most one slower step in this many
+MAX_EXPLORE_COST = 0.01  # re-timing's share of the step time: (slow / fast - 1) / interval
+MAX_EXPLORE_EVERY = 256  # the longest interval: a change in load is seen within this many steps
 EWMA_WEIGHT = 0.2  # of the newest step time
 FIRST_SAMPLES = 4  # steps timed on each choice, in turn, before the first decision (after
 # one more that warms it up and is not counted)
@@ -60,13 +65,15 @@ class StepThreads:
         if min(timed) <= FIRST_SAMPLES:
             return self.options[timed.index(min(timed))]
         fast, slow = sorted(self.options, key=lambda t: self._ms[bucket, t])
+        gap = self._ms[bucket, slow] / max(self._ms[bucket, fast], 1e-9) - 1
+        every = min(max(EXPLORE_EVERY, math.ceil(gap / MAX_EXPLORE_COST)), MAX_EXPLORE_EVERY)
         if bucket not in self._decided:
             self._decided.add(bucket)
             lo, hi = 2 ** (bucket - 1), min(2 ** bucket - 1, SMALL_STEP_TOKENS)
             log.info("steps of %s token(s) run on %d thread(s): %.1f ms against %.1f ms on %d "
                      "(re-timed every %d steps)", lo if lo == hi else f"{lo}-{hi}", fast,
-                     self._ms[bucket, fast], self._ms[bucket, slow], slow, EXPLORE_EVERY)
-        return slow if sum(timed) % EXPLORE_EVERY == 0 else fast
+                     self._ms[bucket, fast], self._ms[bucket, slow], slow, every)
+        return slow if sum(timed) % every == 0 else fast
 
     def record(self, num_tokens: int, threads: int, seconds: float) -> None:
         """The wall time of a step that ran ``num_tokens`` tokens on ``threads`` threads."""

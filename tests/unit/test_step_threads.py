@@ -8,8 +8,8 @@ import logging
 import pytest
 import torch
 
-from services.engine.step_threads import (EXPLORE_EVERY, FIRST_SAMPLES, SMALL_STEP_TOKENS,
-                                          StepThreads)
+from services.engine.step_threads import (EXPLORE_EVERY, FIRST_SAMPLES, MAX_EXPLORE_EVERY,
+                                          SMALL_STEP_TOKENS, StepThreads)
 
 
 def run(chooser: StepThreads, num_tokens: int, ms_by_threads: dict[int, float], steps: int,
@@ -24,27 +24,33 @@ def run(chooser: StepThreads, num_tokens: int, ms_by_threads: dict[int, float], 
 
 
 @pytest.mark.parametrize("fast", [1, 4])
-def test_small_steps_settle_on_the_faster_count_and_retime_the_other(fast, caplog):
+@pytest.mark.parametrize("slow_ms,every", [(11.0, EXPLORE_EVERY), (20.0, 100),
+                                           (60.0, MAX_EXPLORE_EVERY)])
+def test_small_steps_settle_on_the_faster_count_and_retime_the_other(fast, slow_ms, every,
+                                                                      caplog):
+    """A 10% slower choice is re-timed every 32 steps; a 2x slower one every 100 (1% of the
+    step time); a 6x slower one every 256 (the cap)."""
     chooser = StepThreads("auto", 4)
-    ms = {1: 10.0, 4: 20.0} if fast == 1 else {1: 20.0, 4: 10.0}
+    slow = 4 if fast == 1 else 1
+    ms = {fast: 10.0, slow: slow_ms}
     warm = 2 * (FIRST_SAMPLES + 1)
     with caplog.at_level(logging.INFO, logger="services.engine.step_threads"):
-        chosen = run(chooser, 1, ms, warm + 4 * EXPLORE_EVERY)
+        chosen = run(chooser, 1, ms, warm + 4 * every)
     assert sorted(chosen[:warm]) == [1] * (warm // 2) + [4] * (warm // 2)  # each timed in turn
     after = chosen[warm:]
-    slow = 4 if fast == 1 else 1
-    assert after.count(slow) == 4 and after.count(fast) == len(after) - 4  # one in EXPLORE_EVERY
+    assert after.count(slow) == 4 and after.count(fast) == len(after) - 4  # one in `every`
     assert [r.getMessage() for r in caplog.records] == [
-        f"steps of 1 token(s) run on {fast} thread(s): 10.0 ms against 20.0 ms on {slow} "
-        f"(re-timed every {EXPLORE_EVERY} steps)"]
+        f"steps of 1 token(s) run on {fast} thread(s): 10.0 ms against {slow_ms} ms on {slow} "
+        f"(re-timed every {every} steps)"]
 
 
 def test_a_change_in_load_is_followed():
     chooser = StepThreads("auto", 2)
-    run(chooser, 2, {1: 10.0, 2: 20.0}, 2 * (FIRST_SAMPLES + 1) + EXPLORE_EVERY)
+    run(chooser, 2, {1: 10.0, 2: 20.0}, 2 * (FIRST_SAMPLES + 1) + 100)
     assert chooser.choose(2) == 1
-    later = run(chooser, 2, {1: 10.0, 2: 5.0}, 10 * EXPLORE_EVERY)  # 2 threads became faster
-    assert later[-EXPLORE_EVERY:].count(1) == 1  # only the one re-timing step in the window
+    # 2 threads became faster: seen at the next re-timing, within 100 steps (a 2x gap)
+    later = run(chooser, 2, {1: 10.0, 2: 5.0}, 4 * 100)
+    assert later[-100:].count(1) == 1  # only the one re-timing step in the window
 
 
 def test_warm_up_step_is_not_counted():
