@@ -921,6 +921,8 @@ static inline int64_t locate_tile(int64_t t, const int64_t *tile_end, const int6
  *   BLIS-style GEMM micro-kernels (Van Zee and van de Geijn, "BLIS", ACM TOMS 41(3), 2015).
  *   Activation panels are taken F32_MCHUNK rows at a time, so a chunk stays in L2 while every
  *   weight tile meets it. Each output sums k in order, one FMA a step, whatever the batch.
+ *   The AVX2 and scalar paths run the same panels with a plain-C micro-kernel of 4 weight
+ *   rows (f32_panel_micro_c), vectorized by the compiler.
  */
 #define F32_PANEL_MIN 3
 #define F32_MCHUNK 64
@@ -932,18 +934,6 @@ static inline float f32_dot(const float *w, const float *x, int64_t K) {
     for (int64_t k = 0; k < K; k += 16)
         acc = _mm512_fmadd_ps(_mm512_loadu_ps(w + k), _mm512_loadu_ps(x + k), acc);
     return _mm512_reduce_add_ps(acc);
-}
-
-/* x rows [16 p, 16 p + 16) (those < M; the rest zero) -> xt [K][16], for p < panels. */
-static void f32_transpose_panel(const float *x, int64_t M, int64_t K, int64_t p, float *xt) {
-    const int64_t m0 = 16 * p, have = M - m0 < 16 ? M - m0 : 16;
-    for (int64_t k0 = 0; k0 < K; k0 += 16) {
-        float block[16][16]; /* [row][k]: 16 rows' 16 floats, then read column-wise */
-        for (int l = 0; l < 16; l++)
-            for (int j = 0; j < 16; j++) block[l][j] = l < have ? x[(m0 + l) * K + k0 + j] : 0.0f;
-        for (int j = 0; j < 16; j++)
-            for (int l = 0; l < 16; l++) xt[(k0 + j) * 16 + l] = block[l][j];
-    }
 }
 
 /* res[r][l] = w row r . activation row l of the panel xt ([K][16]), r < R (R <= 16); when
@@ -963,21 +953,66 @@ static inline __attribute__((always_inline)) void f32_panel_micro(const int R, c
     }
     for (int r = 0; r < R; r++) _mm512_storeu_ps(res + r * 16, acc[r]);
 }
+#endif
+
+/* x rows [16 p, 16 p + 16) (those < M; the rest zero) -> xt [K][16], for p < panels. */
+static void f32_transpose_panel(const float *x, int64_t M, int64_t K, int64_t p, float *xt) {
+    const int64_t m0 = 16 * p, have = M - m0 < 16 ? M - m0 : 16;
+    for (int64_t k0 = 0; k0 < K; k0 += 16) {
+        float block[16][16]; /* [row][k]: 16 rows' 16 floats, then read column-wise */
+        for (int l = 0; l < 16; l++)
+            for (int j = 0; j < 16; j++) block[l][j] = l < have ? x[(m0 + l) * K + k0 + j] : 0.0f;
+        for (int j = 0; j < 16; j++)
+            for (int l = 0; l < 16; l++) xt[(k0 + j) * 16 + l] = block[l][j];
+    }
+}
+
+/* f32_panel_micro without intrinsics (the AVX2 and scalar paths): GCC/Clang vector types of 8
+ * floats (one ymm on AVX2, two xmm on SSE2), R <= 4 weight rows x the panel's 16 lanes in 8
+ * registers. The same sums, k in order. */
+typedef float f32x8 __attribute__((vector_size(32)));
+static inline __attribute__((always_inline)) void f32_panel_micro_c(const int R, const float *w,
+                                                                    int64_t K, const float *xt,
+                                                                    float *res) {
+    f32x8 acc[4][2];
+    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = (f32x8){0};
+    for (int64_t k = 0; k < K; k++) {
+        f32x8 x0, x1;
+        memcpy(&x0, xt + k * 16, sizeof(x0));
+        memcpy(&x1, xt + k * 16 + 8, sizeof(x1));
+        for (int r = 0; r < R; r++) {
+            const float wv = w[r * K + k];
+            acc[r][0] += wv * x0;
+            acc[r][1] += wv * x1;
+        }
+    }
+    for (int r = 0; r < R; r++) memcpy(res + r * 16, acc[r], sizeof(acc[r]));
+}
 
 /* out[m * ldo + r] for the rows (<= 16) of a weight tile at w and the activation rows
  * [0, M) of the panels at xt (M <= F32_MCHUNK). */
 static void f32_panel_tile(const float *w, int64_t rows, const float *xt, int64_t M, int64_t K,
-                           float *out, int64_t ldo) {
+                           float *out, int64_t ldo, int isa) {
     float res[16 * 16];
+    int simd = 0;
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+    simd = isa >= ISA_AVX512_ROWS;
+#endif
+    (void)isa;
     for (int64_t m0 = 0; m0 < M; m0 += 16) {
         const float *panel = xt + m0 * K;
         for (int64_t r = 0; r < rows;) {
-            const int R = rows - r >= 16 ? 16 : rows - r >= 8 ? 8 : rows - r >= 4 ? 4 : 1;
+            const int64_t left = rows - r;
+            const int R = simd && left >= 16 ? 16 : simd && left >= 8 ? 8 : left >= 4 ? 4 : 1;
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
             const float *ahead = m0 == 0 ? w + TILE_N * K : NULL; /* past a part: harmless */
-            if (R == 16) f32_panel_micro(16, w + r * K, K, panel, res, ahead);
-            else if (R == 8) f32_panel_micro(8, w + r * K, K, panel, res, NULL);
-            else if (R == 4) f32_panel_micro(4, w + r * K, K, panel, res, NULL);
-            else f32_panel_micro(1, w + r * K, K, panel, res, NULL);
+            if (simd && R == 16) f32_panel_micro(16, w + r * K, K, panel, res, ahead);
+            else if (simd && R == 8) f32_panel_micro(8, w + r * K, K, panel, res, NULL);
+            else if (simd && R == 4) f32_panel_micro(4, w + r * K, K, panel, res, NULL);
+            else if (simd) f32_panel_micro(1, w + r * K, K, panel, res, NULL);
+#endif
+            if (!simd && R == 4) f32_panel_micro_c(4, w + r * K, K, panel, res);
+            else if (!simd) f32_panel_micro_c(1, w + r * K, K, panel, res);
             const int64_t have = M - m0 < 16 ? M - m0 : 16;
             for (int64_t l = 0; l < have; l++)
                 for (int j = 0; j < R; j++) out[(m0 + l) * ldo + r + j] = res[j * 16 + l];
@@ -985,10 +1020,9 @@ static void f32_panel_tile(const float *w, int64_t rows, const float *xt, int64_
         }
     }
 }
-#endif
 
-/* out[m * ldo + r] for weight rows [0, rows) at w and activation rows [0, M) at x: f32_dot
- * (M < F32_PANEL_MIN on AVX-512), or plain loops on the scalar and AVX2 paths. */
+/* out[m * ldo + r] for weight rows [0, rows) at w and activation rows [0, M) at x, for
+ * M < F32_PANEL_MIN: f32_dot on the AVX-512 paths, plain loops on the others. */
 static void f32_rows(const float *w, int64_t rows, const float *x, int64_t M, int64_t K,
                      float *out, int64_t ldo, int isa) {
 #if defined(__AVX512F__) && defined(__AVX512DQ__)
@@ -1014,16 +1048,12 @@ static void f32_rows(const float *w, int64_t rows, const float *x, int64_t M, in
 static int f32_matmul(const float *x, const uint8_t *const *parts, const int64_t *part_rows,
                       const int64_t *tile_end, const int64_t *row_start, int64_t tiles,
                       float *out, int64_t M, int64_t K, int64_t ldo, int num_threads, int isa) {
-    int panels = 0;
-#if defined(__AVX512F__) && defined(__AVX512DQ__)
-    panels = isa >= ISA_AVX512_ROWS && M >= F32_PANEL_MIN;
-#endif
+    const int panels = M >= F32_PANEL_MIN;
     const int64_t num_panels = (M + 15) / 16;
     float *xt = panels ? malloc(sizeof(float) * (size_t)(num_panels * 16 * K)) : NULL;
     if (panels && !xt) return TANDEM_NO_MEMORY;
 #pragma omp parallel num_threads(num_threads)
     {
-#if defined(__AVX512F__) && defined(__AVX512DQ__)
         if (panels) {
 #pragma omp for schedule(static)
             for (int64_t p = 0; p < num_panels; p++)
@@ -1036,12 +1066,10 @@ static int f32_matmul(const float *x, const uint8_t *const *parts, const int64_t
                     int64_t r0;
                     const int64_t rows = locate_tile(t, tile_end, part_rows, &p, &r0);
                     f32_panel_tile((const float *)parts[p] + r0 * K, rows, xt + m0 * K, mc, K,
-                                   out + m0 * ldo + row_start[p] + r0, ldo);
+                                   out + m0 * ldo + row_start[p] + r0, ldo, isa);
                 }
             }
-        }
-#endif
-        if (!panels) {
+        } else {
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < tiles; t++) {
                 int p;
