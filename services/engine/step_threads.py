@@ -18,9 +18,9 @@ which is what TPOT sees) on one thread and on all, per size bucket, ``FIRST_SAMP
 in turn, and then run on the faster by an exponentially weighted mean; one small step in
 every ``EXPLORE_EVERY`` or more re-times the other choice, so a change in load is followed. The
 interval grows with the gap so that re-timing costs at most ``MAX_EXPLORE_COST`` of the step
-time (a choice twice as slow is re-timed every 100 steps, not 32: its p99 ITL showed it),
-up to ``MAX_EXPLORE_EVERY``. Larger steps (prefill chunks, big batches) use every thread. ``"all"`` always uses
-every thread (the in-process default: figures that compare across runs). Outputs do not depend
+time (a choice twice as slow is re-timed every 100 steps, not 32: its p99 ITL showed it), up
+to ``MAX_EXPLORE_EVERY``. Larger steps (prefill chunks, big batches) use every thread.
+``"all"`` always uses every thread (the in-process default: figures that compare across runs). Outputs do not depend
 on the choice: every CPU kernel's result for a row is the same whatever its thread count
 (tests/kernels/test_quant_tiles.py, test_decode_fast_paths.py).
 """
