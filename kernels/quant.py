@@ -36,7 +36,7 @@ SOURCE = Path(__file__).with_name("csrc") / "quant_matmul.c"
 BLOCK = 32  # elements per block in every supported format
 # format name -> (kernel code, bytes per block of 32 elements); "f32" is not quantized
 FORMATS = {"q4_0": (0, 18), "q4_1": (1, 20), "q8_0": (2, 34), "f32": (3, 128)}
-QUANTIZED = ("q4_0", "q4_1", "q8_0")  # the formats whose activations are quantized to int8
+QUANTIZED = tuple(f for f in FORMATS if f != "f32")  # activations quantized to int8 for these
 _ERRORS = {1: "unknown block format", 2: "bad shape (in_features must be a positive multiple "
            "of 32; row ids inside the matrix)", 3: "out of memory for the kernel's scratch"}
 _I64, _PTR, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int

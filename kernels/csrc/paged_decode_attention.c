@@ -236,7 +236,6 @@ static void choose_passes(int64_t group, int64_t head_dim, score_fn *score, weig
 #define MAX_PARTS 16
 #define MIN_PART_TOKENS 64
 
-
 /* The tokens per part of a context of len tokens: whole blocks each, at least MIN_PART_TOKENS,
  * at most MAX_PARTS parts; the whole context when the sequences alone fill the threads. */
 static int64_t part_tokens(int64_t len, int64_t num_seqs, int64_t block_size) {

@@ -944,8 +944,8 @@ static inline __attribute__((always_inline)) void f32_panel_micro(const int R, c
     __m512 acc[16];
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t k = 0; k < K; k++) {
-        /* NOTE: 16 interleaved row streams from DRAM read slowly (see f32_rows); the next
-         * tile is one contiguous block, fetched ahead in order */
+        /* NOTE: 16 interleaved row streams from DRAM read slowly (the F32 comment above);
+         * the next tile is one contiguous block, fetched ahead in order */
         if (ahead) _mm_prefetch((const char *)(ahead + k * 16), _MM_HINT_T1);
         const __m512 xv = _mm512_loadu_ps(xt + k * 16);
         for (int r = 0; r < R; r++)
