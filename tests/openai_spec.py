@@ -66,3 +66,13 @@ def properties(schema_name: str) -> set[str]:
 
     walk(schemas[schema_name])
     return names
+
+
+def completion_chunk_validator() -> jsonschema.Draft202012Validator:
+    """``CreateCompletionResponse`` with ``finish_reason`` nullable, for streamed chunks: OpenAI
+    (and vLLM) send null until a choice's last chunk, though the specification reuses the whole
+    response's schema, where it is required and not nullable, for its chunks."""
+    choice = spec()["components"]["schemas"]["CreateCompletionResponse"]["properties"]["choices"]["items"]
+    reason = {**choice["properties"]["finish_reason"], "nullable": True}
+    return validator("CreateCompletionResponse", {"choices": {"type": "array", "items": {
+        **choice, "properties": {**choice["properties"], "finish_reason": reason}}}})

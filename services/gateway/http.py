@@ -119,7 +119,7 @@ async def _complete(core: GatewayCore, request: Request, body_cls, kind: str, ac
         access.check_request(identity)
         _check_json(request)
         body = body_cls.model_validate_json(await _read_body(request, core.limits.max_request_bytes))
-        protos = body.to_protos(rid)
+        protos = body.to_protos(rid, core.limits.max_tokens_cap)
         body.check_n(core.limits.max_n, len(protos))
         prompts = await _prepare_all(core, protos, request.headers if tracing.enabled() else None)
         choices = await Choices.admit(core, prompts, body.n, access, identity)
@@ -180,8 +180,8 @@ def _check_json(request: Request) -> None:
         return
     media = declared.split(";", 1)[0].strip().lower()
     if media != "application/json" and not media.endswith("+json"):
-        raise NotJson(f"Content-Type: {media or declared!r} is not JSON; send the body as "
-                      "application/json")
+        raise NotJson(f"request body: declared as {media or declared!r}; send JSON "
+                      "(Content-Type: application/json)")
 
 
 def _field_path(loc) -> str:
@@ -272,9 +272,12 @@ def _status(exc: Exception) -> tuple[int, str, str | None]:
         return 415, str(exc), None
     if isinstance(exc, pydantic.ValidationError):
         e = exc.errors()[0]
+        if e["type"] == "extra_forbidden":  # as OpenAI's server words it, naming the key
+            key = e["loc"][-1]
+            where = _field_path(e["loc"]) or "request"
+            return 400, f"{where}: unrecognized request argument {key!r}", None
         loc = _field_path(e["loc"])
-        msg = "unrecognized request argument" if e["type"] == "extra_forbidden" else e["msg"]
-        return 400, f"{loc}: {msg}" if loc else msg, None
+        return 400, f"{loc}: {e['msg']}" if loc else e["msg"], None
     if isinstance(exc, ValueError):
         message = str(exc)
         over_context = "do not fit the model's context" in message or "exceed the model's context" in message

@@ -19,6 +19,7 @@ The rules, from the specification and from OpenAI's server:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Annotated, Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -29,15 +30,25 @@ Int32 = Annotated[int, Field(ge=-2**31, le=2**31 - 1)]  # the gateway proto's in
 SEED_MODULUS = 2**63  # SamplingParams' seed range; OpenAI's seeds are any int64
 # CreateCompletionRequest's ``prompt`` when absent: generate as from the start of a document
 DEFAULT_PROMPT = "<|endoftext|>"
+DEFAULT_MAX_TOKENS = 16  # CreateCompletionRequest's ``max_tokens`` when absent
 
 
 @dataclass(frozen=True)
 class Refused:
     """A field of OpenAI's specification that Tandem does not honour: any value but ``noop``
-    (values that ask for nothing) is refused with 400 ``{field}: {reason}``."""
+    (values that ask for nothing; a predicate) is refused with 400 ``{field}: {reason}``."""
 
     reason: str
-    noop: tuple = ()
+    noop: Callable[[Any], bool] = lambda value: False
+
+
+def _equal_to(*values) -> Callable[[Any], bool]:
+    """A ``noop`` that accepts exactly ``values`` (``False`` is not ``0``)."""
+    return lambda value: any(type(value) is type(v) and value == v for v in values)
+
+
+def _text_only(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(m == "text" for m in value)
 
 
 _TOOLS = "tool and function calling is not implemented yet"
@@ -46,39 +57,39 @@ _END_USER = ("Tandem keeps no per-end-user accounting or abuse monitoring that a
              "identifier would feed")
 # Chat and completions share these; each request class lists its own below.
 _SHARED_REFUSED = {
-    "logit_bias": Refused("logit_bias is not implemented yet", ({},)),
+    "logit_bias": Refused("logit_bias is not implemented yet", _equal_to({})),
     "user": Refused(_END_USER),
 }
 CHAT_REFUSED = {
     **_SHARED_REFUSED,
     "audio": Refused("the model produces text only, no audio"),
-    "modalities": Refused("the model produces text only, no audio", (["text"],)),
+    "modalities": Refused("the model produces text only, no audio", _text_only),
     "prediction": Refused("predicted outputs are not implemented"),
     "response_format": Refused("structured outputs (json_schema, json_object) are not "
-                               "implemented yet", ({"type": "text"},)),
-    "tools": Refused(_TOOLS, ([],)),
-    "tool_choice": Refused(_TOOLS, ("none",)),
+                               "implemented yet", _equal_to({"type": "text"})),
+    "tools": Refused(_TOOLS, _equal_to([])),
+    "tool_choice": Refused(_TOOLS, _equal_to("none")),
     "functions": Refused(_TOOLS),
-    "function_call": Refused(_TOOLS, ("none",)),
+    "function_call": Refused(_TOOLS, _equal_to("none")),
     "web_search_options": Refused("Tandem has no web search"),
-    "reasoning_effort": Refused("the model does not reason before answering", ("none",)),
+    "reasoning_effort": Refused("the model does not reason before answering", _equal_to("none")),
     "verbosity": Refused("the model has no verbosity control"),
     "service_tier": Refused("Tandem has one service tier (flex, scale, priority and fast do not "
-                            "exist here)", ("auto", "default")),
-    "store": Refused(_STORED, (False,)),
-    "metadata": Refused(_STORED + " to attach metadata to", ({},)),
+                            "exist here)", _equal_to("auto", "default")),
+    "store": Refused(_STORED, _equal_to(False)),
+    "metadata": Refused(_STORED + " to attach metadata to", _equal_to({})),
     "moderation": Refused("Tandem runs no moderation model"),
     "safety_identifier": Refused(_END_USER),
     "prompt_cache_key": Refused("the prefix cache is keyed by the prompt's own KV blocks; a "
                                 "client-chosen cache key is not used"),
     "prompt_cache_retention": Refused("cached KV blocks live in worker memory until evicted; "
-                                      "longer retention does not exist", ("in_memory",)),
+                                      "longer retention does not exist", _equal_to("in_memory")),
     "prompt_cache_options": Refused("the prefix cache has no client-set options"),
 }
 COMPLETION_REFUSED = {
     **_SHARED_REFUSED,
-    "echo": Refused("echoing the prompt (with its logprobs) is not implemented yet", (False,)),
-    "suffix": Refused("the model does not fill in the middle (no suffix)", ("",)),
+    "echo": Refused("echoing the prompt (with its logprobs) is not implemented yet", _equal_to(False)),
+    "suffix": Refused("the model does not fill in the middle (no suffix)", _equal_to("")),
     "best_of": Refused("best_of > n (ranking candidates server-side) is not implemented; "
                        "best_of equal to n is accepted"),
 }
@@ -86,7 +97,7 @@ COMPLETION_REFUSED = {
 MESSAGE_REFUSED = {
     "name": Refused("the chat template has no place for a participant's name"),
     "audio": Refused("the model reads and writes text only"),
-    "tool_calls": Refused(_TOOLS, ([],)),
+    "tool_calls": Refused(_TOOLS, _equal_to([])),
     "function_call": Refused(_TOOLS),
 }
 TOOL_ROLES = ("tool", "function")  # roles of tool calling, refused with _TOOLS
@@ -100,8 +111,7 @@ def _refuse(fields: dict, refused: dict[str, Refused], prefix: str = "") -> None
     non-null values) that ``refused`` lists with a value other than its no-op values."""
     for name, value in fields.items():
         rule = refused.get(name)
-        if rule is not None and value is not None and not any(
-                type(value) is type(noop) and value == noop for noop in rule.noop):
+        if rule is not None and value is not None and not rule.noop(value):
             raise ValueError(f"{prefix}{name}: {rule.reason}")
 
 
@@ -274,8 +284,10 @@ class ChatCompletionRequest(_Common):
     prompt_cache_retention: Any = None
     prompt_cache_options: Any = None
 
-    def to_protos(self, request_id: str) -> list[gateway_pb2.GenerateRequest]:
-        """The gateway request (one: a chat has one prompt). Raises ValueError naming the field."""
+    def to_protos(self, request_id: str, max_tokens_cap: int | None = None,
+                  ) -> list[gateway_pb2.GenerateRequest]:
+        """The gateway request (one: a chat has one prompt; without a max_tokens, the gateway's
+        default applies, bounded by ``max_tokens_cap``). Raises ValueError naming the field."""
         self.check_refused()
         if not self.messages:
             raise ValueError("messages: must not be empty")
@@ -298,7 +310,7 @@ class CompletionRequest(_Common):
     REFUSED: ClassVar[dict[str, Refused]] = COMPLETION_REFUSED
 
     prompt: Any = DEFAULT_PROMPT  # checked by prompts(): the four forms have clean errors
-    max_tokens: Int32 | None = 16  # OpenAI's default for completions
+    max_tokens: Int32 | None = None  # absent: DEFAULT_MAX_TOKENS
     logprobs: int | None = Field(default=None, ge=0, le=20)  # vLLM's max; OpenAI's is 5
     echo: Any = None
     suffix: Any = None
@@ -333,11 +345,16 @@ class CompletionRequest(_Common):
             raise ValueError(f"best_of: {best_of} is less than n ({self.n}); it must be at least n")
         super().check_refused(accepted + (("best_of",) if type(best_of) is int and best_of == self.n else ()))
 
-    def to_protos(self, request_id: str) -> list[gateway_pb2.GenerateRequest]:
-        """One gateway request per prompt, in order. Raises ValueError naming the field."""
+    def to_protos(self, request_id: str, max_tokens_cap: int | None = None,
+                  ) -> list[gateway_pb2.GenerateRequest]:
+        """One gateway request per prompt, in order; without ``max_tokens``, OpenAI's default
+        of 16 bounded by ``max_tokens_cap`` (setting max_tokens_cap). Raises ValueError naming
+        the field."""
         self.check_refused()
         fields = self._common_fields()
-        if self.max_tokens is not None:
+        if "max_tokens" not in self.model_fields_set:
+            fields["max_tokens"] = min(DEFAULT_MAX_TOKENS, max_tokens_cap or DEFAULT_MAX_TOKENS)
+        elif self.max_tokens is not None:
             fields["max_tokens"] = self.max_tokens
         if self.logprobs is not None:
             fields.update(logprobs=True, top_logprobs=self.logprobs)

@@ -232,14 +232,15 @@ def test_stop_strings_max_completion_tokens_and_vllm_extras(http_stack):
     ({"n": 0}, "n"),
     ({"max_tokens": MAX_TOKENS_CAP + 1}, "max_tokens"),
     ({"messages": []}, "messages"),
-    ({"messages": [{"role": "user", "content": ""}]}, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "u"}}]}]},
+     "messages[0].content[0].type"),
     ({"top_logprobs": 3}, "top_logprobs"),
     ({"extra_body": {"top_k": "many"}}, "top_k"),
-    ({"extra_body": {"stop_token_ids": [-1]}}, "stop_token_ids.0"),
-    ({"seed": -5}, "seed"),
+    ({"extra_body": {"stop_token_ids": [-1]}}, "stop_token_ids[0]"),
+    ({"seed": 2**64}, "seed"),
     ({"messages": [{"role": "user", "content": "hi"}] * 257}, "messages"),
-], ids=["n over cap", "n zero", "max_tokens over cap", "no messages", "empty content",
-        "top_logprobs without logprobs", "top_k type", "negative stop token", "negative seed",
+], ids=["n over cap", "n zero", "max_tokens over cap", "no messages", "image part",
+        "top_logprobs without logprobs", "top_k type", "negative stop token", "seed over int64",
         "messages over max_messages"])
 def test_bad_input_is_400_naming_param_and_the_stack_keeps_serving(http_stack, kwargs, param):
     async def over_http():

@@ -77,7 +77,7 @@ def test_chat_stream_framing(http_stack):
     assert len({c["id"] for c in chunks}) == 1 and chunks[0]["id"].startswith("chatcmpl-")
     assert len({c["created"] for c in chunks}) == 1 and isinstance(chunks[0]["created"], int)
     assert {c["model"] for c in chunks} == {MODEL}
-    assert all(c["usage"] is None and len(c["choices"]) == 1 for c in chunks)
+    assert all("usage" not in c and len(c["choices"]) == 1 for c in chunks)
     assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
     assert all("role" not in c["choices"][0]["delta"] for c in chunks[1:])
     reasons = [c["choices"][0]["finish_reason"] for c in chunks]
@@ -97,7 +97,7 @@ def test_completions_stream_framing_with_usage(http_stack):
     assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 5
     assert usage["usage"]["total_tokens"] == usage["usage"]["prompt_tokens"] + 5
     assert "cached_tokens" in usage["usage"]["prompt_tokens_details"]
-    assert all(c["usage"] is None and "text" in c["choices"][0] for c in content)
+    assert all("usage" not in c and "text" in c["choices"][0] for c in content)
     assert content[-1]["choices"][0]["finish_reason"] == "length"
 
 
