@@ -13,8 +13,8 @@ body over ``max_request_bytes`` (refused from Content-Length, or while reading, 
 whole), 415 a body that is declared as something other than JSON, 429 overload or a per-key
 limit (``Retry-After``; ``limits.py``), 503 no worker or Redis. An error after a stream started
 is an SSE ``data: {"error": ...}`` event, then ``data: [DONE]``. ``X-Request-Id`` is honoured,
-used as the request's id (Redis, logs; ``{id}-{i}`` for the choices of ``n`` > 1, see
-``choices.py``) and returned on every response. A client gone, from a stream or from a
+used as the request's id (Redis, logs; ``{id}-{index}`` for each choice when a request has
+several: ``n`` > 1 or a completions batch, see ``choices.py``) and returned on every response. A client gone, from a stream or from a
 non-streaming request, aborts the request: every choice's blocks are freed, Redis says ABORTED.
 """
 from __future__ import annotations

@@ -151,7 +151,8 @@ class ChatMessage(_Object):
                               if self.role == "assistant" else set())
         for key in extra:
             if key not in allowed:
-                raise ValueError(f"{where}.{key}: unrecognized for role {self.role!r}")
+                at = f".{key}" if key.isidentifier() else f"[{key!r}]"
+                raise ValueError(f"{where}{at}: unrecognized for role {self.role!r}")
         _refuse(extra, MESSAGE_REFUSED, where + ".")
         refusal = extra.get("refusal")
         if refusal is not None and not isinstance(refusal, str):
