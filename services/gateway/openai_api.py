@@ -104,6 +104,10 @@ TOOL_ROLES = ("tool", "function")  # roles of tool calling, refused with _TOOLS
 TEXT_PART_REFUSED = {
     "prompt_cache_breakpoint": Refused("the prefix cache has no client-set breakpoints"),
 }
+STREAM_OPTIONS_REFUSED = {
+    "include_obfuscation": Refused("Tandem does not pad stream events with random characters",
+                                   _equal_to(False)),
+}
 
 
 def _refuse(fields: dict, refused: dict[str, Refused], prefix: str = "") -> None:
@@ -128,7 +132,7 @@ class _Object(BaseModel):
 
 class StreamOptions(_Object):
     include_usage: bool = False
-    include_obfuscation: bool = False  # OpenAI's random padding of stream events: refused
+    include_obfuscation: Any = None  # refused (STREAM_OPTIONS_REFUSED) unless false
 
 
 class ChatMessage(_Object):
@@ -221,15 +225,10 @@ class _Common(_Object):
 
     REFUSED: ClassVar[dict[str, Refused]] = {}  # field -> why it is refused
 
-    def num_choices(self, num_prompts: int = 1) -> int:
-        """The choices this request asks for: n per prompt."""
-        return self.n * num_prompts
-
     def check_n(self, max_n: int, num_prompts: int = 1) -> None:
         """Raises ValueError naming ``n`` when the request's choices (n per prompt) exceed
         ``max_n`` (setting max_n)."""
-        total = self.num_choices(num_prompts)
-        if total > max_n:
+        if self.n * num_prompts > max_n:
             what = f"{self.n} choices" if num_prompts == 1 else f"{num_prompts} prompts x {self.n} choices"
             raise ValueError(f"n: {what} exceed the gateway's limit of {max_n} choices per request "
                              "(setting max_n)")
@@ -239,9 +238,9 @@ class _Common(_Object):
         does not do."""
         _refuse({name: getattr(self, name) for name in self.model_fields_set
                  if name not in accepted}, self.REFUSED)
-        if self.stream_options is not None and self.stream_options.include_obfuscation:
-            raise ValueError("stream_options.include_obfuscation: Tandem does not pad stream "
-                             "events with random characters")
+        if self.stream_options is not None:
+            _refuse({"include_obfuscation": self.stream_options.include_obfuscation},
+                    STREAM_OPTIONS_REFUSED, "stream_options.")
 
     def _common_fields(self) -> dict:
         fields = {name: getattr(self, name) for name in (

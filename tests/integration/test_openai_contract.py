@@ -29,7 +29,8 @@ import openai
 import pytest
 import yaml
 
-from services.gateway.openai_api import CHAT_REFUSED, COMPLETION_REFUSED, MESSAGE_REFUSED, TEXT_PART_REFUSED
+from services.gateway.openai_api import (CHAT_REFUSED, COMPLETION_REFUSED, MESSAGE_REFUSED,
+                                         STREAM_OPTIONS_REFUSED, TEXT_PART_REFUSED)
 from tests.integration.conftest import WORKER_ARGS, assert_all_blocks_freed, free_port, start_stack
 from tests.openai_spec import completion_chunk_validator, spec, validator
 from tests.reference import tokenizer
@@ -95,7 +96,8 @@ def accepted_space() -> dict:
                 part.get("properties", {}).pop(field, None)
     for field in COMPLETION_REFUSED:
         completion.pop(field, None)
-    schemas["ChatCompletionStreamOptions"]["anyOf"][0]["properties"].pop("include_obfuscation")
+    for key in STREAM_OPTIONS_REFUSED:
+        schemas["ChatCompletionStreamOptions"]["anyOf"][0]["properties"].pop(key)
     schemas["ChatCompletionRequestMessage"]["oneOf"] = [
         v for v in schemas["ChatCompletionRequestMessage"]["oneOf"]
         if not v["$ref"].endswith(("ToolMessage", "FunctionMessage"))]

@@ -12,11 +12,12 @@ from types import SimpleNamespace
 import pytest
 
 from services.api import gateway_pb2
-from services.gateway.openai_api import (CHAT_REFUSED, COMPLETION_REFUSED, ChatCompletionRequest,
-                                         CompletionRequest)
+from services.gateway.openai_api import (CHAT_REFUSED, COMPLETION_REFUSED, MESSAGE_REFUSED,
+                                         STREAM_OPTIONS_REFUSED, TEXT_PART_REFUSED,
+                                         ChatCompletionRequest, CompletionRequest)
 from services.gateway.openai_responses import Chunker, error_body
 from services.gateway.validation import template_messages
-from tests.openai_spec import completion_chunk_validator, properties, validator
+from tests.openai_spec import completion_chunk_validator, properties, spec, validator
 
 VLLM_EXTRAS = {"top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids"}
 
@@ -71,9 +72,39 @@ CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 COMPLETION = {"model": "m", "prompt": "hi"}
 
 
+# inside a request: keys of a message (any role), of a text part, of stream_options
+REFUSED_MESSAGE_KEYS = {
+    "name": "the chat template has no place for a participant's name",
+    "audio": "the model reads and writes text only",
+    "tool_calls": TOOLS,
+    "function_call": TOOLS,
+}
+REFUSED_TEXT_PART_KEYS = {"prompt_cache_breakpoint": "the prefix cache has no client-set breakpoints"}
+REFUSED_STREAM_OPTIONS = {"include_obfuscation": "Tandem does not pad stream events with random characters"}
+# and whole kinds: the tool and function roles (TOOLS), content parts other than text (and an
+# assistant's refusal parts): image_url, input_audio, file (the model reads text only)
+HONOURED_MESSAGE_KEYS = {"role", "content", "refusal"}  # refusal: an assistant's, as its text
+
+
+def reasons(table: dict) -> dict[str, str]:
+    return {name: rule.reason for name, rule in table.items()}
+
+
 def test_the_refusal_list_is_exactly_this():
-    assert {name: rule.reason for name, rule in CHAT_REFUSED.items()} == REFUSED_CHAT
-    assert {name: rule.reason for name, rule in COMPLETION_REFUSED.items()} == REFUSED_COMPLETIONS
+    assert reasons(CHAT_REFUSED) == REFUSED_CHAT
+    assert reasons(COMPLETION_REFUSED) == REFUSED_COMPLETIONS
+    assert reasons(MESSAGE_REFUSED) == REFUSED_MESSAGE_KEYS
+    assert reasons(TEXT_PART_REFUSED) == REFUSED_TEXT_PART_KEYS
+    assert reasons(STREAM_OPTIONS_REFUSED) == REFUSED_STREAM_OPTIONS
+
+
+def test_every_key_inside_a_request_is_honoured_or_refused():
+    for role in ("Developer", "System", "User", "Assistant"):
+        keys = properties(f"ChatCompletionRequest{role}Message")
+        assert keys - HONOURED_MESSAGE_KEYS <= set(REFUSED_MESSAGE_KEYS), role
+    assert properties("ChatCompletionRequestMessageContentPartText") - {"type", "text"} == set(REFUSED_TEXT_PART_KEYS)
+    stream_options = spec()["components"]["schemas"]["ChatCompletionStreamOptions"]["anyOf"][0]["properties"]
+    assert set(stream_options) - {"include_usage"} == set(REFUSED_STREAM_OPTIONS)
 
 
 @pytest.mark.parametrize("cls,schema,refused", [
@@ -149,6 +180,9 @@ def test_seed_takes_any_int64_and_top_p_zero_keeps_the_top_token():
     ({"role": "user", "content": "x", "refusal": "no"}, "messages[0].refusal"),
     ({"role": "user"}, "messages[0].content"),
     ({"role": "user", "content": []}, "messages[0].content"),
+    ({"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}, "messages[0].content[0].type"),
+    ({"role": "user", "content": [{"type": "file", "file": {}}]}, "messages[0].content[0].type"),
+    ({"role": "user", "content": [{"type": "refusal", "refusal": "x"}]}, "messages[0].content[0].type"),
 ])
 def test_message_fields_tandem_does_not_honour_are_refused_naming_them(message, where):
     req = ChatCompletionRequest.model_validate({**CHAT, "messages": [message]})
