@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from services.api import gateway_pb2
-from tests.integration.conftest import WORKER_ARGS, assert_all_blocks_freed, free_port, start_stack
+from tests.integration.conftest import HttpStack, assert_all_blocks_freed, http_stack_with
 from tests.integration.test_stack import generate
 from tests.reference import CHAT_PROMPTS, NUM_TOKENS, chat_prompt_ids, hf_greedy_outputs
 
@@ -25,24 +25,10 @@ MAX_N, MAX_TOKENS_CAP = 4, 4096  # the stack's gateway limits
 COMPLETION_PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
 
 
-class HttpStack:
-    def __init__(self, stack, http_port: int) -> None:
-        self.stack = stack
-        self.base_url = f"http://127.0.0.1:{http_port}/v1"
-
-    def client(self) -> openai.AsyncOpenAI:
-        return openai.AsyncOpenAI(base_url=self.base_url, api_key="unused", timeout=300, max_retries=0)
-
-
 @pytest.fixture(scope="module")
 def http_stack(redis_server) -> Iterator[HttpStack]:
-    port = free_port()
-    s = start_stack(WORKER_ARGS, redis_server.url, gateway_args=[
-        "--http-port", str(port), "--max-n", str(MAX_N), "--max-tokens-cap", str(MAX_TOKENS_CAP)])
-    try:
-        yield HttpStack(s, port)
-    finally:
-        s.stop()
+    with http_stack_with(redis_server.url, ["--max-n", str(MAX_N), "--max-tokens-cap", str(MAX_TOKENS_CAP)]) as s:
+        yield s
 
 
 def run(coro):

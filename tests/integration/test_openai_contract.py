@@ -31,7 +31,7 @@ import yaml
 
 from services.gateway.openai_api import (CHAT_REFUSED, COMPLETION_REFUSED, MESSAGE_REFUSED,
                                          STREAM_OPTIONS_REFUSED, TEXT_PART_REFUSED)
-from tests.integration.conftest import WORKER_ARGS, assert_all_blocks_freed, free_port, start_stack
+from tests.integration.conftest import HttpStack, assert_all_blocks_freed, http_stack_with
 from tests.openai_spec import completion_chunk_validator, spec, validator
 from tests.reference import tokenizer
 
@@ -44,24 +44,10 @@ FUZZ_SEED = 38  # fixed: a failure reproduces with the same requests
 FUZZ_MAX_TOKENS = 4  # generated requests ask for at most this many tokens (CPU time)
 
 
-class HttpStack:
-    def __init__(self, stack, http_port: int) -> None:
-        self.stack = stack
-        self.url = f"http://127.0.0.1:{http_port}"
-
-    def client(self) -> openai.AsyncOpenAI:
-        return openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key="unused", timeout=300, max_retries=0)
-
-
 @pytest.fixture(scope="module")
 def http_stack(redis_server) -> Iterator[HttpStack]:
-    port = free_port()
-    s = start_stack(WORKER_ARGS, redis_server.url, gateway_args=[
-        "--http-port", str(port), "--max-n", str(MAX_N), "--max-tokens-cap", str(MAX_TOKENS_CAP)])
-    try:
-        yield HttpStack(s, port)
-    finally:
-        s.stop()
+    with http_stack_with(redis_server.url, ["--max-n", str(MAX_N), "--max-tokens-cap", str(MAX_TOKENS_CAP)]) as s:
+        yield s
 
 
 def run(coro):
