@@ -187,14 +187,14 @@ def post(http_stack: HttpStack, path: str, body: dict, **kwargs) -> httpx.Respon
     return httpx.post(f"{http_stack.url}/v1{path}", json=body, timeout=300, **kwargs)
 
 
-def test_null_means_absent_over_raw_http(http_stack):
+def test_null_means_absent_over_raw_http_and_the_openai_client(http_stack):
     chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hi", "name": None}],
             "max_tokens": 4, "temperature": 0}
-    plain, nulls = post(http_stack, "/chat/completions", chat), post(http_stack, "/chat/completions",
-                                                                     {**CHAT_NULLS, **chat})
-    assert plain.status_code == nulls.status_code == 200, nulls.text
+    plain_chat = post(http_stack, "/chat/completions", chat)
+    nulls = post(http_stack, "/chat/completions", {**CHAT_NULLS, **chat})
+    assert plain_chat.status_code == nulls.status_code == 200, nulls.text
     validator("CreateChatCompletionResponse").validate(nulls.json())
-    assert nulls.json()["choices"][0]["message"] == plain.json()["choices"][0]["message"]
+    assert nulls.json()["choices"][0]["message"] == plain_chat.json()["choices"][0]["message"]
     assert nulls.json()["choices"][0]["message"]["refusal"] is None
     completion = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 4, "temperature": 0}
     plain = post(http_stack, "/completions", completion)
@@ -202,6 +202,20 @@ def test_null_means_absent_over_raw_http(http_stack):
     assert plain.status_code == nulls.status_code == 200, nulls.text
     validator("CreateCompletionResponse").validate(nulls.json())
     assert nulls.json()["choices"][0]["text"] == plain.json()["choices"][0]["text"]
+
+    async def client_nulls():  # the official client sends an explicit None as null
+        client = http_stack.client()
+        nones = dict(n=None, stop=None, seed=None, top_p=None, logprobs=None, user=None,
+                     presence_penalty=None, frequency_penalty=None, stream_options=None)
+        c = await client.chat.completions.create(messages=chat["messages"], model=MODEL, max_tokens=4,
+                                                 temperature=0, **nones)
+        t = await client.completions.create(prompt=completion["prompt"], model=MODEL, max_tokens=4,
+                                            temperature=0, echo=None, suffix=None, best_of=None, **nones)
+        return c, t
+
+    c, t = run(client_nulls())
+    assert c.choices[0].message.content == plain_chat.json()["choices"][0]["message"]["content"]
+    assert t.choices[0].text == plain.json()["choices"][0]["text"]
 
 
 def test_developer_role_is_the_system_role(http_stack):
