@@ -12,7 +12,9 @@ the body is read), 404 no such path, 405 a method the path does not serve (with 
 body over ``max_request_bytes`` (refused from Content-Length, or while reading, never read
 whole), 415 a body that is declared as something other than JSON, 429 overload or a per-key
 limit (``Retry-After``; ``limits.py``), 503 no worker or Redis. An error after a stream started
-is an SSE ``data: {"error": ...}`` event, then ``data: [DONE]``. ``X-Request-Id`` is honoured,
+is an SSE ``data: {"error": ...}`` event, then ``data: [DONE]``; so is a request aborted before it
+finished (an Abort call on its id, or the gateway stopping), where gRPC ends with finish_reason
+"abort", which OpenAI's API does not have (503 when nothing was streamed yet). ``X-Request-Id`` is honoured,
 used as the request's id (Redis, logs; ``{id}-{index}`` for each choice when a request has
 several: ``n`` > 1 or a completions batch, see ``choices.py``) and returned on every response. A client gone, from a stream or from a
 non-streaming request, aborts the request: every choice's blocks are freed, Redis says ABORTED.
@@ -56,6 +58,11 @@ class BodyTooLarge(Exception):
 
 class NotJson(Exception):
     """A body declared (Content-Type) as something other than JSON: 415."""
+
+
+class RequestAborted(Exception):
+    """A choice ended with finish_reason "abort" (an Abort call on its id, or the gateway
+    stopping): OpenAI's API has no such finish reason, so HTTP answers an error (503)."""
 
 
 def create_app(core: GatewayCore, readiness: ReadinessMonitor, access: Access | None = None) -> FastAPI:
@@ -126,7 +133,7 @@ async def _complete(core: GatewayCore, request: Request, body_cls, kind: str, ac
     except Exception as exc:  # noqa: BLE001 — every failure becomes OpenAI's error JSON
         return _error_response(exc, headers)
     chunker = Chunker(kind, rid, core.model.name, body.n, len(prompts))
-    responses = choices.stream()
+    responses = _unless_aborted(choices.stream())
     if body.stream:  # NOTE: up to the first token, a failure still gets its HTTP status
         try:
             first = await anext(responses)
@@ -142,6 +149,17 @@ async def _complete(core: GatewayCore, request: Request, body_cls, kind: str, ac
     if by_choice is None:
         return Response(status_code=CLIENT_CLOSED_REQUEST, headers=headers)
     return JSONResponse(chunker.whole(by_choice), headers=headers)
+
+
+async def _unless_aborted(responses):
+    """``responses`` (index, GenerateResponse) until one ends with finish_reason "abort", which
+    raises RequestAborted (closing the rest)."""
+    async with aclosing(responses) as rs:
+        async for index, msg in rs:
+            if msg.finish_reason == "abort":
+                raise RequestAborted("the request was aborted before it finished (an Abort call "
+                                     "on its id, or the gateway shutting down)")
+            yield index, msg
 
 
 async def _prepare_all(core: GatewayCore, protos: list, carrier) -> list[Prepared]:
@@ -270,6 +288,8 @@ def _status(exc: Exception) -> tuple[int, str, str | None]:
         return 413, str(exc), None
     if isinstance(exc, NotJson):
         return 415, str(exc), None
+    if isinstance(exc, RequestAborted):
+        return 503, str(exc), None
     if isinstance(exc, pydantic.ValidationError):
         e = exc.errors()[0]
         if e["type"] == "extra_forbidden":  # as OpenAI's server words it, naming the key
