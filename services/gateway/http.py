@@ -11,13 +11,15 @@ Errors use OpenAI's JSON ``{"error": {"message", "type", "param", "code"}}`` on 
 the body is read), 404 no such path, 405 a method the path does not serve (with ``Allow``), 413
 body over ``max_request_bytes`` (refused from Content-Length, or while reading, never read
 whole), 415 a body that is declared as something other than JSON, 429 overload or a per-key
-limit (``Retry-After``; ``limits.py``), 503 no worker or Redis. An error after a stream started
-is an SSE ``data: {"error": ...}`` event, then ``data: [DONE]``; so is a request aborted before it
-finished (an Abort call on its id, or the gateway stopping), where gRPC ends with finish_reason
-"abort", which OpenAI's API does not have (503 when nothing was streamed yet). ``X-Request-Id`` is honoured,
-used as the request's id (Redis, logs; ``{id}-{index}`` for each choice when a request has
-several: ``n`` > 1 or a completions batch, see ``choices.py``) and returned on every response. A client gone, from a stream or from a
-non-streaming request, aborts the request: every choice's blocks are freed, Redis says ABORTED.
+limit (``Retry-After``; ``limits.py``), 503 no worker or Redis. An error after a stream
+started is an SSE ``data: {"error": ...}`` event, then ``data: [DONE]``; so is a request aborted
+before it finished (an Abort call on its id, or the gateway stopping), where gRPC ends with
+finish_reason "abort", which OpenAI's API does not have (503 when nothing was streamed yet).
+
+``X-Request-Id`` is honoured, used as the request's id (Redis, logs; ``{id}-{index}`` for each
+choice when a request has several: ``n`` > 1 or a completions batch, see ``choices.py``) and
+returned on every response. A client gone, from a stream or from a non-streaming request, aborts
+the request: every choice's blocks are freed, Redis says ABORTED.
 """
 from __future__ import annotations
 
