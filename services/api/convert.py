@@ -14,7 +14,8 @@ if TYPE_CHECKING:
     from services.engine.sampler import TokenLogprobs
 
 _SHARED_FIELDS = ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p",
-                  "presence_penalty", "frequency_penalty", "repetition_penalty", "ignore_eos")
+                  "presence_penalty", "frequency_penalty", "repetition_penalty", "ignore_eos",
+                  "num_prior_output_tokens")
 
 
 def params_from_proto(p: worker_pb2.SamplingParams) -> SamplingParams:

@@ -28,11 +28,14 @@ class SamplingParams(BaseModel):
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)  # OpenAI: once per seen token
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)  # OpenAI: per occurrence
     repetition_penalty: float = Field(default=1.0, gt=0.0, le=10.0)  # CTRL: prompt + output
-    seed: int | None = None  # per-request generator: same seed, same tokens, whatever the batch
+    seed: int | None = None  # same seed, same tokens, whatever the batch (sampler.uniforms)
     stop: tuple[str, ...] = ()  # finish when the text contains one; it is not emitted
     stop_token_ids: tuple[int, ...] = ()  # finish (token kept) when one of these is sampled
     ignore_eos: bool = False  # keep going past EOS (benchmarks with exact output lengths)
     logprobs: int | None = Field(default=None, ge=0, le=20)  # top-N alternatives; 0: chosen only
+    # a resumed request (migration): the prompt's last N tokens are output tokens of an earlier
+    # attempt, so the seed's draws and the frequency/presence penalties continue after them
+    num_prior_output_tokens: int = Field(default=0, ge=0)
 
     @field_validator("stop")
     @classmethod
