@@ -40,7 +40,11 @@ ENGINE_HELP = {
     "device": "torch device of a worker's model and KV cache",
     "block_size": "tokens per KV block",
     "num_kv_blocks": "KV blocks per worker; overrides kv_cache_memory_gib",
-    "kv_cache_memory_gib": "KV cache memory per worker, GiB",
+    "kv_cache_memory_gib": "KV cache memory per worker, GiB (default: 1 on CPU; on a GPU what "
+                           "gpu_memory_utilization leaves after the model and its largest step)",
+    "gpu_memory_utilization": "fraction of the GPU's memory this worker may use, KV cache "
+                              "included (vLLM's; `tandem up` divides it among workers sharing "
+                              "a GPU)",
     "max_num_seqs": "sequences in one running batch",
     "max_num_batched_tokens": "token budget of one engine step (chunked prefill)",
     "max_model_len": "longest sequence in tokens (default: the model's context length)",

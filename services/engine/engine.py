@@ -23,6 +23,7 @@ import uuid
 
 import torch
 
+from . import kv_sizing
 from .block_manager import BlockManager
 from .config import KVCacheLayout, ModelConfig
 from .engine_config import EngineConfig  # noqa: F401 - re-exported: callers name it from here
@@ -55,6 +56,9 @@ class LLMEngine:
                  fault_injection: bool = False) -> None:
         self.config = config = config or EngineConfig()
         t0 = time.perf_counter()
+        by_utilization = (torch.device(config.device).type == "cuda"
+                          and not config.num_kv_blocks and config.kv_cache_memory_gib is None)
+        free_at_start = torch.cuda.mem_get_info(config.device)[0] if by_utilization else 0
         model, self.precision = build_model(config.model, config.dtype, config.quantization,
                                             config.device, weights)
         self.model_config: ModelConfig = (model_config := model.config)
@@ -64,7 +68,18 @@ class LLMEngine:
         dtype = getattr(torch, self.precision.dtype)
         self.layout = KVCacheLayout.of(model_config, config.block_size, dtype)
         per_block = self.layout.block_bytes * 2 * self.layout.num_layers  # bytes, K and V
-        num_blocks = config.num_kv_blocks or max(1, int((config.kv_cache_memory_gib or 1.0) * 2**30) // per_block)
+        if config.num_kv_blocks:
+            num_blocks = config.num_kv_blocks
+        elif by_utilization:
+            step_tokens = min(config.max_num_batched_tokens, self.max_model_len)
+            memory = kv_sizing.measure_gpu(model, config.block_size, step_tokens,
+                                           config.max_num_seqs, free_at_start)
+            num_blocks = kv_sizing.gpu_kv_cache_bytes(memory, config.gpu_memory_utilization) // per_block
+            log.info("KV cache sized by gpu_memory_utilization %.2f: %s", config.gpu_memory_utilization,
+                     memory)
+        else:
+            num_blocks = kv_sizing.blocks_for_memory(
+                config.kv_cache_memory_gib or kv_sizing.CPU_DEFAULT_GIB, per_block)
         kv_shape = (self.layout.num_layers, 2, num_blocks, config.block_size,
                     self.layout.num_kv_heads, self.layout.head_dim)
         self.kv_cache = zeroed_kv_cache(kv_shape, dtype, config.device)  # zero pages on first touch
