@@ -55,6 +55,8 @@ ENGINE_HELP = {
                                     "of max_num_batched_tokens, others no cap)",
     "step_threads": "threads of a step of at most 8 tokens: auto (timed while serving, one or "
                     "all of worker.num_threads, whichever is faster) or all",
+    "enforce_eager": "on a GPU, launch every step's kernels from Python instead of replaying "
+                     "decode steps from CUDA graphs (vLLM's --enforce-eager)",
 }
 ENGINE_NAMES = {"kv_cache_memory_gib": ("TANDEM_KV_CACHE_GIB", "--kv-cache-gib")}
 

@@ -26,6 +26,7 @@ import torch
 from . import kv_sizing
 from .block_manager import BlockManager
 from .config import KVCacheLayout, ModelConfig
+from .cuda_graphs import CUDAGraphRunner
 from .engine_config import EngineConfig  # noqa: F401 - re-exported: callers name it from here
 from .faults import EngineFaults
 from .kv_alloc import zeroed_kv_cache
@@ -94,6 +95,10 @@ class LLMEngine:
                               torch.get_num_threads())  # CPU threads matter on CPU only
         self.runner = ModelRunner(model, self.kv_cache, config.block_size,
                                   self.scheduler.config.max_model_len, threads)
+        if self.kv_cache.is_cuda and not config.enforce_eager:
+            self.runner.graphs = CUDAGraphRunner(
+                model, self.kv_cache, config.max_num_seqs,
+                self.block_manager.blocks_needed(self.scheduler.config.max_model_len))
         self.metrics = EngineMetrics(max_model_len=self.max_model_len)
         self._faults = EngineFaults() if fault_injection else None
         self._steps_lost_all = 0  # failed steps in a row whose every request failed alone

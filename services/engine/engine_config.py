@@ -39,3 +39,5 @@ class EngineConfig(BaseModel):
     # threads of a small step: "all" (torch's thread count, every step) or "auto" (timed while
     # serving, one thread or all: see step_threads.py)
     step_threads: Literal["auto", "all"] = "all"
+    # CUDA: run decode steps eagerly instead of replaying CUDA graphs (cuda_graphs.py)
+    enforce_eager: bool = False

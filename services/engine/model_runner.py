@@ -18,6 +18,7 @@ import torch
 
 from kernels.decode_ops import argmax_rows
 
+from .cuda_graphs import CUDAGraphRunner
 from .input_batch import InputBatch, ModelInputs
 from .model import LlamaForCausalLM
 from .sampler import TokenLogprobs, sample
@@ -46,12 +47,15 @@ class ModelRunner:
         self.input_batch = InputBatch(max_model_len, block_size, model.config.vocab_size,
                                       kv_cache.device)
         self.num_host_reads = 0  # device-to-host copies of sampled tokens (one per step)
+        self.graphs: CUDAGraphRunner | None = None  # decode steps from CUDA graphs (engine sets)
 
     @torch.inference_mode()
     def forward(self, inputs: ModelInputs) -> torch.Tensor:
         """Run the model; returns logits ``[num_sampled, vocab]`` float32 on the model's device
         (possibly 0 rows)."""
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.attn)
+        hidden = self.graphs.run(inputs) if self.graphs is not None else None
+        if hidden is None:  # not a decode step that a graph holds: eager
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.attn)
         return self.model.compute_logits(hidden[inputs.logits_indices])
 
     @torch.inference_mode()
