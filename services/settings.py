@@ -53,7 +53,7 @@ ENGINE_HELP = {
     "long_prefill_token_threshold": "most prompt tokens one request computes per step while "
                                     "others wait (0: no cap; default: prefill workers a quarter "
                                     "of max_num_batched_tokens, others no cap)",
-    "step_threads": "threads of a step of at most 8 tokens: auto (timed while serving, one or "
+    "step_threads": "threads of each step: auto (timed while serving per step size, one or "
                     "all of worker.num_threads, whichever is faster) or all",
     "enforce_eager": "on a GPU, launch every step's kernels from Python instead of replaying "
                      "decode steps from CUDA graphs (vLLM's --enforce-eager)",
