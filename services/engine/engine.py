@@ -29,6 +29,7 @@ from .config import KVCacheLayout, ModelConfig
 from .cuda_graphs import CUDAGraphRunner
 from .engine_config import EngineConfig  # noqa: F401 - re-exported: callers name it from here
 from .faults import EngineFaults
+from .grammars import Matchers
 from .kv_alloc import zeroed_kv_cache
 from .metrics import EngineMetrics
 from .model_runner import ModelRunner
@@ -40,6 +41,7 @@ from .sampler import TokenLogprobs
 from .sampling_params import SamplingParams
 from .scheduler import SchedulerConfig, SchedulerOutput
 from .step_threads import StepThreads
+from .tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -93,8 +95,10 @@ class LLMEngine:
         )
         threads = StepThreads(config.step_threads if config.device == "cpu" else "all",
                               torch.get_num_threads())  # CPU threads matter on CPU only
+        matchers = Matchers(lambda: Tokenizer.load(config.model).backend.to_str(),
+                            model_config.vocab_size, model_config.eos_token_id)
         self.runner = ModelRunner(model, self.kv_cache, config.block_size,
-                                  self.scheduler.config.max_model_len, threads)
+                                  self.scheduler.config.max_model_len, threads, matchers)
         if self.kv_cache.is_cuda and not config.enforce_eager:
             self.runner.graphs = CUDAGraphRunner(
                 model, self.kv_cache, config.max_num_seqs,
@@ -154,6 +158,9 @@ class LLMEngine:
         bad = [t for t in params.stop_token_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"stop_token_ids: {bad[:5]} outside the vocabulary [0, {vocab})")
+        bad = [t for t, _ in params.logit_bias if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"logit_bias: token ids {bad[:5]} outside the vocabulary [0, {vocab})")
 
     def add_request(self, request: Request) -> None:
         """Queue a request. Raises ``ValueError`` naming a field the model cannot serve."""

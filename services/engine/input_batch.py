@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from .attention import AttentionMetadata
+from .grammars import Matchers
 from .request import Request
 from .sampler import Penalties, RandomDraws, SamplingBatch, uniforms
 from .scheduler import SchedulerOutput
@@ -87,13 +88,17 @@ class InputBatch:
     ``max_model_len``: tokens a row holds; ``block_size``: tokens per KV block;
     ``vocab_size``: the model's, for checking stop token ids (an id outside it raises
     ``IndexError`` when its request is scheduled, so that request fails alone); ``device``:
-    where the step's tensors go (``to_device``).
+    where the step's tensors go (``to_device``); ``matchers``: the grammar matchers of
+    structured outputs (None: a request that asks for one fails alone).
     """
 
     def __init__(self, max_model_len: int, block_size: int, vocab_size: int,
-                 device: torch.device | str = "cpu", capacity: int = 16) -> None:
+                 device: torch.device | str = "cpu", capacity: int = 16,
+                 matchers: Matchers | None = None) -> None:
         self.max_model_len, self.block_size, self.vocab_size = max_model_len, block_size, vocab_size
         self.device = torch.device(device)
+        self.matchers = matchers
+        self.logit_bias: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # row -> (ids, biases)
         self.max_blocks = -(-max_model_len // block_size)
         self.row_of: dict[str, int] = {}
         self._free_rows: list[int] = []
@@ -132,6 +137,8 @@ class InputBatch:
         self.prior_outputs = resized(get("prior_outputs"), (n,), np.int64)
         self.min_tokens = resized(get("min_tokens"), (n,), np.int64)
         self.num_logprobs = resized(get("num_logprobs"), (n,), np.int64, -1)  # -1: none
+        self.constrained = resized(get("constrained"), (n,), np.bool_)  # structured output
+        self.request_ids: list[str | None] = getattr(self, "request_ids", []) + [None] * (n - old)
         width = get("stop_ids").shape[1] if old else 1
         self.stop_ids = resized(get("stop_ids"), (n, width), np.int64, -1)  # EOS + stop ids
         self._tables.extend([None] * (n - old))
@@ -139,12 +146,25 @@ class InputBatch:
         self._capacity = n
 
     def add(self, r: Request) -> int:
-        """Give ``r`` a row and copy in its tokens and settings."""
+        """Give ``r`` a row and copy in its tokens and settings. Raises ``IndexError`` naming
+        ``stop_token_ids`` or ``logit_bias`` for a token id outside the vocabulary."""
+        p = r.sampling_params
+        for field, ids in (("stop_token_ids", p.stop_token_ids), ("logit_bias", [t for t, _ in p.logit_bias])):
+            if any(not 0 <= t < self.vocab_size for t in ids):
+                raise IndexError(f"{field}: an id is outside the vocabulary [0, {self.vocab_size})")
         if not self._free_rows:
             self._grow(2 * self._capacity)
+        if p.structured_output is not None:
+            if self.matchers is None:
+                raise ValueError("structured_output: this engine has no tokenizer for grammars")
+            self.matchers.add(r.request_id, p.structured_output)
         row = self._free_rows.pop()
         self.row_of[r.request_id] = row
-        p = r.sampling_params
+        self.request_ids[row] = r.request_id
+        self.constrained[row] = p.structured_output is not None
+        if p.logit_bias:
+            ids, biases = zip(*p.logit_bias)
+            self.logit_bias[row] = (np.array(ids, dtype=np.int64), np.array(biases, dtype=np.float32))
         tokens = r.all_token_ids
         self.token_ids[row, :len(tokens)] = tokens
         self.num_tokens[row] = len(tokens)
@@ -178,6 +198,11 @@ class InputBatch:
             row = self.row_of.pop(request_id, None)
             if row is not None:
                 self._tables[row] = None
+                self.logit_bias.pop(row, None)
+                if self.constrained[row]:
+                    self.matchers.remove(request_id)
+                self.constrained[row] = False
+                self.request_ids[row] = None
                 self._free_rows.append(row)
 
     def _sync(self, r: Request, row: int) -> None:
@@ -198,7 +223,7 @@ class InputBatch:
     # -- one step ----------------------------------------------------------------------------
     def prepare(self, out: SchedulerOutput) -> ModelInputs:
         """The model's inputs for ``out``, on the batch's device. Rows are added for requests
-        seen for the first time; stop token ids outside the vocabulary raise ``IndexError``."""
+        seen for the first time (``add``: its errors propagate)."""
         self.remove(out.finished_req_ids)
         reqs, sched = out.scheduled, out.num_scheduled_tokens
         n = len(reqs)
@@ -211,8 +236,6 @@ class InputBatch:
             if (r.num_tokens != self.num_tokens[row] or r.block_table is not self._tables[row]
                     or len(r.block_table) != self.num_blocks[row]):
                 self._sync(r, row)
-        if (self.stop_ids[rows] >= self.vocab_size).any():
-            raise IndexError(f"stop_token_ids: an id is outside the vocabulary [0, {self.vocab_size})")
         # decode rows (one token) first: they take the batched decode attention path
         order = np.argsort(num_new != 1, kind="stable")
         rows, num_new, computed = rows[order], num_new[order], computed[order]
@@ -252,6 +275,14 @@ class InputBatch:
         num_logprobs = self.num_logprobs[rows]
         if (num_logprobs >= 0).any():
             a["logprob_rows"] = np.flatnonzero(num_logprobs >= 0)
+        if self.constrained[rows].any():
+            self._grammar_arrays(rows, a)
+        biased = [(i, self.logit_bias[row]) for i, row in enumerate(rows.tolist())
+                  if row in self.logit_bias]
+        if biased:
+            a["bias_rows"] = np.concatenate([np.full(len(ids), i) for i, (ids, _) in biased])
+            a["bias_ids"] = np.concatenate([ids for _, (ids, _) in biased])
+            a["bias_values"] = np.concatenate([b for _, (_, b) in biased])
         if self.has_penalties[rows].any():
             self._penalty_arrays(rows, a)
         random = np.flatnonzero(self.temperature[rows] > 0)
@@ -267,6 +298,8 @@ class InputBatch:
                                 t["repetition"], t["history"], t["output_from"])
             if "penalty_rows" in t else None,
             suppress=(t["suppress_rows"], t["suppress_ids"]) if below.size else None,
+            allowed=(t["allowed_rows"], t["allowed_bitmask"]) if "allowed_rows" in t else None,
+            logit_bias=(t["bias_rows"], t["bias_ids"], t["bias_values"]) if biased else None,
             logprob_rows=t.get("logprob_rows"),
             max_num_logprobs=int(num_logprobs.max()) if "logprob_rows" in t else None)
 
@@ -281,6 +314,18 @@ class InputBatch:
         if filtered.any():
             a["filter_rows"] = np.flatnonzero(filtered)
 
+    def _grammar_arrays(self, rows: np.ndarray, a: dict[str, np.ndarray]) -> None:
+        """Each constrained row's allowed next tokens: its matcher first catches up with the
+        output tokens it has not seen (sampled here last step, or handed over: a remote
+        prefill's first token, a migrated request's earlier output)."""
+        which = np.flatnonzero(self.constrained[rows])
+        bitmask = np.zeros((which.size, self.matchers.words), dtype=np.int32)
+        for k, row in enumerate(rows[which].tolist()):
+            request_id = self.request_ids[row]
+            self.matchers.advance(request_id, self.token_ids[row, self.output_from[row]:self.num_tokens[row]])
+            self.matchers.fill(request_id, bitmask[k])
+        a["allowed_rows"], a["allowed_bitmask"] = which, bitmask
+
     def _penalty_arrays(self, rows: np.ndarray, a: dict[str, np.ndarray]) -> None:
         which = np.flatnonzero(self.has_penalties[rows])
         r = rows[which]
@@ -293,11 +338,13 @@ class InputBatch:
 
     def plain_greedy(self, rows: np.ndarray) -> bool:
         """Whether every row of ``rows`` takes the argmax of its raw logits: greedy, no
-        penalties, no logprobs asked, and past ``min_tokens`` (nothing masked)."""
+        penalties, logit bias or structured output, no logprobs asked, and past ``min_tokens``
+        (nothing masked)."""
         num_out = self.num_tokens[rows] - self.num_prompt[rows]
         return bool((self.temperature[rows] == 0).all() and not self.has_penalties[rows].any()
-                    and (self.num_logprobs[rows] < 0).all()
-                    and (num_out >= self.min_tokens[rows]).all())
+                    and (self.num_logprobs[rows] < 0).all() and not self.constrained[rows].any()
+                    and (num_out >= self.min_tokens[rows]).all()
+                    and not any(row in self.logit_bias for row in rows.tolist()))
 
     def record_sampled(self, rows: np.ndarray, token_ids: list[int]) -> None:
         """Append each row's sampled token (the scheduler appends the same to its request)."""

@@ -19,6 +19,7 @@ import torch
 from kernels.decode_ops import argmax_rows
 
 from .cuda_graphs import CUDAGraphRunner
+from .grammars import Matchers
 from .input_batch import InputBatch, ModelInputs
 from .model import LlamaForCausalLM
 from .sampler import TokenLogprobs, sample
@@ -34,10 +35,12 @@ def _untimed(phase: str, fn: Callable, *args):
 
 class ModelRunner:
     """Owns the model, the KV cache tensor and the persistent batch; ``execute`` runs one engine
-    step's batch. ``max_model_len``: the engine's (tokens a request may hold)."""
+    step's batch. ``max_model_len``: the engine's (tokens a request may hold); ``matchers``:
+    structured outputs' grammar matchers (``grammars.Matchers``)."""
 
     def __init__(self, model: LlamaForCausalLM, kv_cache: torch.Tensor, block_size: int,
-                 max_model_len: int, step_threads: StepThreads | None = None) -> None:
+                 max_model_len: int, step_threads: StepThreads | None = None,
+                 matchers: Matchers | None = None) -> None:
         self.model = model
         # threads of each step (step_threads.py); default: torch's, every step
         self.step_threads = step_threads or StepThreads("all", torch.get_num_threads())
@@ -45,7 +48,7 @@ class ModelRunner:
         self.block_size = block_size
         self.device = kv_cache.device
         self.input_batch = InputBatch(max_model_len, block_size, model.config.vocab_size,
-                                      kv_cache.device)
+                                      kv_cache.device, matchers=matchers)
         self.num_host_reads = 0  # device-to-host copies of sampled tokens (one per step)
         self.graphs: CUDAGraphRunner | None = None  # decode steps from CUDA graphs (engine sets)
 
