@@ -156,7 +156,8 @@ def test_fuzzer_finds_no_server_error_and_no_schema_violation(http_stack, tmp_pa
                "--phases", "coverage,fuzzing", "--max-time", str(FUZZ_SECONDS), "--seed", str(FUZZ_SEED),
                "--workers", "1", "--request-timeout", "120", "--report", "json,har",
                "--report-dir", str(report), "--no-color"]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=FUZZ_SECONDS + 600)
+    # cwd: schemathesis keeps a cache (.schemathesis/) in its working directory
+    done = subprocess.run(command, capture_output=True, text=True, timeout=FUZZ_SECONDS + 600, cwd=tmp_path)
     summary = json.loads(next(report.glob("json-*.json")).read_text())
     entries = json.loads(next(report.glob("har-*.json")).read_text())["log"]["entries"]
     statuses = Counter((e["request"]["url"].rsplit("/v1", 1)[1], e["response"]["status"]) for e in entries)
