@@ -50,3 +50,10 @@ def logprobs_to_proto(lp: TokenLogprobs) -> worker_pb2.SampledLogprobs:
     ids, lps = zip(*lp.top) if lp.top else ((), ())
     return worker_pb2.SampledLogprobs(token_id=lp.token_id, logprob=lp.logprob,
                                       top_token_ids=ids, top_logprobs=lps)
+
+
+def prompt_logprobs_to_proto(lps: list | None) -> list[worker_pb2.SampledLogprobs]:
+    """An engine output's ``prompt_logprobs`` (None for the first prompt token, then one
+    ``TokenLogprobs`` per token) as the internal proto's list: one per prompt token after the
+    first; [] when there are none."""
+    return [logprobs_to_proto(lp) for lp in (lps or [])[1:]]

@@ -24,33 +24,45 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aservices/api/gateway.proto\x12\ttandem.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\x92\x05\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x06prompt\x18\x03 \x01(\t\x12(\n\x08messages\x18\x04 \x03(\x0b\x32\x16.tandem.v1.ChatMessage\x12\x17\n\nmax_tokens\x18\x05 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x06 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x07 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x08 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\x04H\x04\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\n \x03(\r\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x12\x0c\n\x04stop\x18\x0c \x03(\t\x12\x17\n\nmin_tokens\x18\r \x01(\x05H\x05\x88\x01\x01\x12\x12\n\x05min_p\x18\x0e \x01(\x02H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0f \x01(\x02H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x10 \x01(\x02H\x08\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x11 \x01(\x02H\t\x88\x01\x01\x12\x10\n\x08logprobs\x18\x12 \x01(\x08\x12\x19\n\x0ctop_logprobs\x18\x13 \x01(\x05H\n\x88\x01\x01\x12\x18\n\x10prompt_token_ids\x18\x14 \x03(\rB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\r\n\x0b_min_tokensB\x08\n\x06_min_pB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x0f\n\r_top_logprobs\"=\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04text\x18\x03 \x01(\t\"l\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04text\x18\x03 \x01(\t\x12+\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x15.tandem.v1.TopLogprob\"f\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\r\x12\x15\n\rcached_tokens\x18\x04 \x01(\r\"\xaa\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x1f\n\x05usage\x18\x05 \x01(\x0b\x32\x10.tandem.v1.Usage\x12)\n\x08logprobs\x18\x06 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\'\n\x11GetRequestRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x92\x03\n\x0bRequestInfo\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06status\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\x15\n\rprompt_tokens\x18\x04 \x01(\r\x12\x15\n\routput_tokens\x18\x05 \x01(\r\x12\x16\n\x0eprefill_worker\x18\x06 \x01(\t\x12\x15\n\rdecode_worker\x18\x07 \x01(\t\x12\x15\n\rfinish_reason\x18\x08 \x01(\t\x12\r\n\x05\x65rror\x18\t \x01(\t\x12\x14\n\x0c\x61rrival_time\x18\n \x01(\x01\x12\x1a\n\x12prefill_start_time\x18\x0b \x01(\x01\x12\x18\n\x10prefill_end_time\x18\x0c \x01(\x01\x12\x18\n\x10\x66irst_token_time\x18\r \x01(\x01\x12\x13\n\x0b\x66inish_time\x18\x0e \x01(\x01\x12\x1a\n\x12prefill_queue_time\x18\x0f \x01(\x01\x12\x1c\n\x14prefill_compute_time\x18\x10 \x01(\x01\x12\x18\n\x10kv_transfer_time\x18\x11 \x01(\x01\x32\xd0\x01\n\x07Gateway\x12\x45\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse0\x01\x12:\n\x05\x41\x62ort\x12\x17.tandem.v1.AbortRequest\x1a\x18.tandem.v1.AbortResponse\x12\x42\n\nGetRequest\x12\x1c.tandem.v1.GetRequestRequest\x1a\x16.tandem.v1.RequestInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aservices/api/gateway.proto\x12\ttandem.v1\"k\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\'\n\ntool_calls\x18\x03 \x03(\x0b\x32\x13.tandem.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\"=\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x12\n\nparameters\x18\x03 \x01(\t\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"Q\n\x11StructuredOutputs\x12\x0c\n\x04json\x18\x01 \x01(\t\x12\r\n\x05regex\x18\x02 \x01(\t\x12\x0e\n\x06\x63hoice\x18\x03 \x03(\t\x12\x0f\n\x07grammar\x18\x04 \x01(\t\"\x8f\x07\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x06prompt\x18\x03 \x01(\t\x12(\n\x08messages\x18\x04 \x03(\x0b\x32\x16.tandem.v1.ChatMessage\x12\x17\n\nmax_tokens\x18\x05 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x06 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x07 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x08 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\x04H\x04\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\n \x03(\r\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x12\x0c\n\x04stop\x18\x0c \x03(\t\x12\x17\n\nmin_tokens\x18\r \x01(\x05H\x05\x88\x01\x01\x12\x12\n\x05min_p\x18\x0e \x01(\x02H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0f \x01(\x02H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x10 \x01(\x02H\x08\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x11 \x01(\x02H\t\x88\x01\x01\x12\x10\n\x08logprobs\x18\x12 \x01(\x08\x12\x19\n\x0ctop_logprobs\x18\x13 \x01(\x05H\n\x88\x01\x01\x12\x18\n\x10prompt_token_ids\x18\x14 \x03(\r\x12\x1e\n\x05tools\x18\x15 \x03(\x0b\x32\x0f.tandem.v1.Tool\x12\x38\n\x12structured_outputs\x18\x16 \x01(\x0b\x32\x1c.tandem.v1.StructuredOutputs\x12=\n\nlogit_bias\x18\x17 \x03(\x0b\x32).tandem.v1.GenerateRequest.LogitBiasEntry\x12\x1c\n\x0fprompt_logprobs\x18\x18 \x01(\x05H\x0b\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\r\n\x0b_min_tokensB\x08\n\x06_min_pB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x0f\n\r_top_logprobsB\x12\n\x10_prompt_logprobs\"=\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04text\x18\x03 \x01(\t\"l\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04text\x18\x03 \x01(\t\x12+\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x15.tandem.v1.TopLogprob\"~\n\rPromptLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x14\n\x07logprob\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\x0c\n\x04text\x18\x03 \x01(\t\x12+\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x15.tandem.v1.TopLogprobB\n\n\x08_logprob\"f\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\r\x12\x15\n\rcached_tokens\x18\x04 \x01(\r\"\xdd\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x1f\n\x05usage\x18\x05 \x01(\x0b\x32\x10.tandem.v1.Usage\x12)\n\x08logprobs\x18\x06 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\x12\x31\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x18.tandem.v1.PromptLogprob\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\'\n\x11GetRequestRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x92\x03\n\x0bRequestInfo\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06status\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\x15\n\rprompt_tokens\x18\x04 \x01(\r\x12\x15\n\routput_tokens\x18\x05 \x01(\r\x12\x16\n\x0eprefill_worker\x18\x06 \x01(\t\x12\x15\n\rdecode_worker\x18\x07 \x01(\t\x12\x15\n\rfinish_reason\x18\x08 \x01(\t\x12\r\n\x05\x65rror\x18\t \x01(\t\x12\x14\n\x0c\x61rrival_time\x18\n \x01(\x01\x12\x1a\n\x12prefill_start_time\x18\x0b \x01(\x01\x12\x18\n\x10prefill_end_time\x18\x0c \x01(\x01\x12\x18\n\x10\x66irst_token_time\x18\r \x01(\x01\x12\x13\n\x0b\x66inish_time\x18\x0e \x01(\x01\x12\x1a\n\x12prefill_queue_time\x18\x0f \x01(\x01\x12\x1c\n\x14prefill_compute_time\x18\x10 \x01(\x01\x12\x18\n\x10kv_transfer_time\x18\x11 \x01(\x01\x32\xd0\x01\n\x07Gateway\x12\x45\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse0\x01\x12:\n\x05\x41\x62ort\x12\x17.tandem.v1.AbortRequest\x1a\x18.tandem.v1.AbortResponse\x12\x42\n\nGetRequest\x12\x1c.tandem.v1.GetRequestRequest\x1a\x16.tandem.v1.RequestInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'services.api.gateway_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._loaded_options = None
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_CHATMESSAGE']._serialized_start=41
-  _globals['_CHATMESSAGE']._serialized_end=85
-  _globals['_GENERATEREQUEST']._serialized_start=88
-  _globals['_GENERATEREQUEST']._serialized_end=746
-  _globals['_TOPLOGPROB']._serialized_start=748
-  _globals['_TOPLOGPROB']._serialized_end=809
-  _globals['_TOKENLOGPROB']._serialized_start=811
-  _globals['_TOKENLOGPROB']._serialized_end=919
-  _globals['_USAGE']._serialized_start=921
-  _globals['_USAGE']._serialized_end=1023
-  _globals['_GENERATERESPONSE']._serialized_start=1026
-  _globals['_GENERATERESPONSE']._serialized_end=1196
-  _globals['_ABORTREQUEST']._serialized_start=1198
-  _globals['_ABORTREQUEST']._serialized_end=1232
-  _globals['_ABORTRESPONSE']._serialized_start=1234
-  _globals['_ABORTRESPONSE']._serialized_end=1264
-  _globals['_GETREQUESTREQUEST']._serialized_start=1266
-  _globals['_GETREQUESTREQUEST']._serialized_end=1305
-  _globals['_REQUESTINFO']._serialized_start=1308
-  _globals['_REQUESTINFO']._serialized_end=1710
-  _globals['_GATEWAY']._serialized_start=1713
-  _globals['_GATEWAY']._serialized_end=1921
+  _globals['_CHATMESSAGE']._serialized_end=148
+  _globals['_TOOL']._serialized_start=150
+  _globals['_TOOL']._serialized_end=211
+  _globals['_TOOLCALL']._serialized_start=213
+  _globals['_TOOLCALL']._serialized_end=268
+  _globals['_STRUCTUREDOUTPUTS']._serialized_start=270
+  _globals['_STRUCTUREDOUTPUTS']._serialized_end=351
+  _globals['_GENERATEREQUEST']._serialized_start=354
+  _globals['_GENERATEREQUEST']._serialized_end=1265
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_start=1029
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_end=1077
+  _globals['_TOPLOGPROB']._serialized_start=1267
+  _globals['_TOPLOGPROB']._serialized_end=1328
+  _globals['_TOKENLOGPROB']._serialized_start=1330
+  _globals['_TOKENLOGPROB']._serialized_end=1438
+  _globals['_PROMPTLOGPROB']._serialized_start=1440
+  _globals['_PROMPTLOGPROB']._serialized_end=1566
+  _globals['_USAGE']._serialized_start=1568
+  _globals['_USAGE']._serialized_end=1670
+  _globals['_GENERATERESPONSE']._serialized_start=1673
+  _globals['_GENERATERESPONSE']._serialized_end=1894
+  _globals['_ABORTREQUEST']._serialized_start=1896
+  _globals['_ABORTREQUEST']._serialized_end=1930
+  _globals['_ABORTRESPONSE']._serialized_start=1932
+  _globals['_ABORTRESPONSE']._serialized_end=1962
+  _globals['_GETREQUESTREQUEST']._serialized_start=1964
+  _globals['_GETREQUESTREQUEST']._serialized_end=2003
+  _globals['_REQUESTINFO']._serialized_start=2006
+  _globals['_REQUESTINFO']._serialized_end=2408
+  _globals['_GATEWAY']._serialized_start=2411
+  _globals['_GATEWAY']._serialized_end=2619
 # @@protoc_insertion_point(module_scope)

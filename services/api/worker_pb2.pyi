@@ -112,7 +112,7 @@ class KVReservation(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., transport: _Optional[str] = ..., transport_metadata: _Optional[bytes] = ..., block_ids: _Optional[_Iterable[int]] = ..., lease_s: _Optional[float] = ..., write_token: _Optional[bytes] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
-    __slots__ = ("reservation", "token_ids", "finish_reason", "num_output_tokens", "logprobs", "kv_recomputed", "num_cached_tokens")
+    __slots__ = ("reservation", "token_ids", "finish_reason", "num_output_tokens", "logprobs", "kv_recomputed", "num_cached_tokens", "prompt_logprobs")
     RESERVATION_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
@@ -120,6 +120,7 @@ class DecodeResponse(_message.Message):
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     KV_RECOMPUTED_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     reservation: KVReservation
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: str
@@ -127,7 +128,8 @@ class DecodeResponse(_message.Message):
     logprobs: _containers.RepeatedCompositeFieldContainer[SampledLogprobs]
     kv_recomputed: str
     num_cached_tokens: int
-    def __init__(self, reservation: _Optional[_Union[KVReservation, _Mapping]] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., num_output_tokens: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[SampledLogprobs, _Mapping]]] = ..., kv_recomputed: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[SampledLogprobs]
+    def __init__(self, reservation: _Optional[_Union[KVReservation, _Mapping]] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., num_output_tokens: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[SampledLogprobs, _Mapping]]] = ..., kv_recomputed: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[SampledLogprobs, _Mapping]]] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "destination")
@@ -142,20 +144,22 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., destination: _Optional[_Union[KVReservation, _Mapping]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("worker_id", "first_token_id", "queue_time_s", "compute_time_s", "transfer_time_s", "num_cached_tokens")
+    __slots__ = ("worker_id", "first_token_id", "queue_time_s", "compute_time_s", "transfer_time_s", "num_cached_tokens", "prompt_logprobs")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     QUEUE_TIME_S_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_TIME_S_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_TIME_S_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     first_token_id: int
     queue_time_s: float
     compute_time_s: float
     transfer_time_s: float
     num_cached_tokens: int
-    def __init__(self, worker_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., queue_time_s: _Optional[float] = ..., compute_time_s: _Optional[float] = ..., transfer_time_s: _Optional[float] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[SampledLogprobs]
+    def __init__(self, worker_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., queue_time_s: _Optional[float] = ..., compute_time_s: _Optional[float] = ..., transfer_time_s: _Optional[float] = ..., num_cached_tokens: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[SampledLogprobs, _Mapping]]] = ...) -> None: ...
 
 class WorkerAbortRequest(_message.Message):
     __slots__ = ("request_id", "reservation_unused")

@@ -27,7 +27,7 @@ from services.kv_transfer.grants import new_token
 from services.observability import tracing
 from services.observability.logs import bind_request
 from services.rpc import Aborted, ResourceExhausted, Unavailable
-from services.api.convert import logprobs_to_proto, params_from_proto
+from services.api.convert import logprobs_to_proto, params_from_proto, prompt_logprobs_to_proto
 from services.worker import WorkerRuntime
 
 log = logging.getLogger(__name__)
@@ -134,7 +134,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                     finish_reason=last.finish_reason or "", num_output_tokens=last.num_output_tokens,
                     logprobs=[logprobs_to_proto(lp) for o in outs for lp in o.logprobs or ()],
                     kv_recomputed=recomputed,
-                    num_cached_tokens=max(req.num_cached_tokens, 0) if computed_here else 0)
+                    num_cached_tokens=max(req.num_cached_tokens, 0) if computed_here else 0,
+                    prompt_logprobs=[lp for o in outs for lp in prompt_logprobs_to_proto(o.prompt_logprobs)])
                 recomputed, computed_here = "", False
                 lease.renew()
                 if finished:

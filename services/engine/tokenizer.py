@@ -208,11 +208,14 @@ class Tokenizer:
         """Text of ``ids``; invalid UTF-8 byte sequences decode to U+FFFD."""
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> str:
         """Render ``messages`` with the tokenizer's jinja2 chat template, as transformers does.
 
         Each message needs a non-empty str ``role`` and a str ``content``; other keys are passed
-        through to the template. ``bos_token``/``eos_token`` are available as strings.
+        through to the template. ``bos_token``/``eos_token`` are available as strings; ``tools``
+        (OpenAI's tool objects, ``{"type": "function", "function": {...}}``) as ``tools``, as
+        transformers passes them (None: the template sees no tools).
 
         Raises:
             ValueError: no chat template, a malformed message (the message names the field, e.g.
@@ -226,7 +229,7 @@ class Tokenizer:
         template = _compile_template(self.chat_template)
         try:
             return template.render(
-                messages=messages, add_generation_prompt=add_generation_prompt,
+                messages=messages, add_generation_prompt=add_generation_prompt, tools=tools,
                 bos_token=self._token_or_empty(self._bos_token_id),
                 eos_token=self._token_or_empty(self._eos_token_id),
             )

@@ -177,8 +177,8 @@ class Dispatcher:
                                 "retry later")
 
     async def _prefill(self, job: Job, att: _Attempt, prompt: list[int],
-                       params: worker_pb2.SamplingParams, resumed: bool) -> None:
-        """Send the prompt to the least loaded prefill worker whose queue has room."""
+                       params: worker_pb2.SamplingParams, resumed: bool) -> worker_pb2.PrefillResponse:
+        """Send the prompt to the least loaded prefill worker whose queue has room; its answer."""
         workers = await self.pool.live("prefill")
         workers.sort(key=lambda w: w.num_waiting + w.num_running)
         for w in workers:
@@ -206,7 +206,7 @@ class Dispatcher:
                     raise _HandoffFailed(details) from exc
                 raise _status_error(w, exc) from exc
             job.on_prefilled(result)
-            return
+            return result
         raise ResourceExhausted("every prefill worker's queue is full; retry later")
 
     async def _relay(self, job: Job, att: _Attempt):
@@ -228,6 +228,12 @@ class Dispatcher:
             if read in done:
                 msg = _decode_message(att.decode, read)
                 read = None
+                if not got_tokens and prefill is not None and _wants_prompt_logprobs(job, msg):
+                    await asyncio.wait({prefill})  # NOTE: it answers right after the KV landed
+                    _check_prefill(prefill, False, job)
+                    if prefill.exception() is None:
+                        msg.prompt_logprobs.extend(prefill.result().prompt_logprobs)
+                    prefill = None
                 got_tokens = True
                 if msg.kv_recomputed:  # the decode worker computed the prompt itself
                     kind, _, why = msg.kv_recomputed.partition(": ")
@@ -267,6 +273,13 @@ def _check_prefill(prefill: asyncio.Task, got_tokens: bool, job: Job) -> None:
     if isinstance(exc, WorkerLost) and got_tokens:
         return  # the KV had landed: the prefill worker is no longer needed
     raise exc
+
+
+def _wants_prompt_logprobs(job: Job, first: worker_pb2.DecodeResponse) -> bool:
+    """Whether the attempt's first token message must wait for the prefill worker's answer,
+    which carries the prompt logprobs (the decode worker sends them only when it computed the
+    prompt itself)."""
+    return job.params.HasField("prompt_logprobs") and not first.prompt_logprobs and not first.kv_recomputed
 
 
 def _decode_message(worker: WorkerInfo, read: asyncio.Future) -> worker_pb2.DecodeResponse:

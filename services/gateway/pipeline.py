@@ -268,7 +268,8 @@ class GatewayCore:
         return gateway_pb2.GenerateResponse(
             request_id=prepared.request_id, token_ids=msg.token_ids, text=text,
             finish_reason=reason, logprobs=[self._logprob(lp) for lp in msg.logprobs],
-            usage=record.usage(len(prepared.prompt)) if reason else None)
+            usage=record.usage(len(prepared.prompt)) if reason else None,
+            prompt_logprobs=self._prompt_logprobs(prepared.prompt, msg.prompt_logprobs))
 
     def _job(self, prepared: Prepared, record: RequestRecord) -> Job:
         def on_dispatch(decode_worker: str, prefill_worker: str, resumed: bool) -> None:
@@ -290,9 +291,27 @@ class GatewayCore:
         return Job(prepared.request_id, prepared.prompt, params_to_proto(prepared.params),
                    record.track, on_dispatch, on_prefilled, prepared.trace)
 
+    def _prompt_logprobs(self, prompt: list[int], lps) -> list[gateway_pb2.PromptLogprob]:
+        """The worker's prompt logprobs (one per prompt token after the first) as one entry
+        per prompt token, the first without a logprob; [] when there are none."""
+        if not lps:
+            return []
+        if len(lps) != len(prompt) - 1:
+            raise RuntimeError(f"prompt logprobs: {len(lps)} for a prompt of {len(prompt)} tokens")
+        first = gateway_pb2.PromptLogprob(token_id=prompt[0], text=self._token_text(prompt[0]))
+        return [first] + [gateway_pb2.PromptLogprob(**_fields(self._logprob(lp))) for lp in lps]
+
+    def _token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
     def _logprob(self, lp: worker_pb2.SampledLogprobs) -> gateway_pb2.TokenLogprob:
-        decode = lambda t: self.tokenizer.decode([t], skip_special_tokens=False)  # noqa: E731
+        decode = self._token_text
         return gateway_pb2.TokenLogprob(
             token_id=lp.token_id, logprob=lp.logprob, text=decode(lp.token_id),
             top_logprobs=[gateway_pb2.TopLogprob(token_id=t, logprob=v, text=decode(t))
                           for t, v in zip(lp.top_token_ids, lp.top_logprobs)])
+
+
+def _fields(lp: gateway_pb2.TokenLogprob) -> dict:
+    return {"token_id": lp.token_id, "logprob": lp.logprob, "text": lp.text,
+            "top_logprobs": lp.top_logprobs}

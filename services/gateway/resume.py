@@ -29,4 +29,4 @@ def only_new(msg: worker_pb2.DecodeResponse, base: int, num_sent: int) -> worker
     return worker_pb2.DecodeResponse(
         token_ids=msg.token_ids[skip:], finish_reason=msg.finish_reason,
         num_output_tokens=base + msg.num_output_tokens, logprobs=msg.logprobs[skip:],
-        num_cached_tokens=msg.num_cached_tokens)
+        num_cached_tokens=msg.num_cached_tokens, prompt_logprobs=msg.prompt_logprobs)

@@ -6,20 +6,25 @@ loop; ``sampling_params`` then checks the options against the prompt and the mod
 """
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 
 import pydantic
 
 from services.api import gateway_pb2
-from services.engine.sampling_params import SamplingParams
+from services.engine.grammars import grammar_of
+from services.engine.sampling_params import SamplingParams, StructuredOutput
 from services.engine.tokenizer import Tokenizer
+from services.gateway import tool_calls
 from services.gateway.model_card import ModelCard
 from services.rpc import validation_message
 
 DEFAULT_MAX_TOKENS = 256
-# "developer" is OpenAI's newer name for the instructions ("system") role
-CHAT_ROLES = ("developer", "system", "user", "assistant")
+# "developer" is OpenAI's newer name for the instructions ("system") role; "tool" answers a call
+CHAT_ROLES = ("developer", "system", "user", "assistant", "tool")
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar")  # StructuredOutputs' fields
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range of a logit_bias value: [-100, 100]
 # vLLM's _SAMPLING_EPS: a temperature below it divides logits into overflow; it means greedy.
 GREEDY_TEMPERATURE_EPS = 1e-5
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
@@ -72,8 +77,12 @@ def prompt_token_ids(req: gateway_pb2.GenerateRequest, tokenizer: Tokenizer, max
     ``prompt_token_ids`` / ``prompt_token_ids[i]``.
     """
     field = "messages" if req.messages else "prompt_token_ids" if req.prompt_token_ids else "prompt"
+    if req.tools and not req.messages:
+        raise ValueError("tools: are shown to the model through the chat template: send messages")
     if req.messages:
-        ids = tokenizer.encode(tokenizer.apply_chat_template(template_messages(req.messages, tokenizer)))
+        messages, tools = tool_calls.template_inputs(template_messages(req.messages, tokenizer),
+                                                     list(req.tools), tokenizer.chat_template)
+        ids = tokenizer.encode(tokenizer.apply_chat_template(messages, tools=tools))
     elif req.prompt_token_ids:
         ids = list(req.prompt_token_ids)
         for i, token_id in enumerate(ids):
@@ -92,19 +101,23 @@ def prompt_token_ids(req: gateway_pb2.GenerateRequest, tokenizer: Tokenizer, max
     return ids
 
 
-def template_messages(messages, tokenizer: Tokenizer) -> list[dict[str, str]]:
-    """``messages`` as the chat template's ``{role, content}`` dicts. ``developer`` (OpenAI's
-    newer name for the instructions role) becomes ``system`` unless the template itself knows
-    the developer role (as gpt-oss's does); ChatML and Llama templates know only ``system``.
+def template_messages(messages, tokenizer: Tokenizer) -> list[dict]:
+    """``messages`` as the chat template's ``{role, content}`` dicts (an assistant's
+    ``tool_calls`` and a tool message's ``tool_call_id`` as transformers passes them, see
+    ``tool_calls.template_message``). ``developer`` (OpenAI's newer name for the instructions
+    role) becomes ``system`` unless the template itself knows the developer role (as gpt-oss's
+    does); ChatML and Llama templates know only ``system``.
 
-    Raises ValueError naming ``messages[i].role``."""
+    Raises ValueError naming ``messages[i].role`` or ``messages[i].tool_calls[j]``."""
     knows_developer = "developer" in (tokenizer.chat_template or "")
     out = []
     for i, m in enumerate(messages):
         if m.role not in CHAT_ROLES:
             raise ValueError(f"messages[{i}].role: {m.role!r} is not one of {', '.join(CHAT_ROLES)}")
+        if m.tool_calls and m.role != "assistant":
+            raise ValueError(f"messages[{i}].tool_calls: only an assistant's message makes tool calls")
         role = "system" if m.role == "developer" and not knows_developer else m.role
-        out.append({"role": role, "content": m.content})
+        out.append(tool_calls.template_message(m, role, f"messages[{i}]"))
     return out
 
 
@@ -134,7 +147,12 @@ def sampling_params(req: gateway_pb2.GenerateRequest, num_prompt_tokens: int, mo
                              f"(ids are 0 to {model.vocab_size - 1})")
     fields = {"max_tokens": max_tokens, "top_k": top_k, "ignore_eos": req.ignore_eos,
               "stop_token_ids": tuple(req.stop_token_ids), "stop": tuple(req.stop),
-              "logprobs": (req.top_logprobs if req.HasField("top_logprobs") else 0) if req.logprobs else None}
+              "logprobs": (req.top_logprobs if req.HasField("top_logprobs") else 0) if req.logprobs else None,
+              "structured_output": structured_output(req.structured_outputs)
+              if req.HasField("structured_outputs") else None,
+              "logit_bias": logit_bias(req.logit_bias, model.vocab_size)}
+    if req.HasField("prompt_logprobs"):
+        fields["prompt_logprobs"] = req.prompt_logprobs
     for name in _OPTIONAL_FIELDS:
         if req.HasField(name):
             fields[name] = getattr(req, name)
@@ -144,6 +162,43 @@ def sampling_params(req: gateway_pb2.GenerateRequest, num_prompt_tokens: int, mo
         return SamplingParams(**fields)
     except pydantic.ValidationError as exc:
         raise ValueError(_request_named(exc)) from None
+
+
+def structured_output(so: gateway_pb2.StructuredOutputs, field: str = "structured_outputs",
+                      ) -> StructuredOutput:
+    """The engine's constraint for ``structured_outputs`` (exactly one of json, regex, choice,
+    grammar), compiled once here so a bad spec is refused before any worker sees it. Raises
+    ValueError naming ``field`` (or ``field.KIND``) and why."""
+    given = [kind for kind in STRUCTURED_KINDS if getattr(so, kind)]
+    if len(given) != 1:
+        raise ValueError(f"{field}: give exactly one of {', '.join(STRUCTURED_KINDS)}"
+                         + (f" (got {', '.join(given)})" if given else ""))
+    kind = given[0]
+    spec = json.dumps(list(so.choice)) if kind == "choice" else getattr(so, kind)
+    check_structured(kind, spec, f"{field}.{kind}")
+    return StructuredOutput(format=kind, spec=spec)
+
+
+def check_structured(kind: str, spec: str, field: str) -> None:
+    """Compile ``spec`` as a structured output of ``kind`` (json, regex, choice, grammar;
+    cached: the worker's own check costs nothing more). Raises ValueError naming ``field``."""
+    try:
+        grammar_of(kind, spec)
+    except ValueError as exc:
+        raise ValueError(f"{field}: {str(exc).removeprefix('structured_output: ')}") from None
+
+
+def logit_bias(bias, vocab_size: int) -> tuple[tuple[int, float], ...]:
+    """``logit_bias`` (token id -> bias) checked: ids in the vocabulary, finite biases within
+    [-100, 100] (OpenAI's range). Raises ValueError naming ``logit_bias`` and the id."""
+    for token_id, value in sorted(bias.items()):
+        if token_id >= vocab_size:
+            raise ValueError(f"logit_bias: {token_id} is not a token id of the model (ids are 0 "
+                             f"to {vocab_size - 1})")
+        if not (math.isfinite(value) and -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS):
+            raise ValueError(f"logit_bias: the bias of token {token_id} must be within "
+                             f"[-100, 100], got {value}")
+    return tuple(sorted(bias.items()))
 
 
 def _request_named(exc: pydantic.ValidationError) -> str:

@@ -25,7 +25,7 @@ from services.observability import tracing
 from services.observability.logs import bind_request
 from services.prefill.faults import Faults
 from services.rpc import Aborted, Unavailable
-from services.api.convert import params_from_proto
+from services.api.convert import params_from_proto, prompt_logprobs_to_proto
 from services.worker import WorkerRuntime
 
 log = logging.getLogger(__name__)
@@ -168,7 +168,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             worker_id=self.rt.worker_id, first_token_id=out.new_token_ids[0],
             queue_time_s=req.first_scheduled_time - t_arrival,
             compute_time_s=t_first - req.first_scheduled_time, transfer_time_s=t_done - t_first,
-            num_cached_tokens=max(req.num_cached_tokens, 0))
+            num_cached_tokens=max(req.num_cached_tokens, 0),
+            prompt_logprobs=prompt_logprobs_to_proto(out.prompt_logprobs))
 
     def _count_transfer(self, seconds: float, num_blocks: int, failure: str | None) -> None:
         """Metrics of one handoff: its write's duration and bytes, or why it did not land."""
