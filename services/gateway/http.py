@@ -1,6 +1,7 @@
 """OpenAI-compatible HTTP front end (FastAPI, served by uvicorn on the gateway's own event loop):
-``POST /v1/chat/completions`` and ``/v1/completions`` (SSE streaming or whole), ``GET
-/v1/models``, ``/health`` (the process answers), ``/ready`` (Redis and a prefill and a decode
+``POST /v1/chat/completions`` and ``/v1/completions`` (SSE streaming or whole),
+``/v1/responses`` (``responses_api.py``), vLLM's ``/tokenize`` and ``/detokenize``
+(``tokenize_api.py``), ``GET /v1/models``, ``/health`` (the process answers), ``/ready`` (Redis and a prefill and a decode
 worker are live) and ``/metrics`` (Prometheus, ``services/observability/metrics.py``). It
 translates formats and errors only; every request goes through the same ``GatewayCore``
 pipeline as gRPC.
@@ -44,6 +45,8 @@ from services.gateway.http_auth import ApiKeyMiddleware, request_identity
 from services.gateway.openai_api import ChatCompletionRequest, CompletionRequest
 from services.gateway.openai_responses import Chunker, error_body
 from services.gateway.pipeline import GatewayCore, Prepared
+from services.gateway.responses_api import ResponseBuilder, ResponsesRequest
+from services.gateway.tokenize_api import DetokenizeRequest, TokenizeRequest
 from services.observability import tracing
 from services.observability.metrics import render
 from services.rpc import ResourceExhausted, Unavailable
@@ -109,6 +112,29 @@ def create_app(core: GatewayCore, readiness: ReadinessMonitor, access: Access | 
         return {"object": "list", "data": [{"id": card.name, "object": "model", "created": 0,
                                             "owned_by": "tandem", "max_model_len": card.max_model_len}]}
 
+    @app.post("/v1/responses")
+    async def responses(request: Request):
+        return await _respond(core, request, access)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        try:
+            _check_json(request)
+            body = TokenizeRequest.model_validate_json(await _read_body(request, core.limits.max_request_bytes))
+            ids = await core.tokenize(body.to_proto())
+        except Exception as exc:  # noqa: BLE001
+            return _error_response(exc, {})
+        return body.answer(ids, core.model.max_model_len, core.tokenizer)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        try:
+            _check_json(request)
+            body = DetokenizeRequest.model_validate_json(await _read_body(request, core.limits.max_request_bytes))
+            return body.answer(core.model, core.tokenizer)
+        except Exception as exc:  # noqa: BLE001
+            return _error_response(exc, {})
+
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         return await _complete(core, request, ChatCompletionRequest, "chat", access)
@@ -134,7 +160,8 @@ async def _complete(core: GatewayCore, request: Request, body_cls, kind: str, ac
         choices = await Choices.admit(core, prompts, body.n, access, identity)
     except Exception as exc:  # noqa: BLE001 — every failure becomes OpenAI's error JSON
         return _error_response(exc, headers)
-    chunker = Chunker(kind, rid, core.model.name, body.n, len(prompts))
+    chunker = Chunker(kind, rid, core.model.name, body.n, len(prompts),
+                      body.presentation(lambda ids: core.tokenizer.decode(ids, skip_special_tokens=False)))
     responses = _unless_aborted(choices.stream())
     if body.stream:  # NOTE: up to the first token, a failure still gets its HTTP status
         try:
@@ -151,6 +178,57 @@ async def _complete(core: GatewayCore, request: Request, body_cls, kind: str, ac
     if by_choice is None:
         return Response(status_code=CLIENT_CLOSED_REQUEST, headers=headers)
     return JSONResponse(chunker.whole(by_choice), headers=headers)
+
+
+async def _respond(core: GatewayCore, request: Request, access: Access):
+    """``/v1/responses``: one choice, answered as a ``response`` object or its event stream."""
+    rid = request.headers.get("x-request-id") or uuid.uuid4().hex
+    headers = {"X-Request-Id": rid}
+    identity = request_identity(request)
+    try:
+        access.check_request(identity)
+        _check_json(request)
+        body = ResponsesRequest.model_validate_json(await _read_body(request, core.limits.max_request_bytes))
+        prompts = await _prepare_all(core, [body.to_proto(rid)],
+                                     request.headers if tracing.enabled() else None)
+        choices = await Choices.admit(core, prompts, 1, access, identity)
+    except Exception as exc:  # noqa: BLE001
+        return _error_response(exc, headers)
+    builder = ResponseBuilder(rid, core.model.name, body)
+    responses = _unless_aborted(choices.stream())
+    if body.stream:
+        try:
+            first = await anext(responses)
+        except Exception as exc:  # noqa: BLE001
+            return _error_response(exc, headers)
+        return StreamingResponse(_response_events(first, responses, builder),
+                                 media_type="text/event-stream", headers=headers)
+    try:
+        by_choice = await _collect_unless_gone(request, responses, 1)
+    except Exception as exc:  # noqa: BLE001
+        return _error_response(exc, headers)
+    if by_choice is None:
+        return Response(status_code=CLIENT_CLOSED_REQUEST, headers=headers)
+    return JSONResponse(builder.whole(by_choice[0]), headers=headers)
+
+
+async def _response_events(first, responses, builder: ResponseBuilder):
+    """The Responses API's stream: ``event: TYPE`` and ``data: {...}`` per event, no [DONE]."""
+    try:
+        for event in builder.start_events() + builder.delta_events(first[1]):
+            yield _named_event(event)
+        async with aclosing(responses) as rs:
+            async for _, msg in rs:
+                for event in builder.delta_events(msg):
+                    yield _named_event(event)
+    except Exception as exc:  # noqa: BLE001 — the stream has started: an error event
+        status, message, code = _status(exc)
+        yield _named_event({"type": "error", "sequence_number": builder._sequence,
+                            "code": code, "message": message, "param": None})
+
+
+def _named_event(event: dict) -> str:
+    return f"event: {event['type']}\ndata: {json.dumps(event, separators=(',', ':'))}\n\n"
 
 
 async def _unless_aborted(responses):

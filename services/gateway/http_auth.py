@@ -1,4 +1,5 @@
 """API keys on the HTTP front end: an ASGI middleware that authenticates every ``/v1/*`` request
+(and vLLM's ``/tokenize``, ``/detokenize``)
 from ``Authorization: Bearer KEY`` before the application reads its body, and answers 401 with
 OpenAI's error JSON (``type`` ``invalid_request_error``, ``code`` ``invalid_api_key``, as
 OpenAI's API does) and ``WWW-Authenticate: Bearer`` (RFC 6750) otherwise. Other paths
@@ -15,6 +16,7 @@ from services.gateway.access import Access
 from services.gateway.keys import ANONYMOUS, Identity, Unauthenticated
 
 PROTECTED_PREFIX = "/v1/"
+PROTECTED_PATHS = ("/tokenize", "/detokenize")  # vLLM's, outside /v1: they use the model too
 
 
 class ApiKeyMiddleware:
@@ -25,7 +27,8 @@ class ApiKeyMiddleware:
         self.access = access
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http" or not scope["path"].startswith(PROTECTED_PREFIX):
+        path = scope.get("path", "")
+        if scope["type"] != "http" or not (path.startswith(PROTECTED_PREFIX) or path in PROTECTED_PATHS):
             await self.app(scope, receive, send)
             return
         headers = dict(scope["headers"])  # NOTE: the last of repeated headers wins

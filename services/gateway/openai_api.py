@@ -18,6 +18,8 @@ The rules, from the specification and from OpenAI's server:
 """
 from __future__ import annotations
 
+import functools
+import json
 from dataclasses import dataclass
 from collections.abc import Callable
 from typing import Annotated, Any, ClassVar
@@ -25,6 +27,9 @@ from typing import Annotated, Any, ClassVar
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from services.api import gateway_pb2
+from services.gateway import tool_calls
+from services.gateway.openai_responses import Presentation
+from services.gateway.validation import check_structured
 
 Int32 = Annotated[int, Field(ge=-2**31, le=2**31 - 1)]  # the gateway proto's int32 fields
 SEED_MODULUS = 2**63  # SamplingParams' seed range; OpenAI's seeds are any int64
@@ -42,7 +47,7 @@ class Refused:
     noop: Callable[[Any], bool] = lambda value: False
 
 
-def _equal_to(*values) -> Callable[[Any], bool]:
+def equal_to(*values) -> Callable[[Any], bool]:
     """A ``noop`` that accepts exactly ``values`` (``False`` is not ``0``)."""
     return lambda value: any(type(value) is type(v) and value == v for v in values)
 
@@ -51,13 +56,12 @@ def _text_only(value: Any) -> bool:
     return isinstance(value, list) and bool(value) and all(m == "text" for m in value)
 
 
-_TOOLS = "tool and function calling is not implemented yet"
+_FUNCTIONS = "the deprecated function-calling fields: send tools and tool_choice instead"
 _STORED = "Tandem stores no completions (OpenAI's stored-completions API)"
 _END_USER = ("Tandem keeps no per-end-user accounting or abuse monitoring that an end-user "
              "identifier would feed")
 # Chat and completions share these; each request class lists its own below.
 _SHARED_REFUSED = {
-    "logit_bias": Refused("logit_bias is not implemented yet", _equal_to({})),
     "user": Refused(_END_USER),
 }
 CHAT_REFUSED = {
@@ -65,31 +69,26 @@ CHAT_REFUSED = {
     "audio": Refused("the model produces text only, no audio"),
     "modalities": Refused("the model produces text only, no audio", _text_only),
     "prediction": Refused("predicted outputs are not implemented"),
-    "response_format": Refused("structured outputs (json_schema, json_object) are not "
-                               "implemented yet", _equal_to({"type": "text"})),
-    "tools": Refused(_TOOLS, _equal_to([])),
-    "tool_choice": Refused(_TOOLS, _equal_to("none")),
-    "functions": Refused(_TOOLS),
-    "function_call": Refused(_TOOLS, _equal_to("none")),
+    "functions": Refused(_FUNCTIONS),
+    "function_call": Refused(_FUNCTIONS, equal_to("none")),
     "web_search_options": Refused("Tandem has no web search"),
-    "reasoning_effort": Refused("the model does not reason before answering", _equal_to("none")),
+    "reasoning_effort": Refused("the model does not reason before answering", equal_to("none")),
     "verbosity": Refused("the model has no verbosity control"),
     "service_tier": Refused("Tandem has one service tier (flex, scale, priority and fast do not "
-                            "exist here)", _equal_to("auto", "default")),
-    "store": Refused(_STORED, _equal_to(False)),
-    "metadata": Refused(_STORED + " to attach metadata to", _equal_to({})),
+                            "exist here)", equal_to("auto", "default")),
+    "store": Refused(_STORED, equal_to(False)),
+    "metadata": Refused(_STORED + " to attach metadata to", equal_to({})),
     "moderation": Refused("Tandem runs no moderation model"),
     "safety_identifier": Refused(_END_USER),
     "prompt_cache_key": Refused("the prefix cache is keyed by the prompt's own KV blocks; a "
                                 "client-chosen cache key is not used"),
     "prompt_cache_retention": Refused("cached KV blocks live in worker memory until evicted; "
-                                      "longer retention does not exist", _equal_to("in_memory")),
+                                      "longer retention does not exist", equal_to("in_memory")),
     "prompt_cache_options": Refused("the prefix cache has no client-set options"),
 }
 COMPLETION_REFUSED = {
     **_SHARED_REFUSED,
-    "echo": Refused("echoing the prompt (with its logprobs) is not implemented yet", _equal_to(False)),
-    "suffix": Refused("the model does not fill in the middle (no suffix)", _equal_to("")),
+    "suffix": Refused("the model does not fill in the middle (no suffix)", equal_to("")),
     "best_of": Refused("best_of > n (ranking candidates server-side) is not implemented; "
                        "best_of equal to n is accepted"),
 }
@@ -97,20 +96,19 @@ COMPLETION_REFUSED = {
 MESSAGE_REFUSED = {
     "name": Refused("the chat template has no place for a participant's name"),
     "audio": Refused("the model reads and writes text only"),
-    "tool_calls": Refused(_TOOLS, _equal_to([])),
-    "function_call": Refused(_TOOLS),
+    "function_call": Refused(_FUNCTIONS),
 }
-TOOL_ROLES = ("tool", "function")  # roles of tool calling, refused with _TOOLS
+REFUSED_ROLES = {"function": _FUNCTIONS}  # roles refused whole
 TEXT_PART_REFUSED = {
     "prompt_cache_breakpoint": Refused("the prefix cache has no client-set breakpoints"),
 }
 STREAM_OPTIONS_REFUSED = {
     "include_obfuscation": Refused("Tandem does not pad stream events with random characters",
-                                   _equal_to(False)),
+                                   equal_to(False)),
 }
 
 
-def _refuse(fields: dict, refused: dict[str, Refused], prefix: str = "") -> None:
+def refuse(fields: dict, refused: dict[str, Refused], prefix: str = "") -> None:
     """Raise ValueError ``{prefix}{name}: {reason}`` for the first of ``fields`` (present,
     non-null values) that ``refused`` lists with a value other than its no-op values."""
     for name, value in fields.items():
@@ -119,7 +117,7 @@ def _refuse(fields: dict, refused: dict[str, Refused], prefix: str = "") -> None
             raise ValueError(f"{prefix}{name}: {rule.reason}")
 
 
-class _Object(BaseModel):
+class OpenAIObject(BaseModel):
     """A JSON object of OpenAI's API: a null value is an absent key; unknown keys are refused."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
@@ -130,42 +128,72 @@ class _Object(BaseModel):
         return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
 
 
-class StreamOptions(_Object):
+class StreamOptions(OpenAIObject):
     include_usage: bool = False
     include_obfuscation: Any = None  # refused (STREAM_OPTIONS_REFUSED) unless false
 
 
-class ChatMessage(_Object):
+class ChatMessage(OpenAIObject):
     """One message of any role. ``content``: a string or a list of content parts (text;
-    refusal text in an assistant's); checked by ``text()``, which names the field."""
+    refusal text in an assistant's); checked by ``to_proto()``, which names the field."""
 
-    model_config = ConfigDict(extra="allow")  # the role's own keys, checked in text()
+    model_config = ConfigDict(extra="allow")  # the role's own keys, checked in to_proto()
     role: str
     content: Any = None
 
-    def text(self, i: int) -> str:
-        """The message's text for the chat template (text parts joined). Raises ValueError
-        naming ``messages[i].*`` for a refused role, key or part, or a malformed content."""
+    def to_proto(self, i: int) -> gateway_pb2.ChatMessage:
+        """The gateway's message (text parts joined; an assistant's tool calls; a tool
+        result's call id). Raises ValueError naming ``messages[i].*`` for a refused role, key
+        or part, or a malformed content."""
         where = f"messages[{i}]"
-        if self.role in TOOL_ROLES:
-            raise ValueError(f"{where}.role: {self.role!r} messages belong to tool calling, "
-                             "which is not implemented yet")
+        if self.role in REFUSED_ROLES:
+            raise ValueError(f"{where}.role: {self.role!r} messages belong to "
+                             f"{REFUSED_ROLES[self.role]}")
         extra = self.model_extra or {}
-        allowed = {"name"} | ({"refusal", "audio", "tool_calls", "function_call"}
-                              if self.role == "assistant" else set())
+        allowed = ({"name"} | ({"refusal", "audio", "tool_calls", "function_call"}
+                               if self.role == "assistant" else set())
+                   | ({"tool_call_id"} if self.role == "tool" else set()))
         for key in extra:
             if key not in allowed:
                 at = f".{key}" if key.isidentifier() else f"[{key!r}]"
                 raise ValueError(f"{where}{at}: unrecognized for role {self.role!r}")
-        _refuse(extra, MESSAGE_REFUSED, where + ".")
+        refuse(extra, MESSAGE_REFUSED, where + ".")
         refusal = extra.get("refusal")
         if refusal is not None and not isinstance(refusal, str):
             raise ValueError(f"{where}.refusal: must be a string")
+        calls = _tool_calls(extra.get("tool_calls"), where + ".tool_calls")
+        call_id = extra.get("tool_call_id")
+        if self.role == "tool" and not isinstance(call_id, str):
+            raise ValueError(f"{where}.tool_call_id: required for role 'tool' (a string)")
         if self.content is None:
             if self.role != "assistant":
                 raise ValueError(f"{where}.content: required for role {self.role!r}")
-            return refusal or ""
-        return _content_text(self.content, self.role, where + ".content") + (refusal or "")
+            text = refusal or ""
+        else:
+            text = _content_text(self.content, self.role, where + ".content") + (refusal or "")
+        return gateway_pb2.ChatMessage(role=self.role, content=text, tool_calls=calls,
+                                       tool_call_id=call_id or "")
+
+
+def _tool_calls(calls: Any, where: str) -> list[gateway_pb2.ToolCall]:
+    """An assistant message's ``tool_calls`` (function calls) as the gateway's. Raises
+    ValueError naming ``{where}[j]...``."""
+    if calls is None:
+        return []
+    if not isinstance(calls, list):
+        raise ValueError(f"{where}: must be a list of tool calls")
+    out = []
+    for j, call in enumerate(calls):
+        at = f"{where}[{j}]"
+        if not isinstance(call, dict) or call.get("type") != "function":
+            raise ValueError(f"{at}.type: only function calls are accepted (type 'function')")
+        fn = call.get("function")
+        if not (isinstance(fn, dict) and isinstance(fn.get("name"), str)
+                and isinstance(fn.get("arguments"), str) and isinstance(call.get("id"), str)):
+            raise ValueError(f"{at}: needs an id and a function with a name and arguments "
+                             "(JSON text)")
+        out.append(gateway_pb2.ToolCall(id=call["id"], name=fn["name"], arguments=fn["arguments"]))
+    return out
 
 
 def _content_text(content: Any, role: str, where: str) -> str:
@@ -187,7 +215,7 @@ def _content_text(content: Any, role: str, where: str) -> str:
                              "text only (text parts; refusal parts in an assistant's message)")
         rest = {k: v for k, v in part.items() if k not in ("type", key)}
         if kind == "text":
-            _refuse(rest, TEXT_PART_REFUSED, at + ".")
+            refuse(rest, TEXT_PART_REFUSED, at + ".")
         unknown = [k for k, v in rest.items() if v is not None and k not in TEXT_PART_REFUSED]
         if unknown:
             raise ValueError(f"{at}.{unknown[0]}: unrecognized in a {kind} part")
@@ -197,7 +225,7 @@ def _content_text(content: Any, role: str, where: str) -> str:
     return "".join(texts)
 
 
-class _Common(_Object):
+class _Common(OpenAIObject):
     """The fields chat and completions share: OpenAI's sampling options, ``n``, streaming, and
     vLLM's extra body fields."""
 
@@ -212,9 +240,8 @@ class _Common(_Object):
     seed: int | None = Field(default=None, ge=-2**63, lt=2**64)  # taken modulo 2**63
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    # accepted in either shape of the specification, refused by _refuse unless a no-op
-    logit_bias: Any = None
-    user: Any = None
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias
+    user: Any = None  # refused by refuse (REFUSED)
     # vLLM's extra body fields
     top_k: Int32 | None = None
     min_p: float | None = None
@@ -222,6 +249,8 @@ class _Common(_Object):
     min_tokens: Int32 | None = None
     ignore_eos: bool = False
     stop_token_ids: list[Annotated[int, Field(ge=0, lt=2**32)]] = Field(default_factory=list)
+    structured_outputs: dict[str, Any] | None = None  # vLLM's: json, regex, choice or grammar
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=20)  # vLLM's
 
     REFUSED: ClassVar[dict[str, Refused]] = {}  # field -> why it is refused
 
@@ -236,10 +265,10 @@ class _Common(_Object):
     def check_refused(self, accepted: tuple[str, ...] = ()) -> None:
         """Raises ValueError naming the first field (but ``accepted``) set to something Tandem
         does not do."""
-        _refuse({name: getattr(self, name) for name in self.model_fields_set
+        refuse({name: getattr(self, name) for name in self.model_fields_set
                  if name not in accepted}, self.REFUSED)
         if self.stream_options is not None:
-            _refuse({"include_obfuscation": self.stream_options.include_obfuscation},
+            refuse({"include_obfuscation": self.stream_options.include_obfuscation},
                     STREAM_OPTIONS_REFUSED, "stream_options.")
 
     def _common_fields(self) -> dict:
@@ -252,8 +281,69 @@ class _Common(_Object):
             del fields["top_p"]
             fields["top_k"] = 1
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if self.logit_bias:
+            fields["logit_bias"] = _logit_bias(self.logit_bias)
+        if self.structured_outputs is not None:
+            fields["structured_outputs"] = _structured_outputs(self.structured_outputs)
+        if self.prompt_logprobs is not None:
+            fields["prompt_logprobs"] = self.prompt_logprobs
         return {**fields, "model": self.model or "", "stop": stop, "ignore_eos": self.ignore_eos,
                 "stop_token_ids": self.stop_token_ids}
+
+
+def _logit_bias(bias: dict[str, float]) -> dict[int, float]:
+    """OpenAI's ``logit_bias`` (token ids as JSON keys) by id; the values' range and the ids'
+    vocabulary are checked by the gateway (``validation.logit_bias``). Raises ValueError naming
+    ``logit_bias``."""
+    out = {}
+    for key, value in bias.items():
+        if not key.isdigit() or int(key) >= 2**32:
+            raise ValueError(f"logit_bias: {key!r} is not a token id (keys are token ids, as "
+                             "strings of digits)")
+        out[int(key)] = value
+    return out
+
+
+def _structured_outputs(so: dict[str, Any]) -> gateway_pb2.StructuredOutputs:
+    """vLLM's ``structured_outputs`` (exactly one of ``json``: a schema, as an object or JSON
+    text; ``regex``; ``choice``: a list of strings; ``grammar``: Lark or GBNF; or
+    ``json_object: true``). Raises ValueError naming ``structured_outputs.KEY``."""
+    known = ("json", "regex", "choice", "grammar", "json_object")
+    for key in so:
+        if key not in known:
+            raise ValueError(f"structured_outputs.{key}: not supported (Tandem takes one of "
+                             f"{', '.join(known)})")
+    given = [k for k, v in so.items() if v is not None and v is not False]
+    if len(given) != 1:
+        raise ValueError(f"structured_outputs: give exactly one of {', '.join(known)}")
+    kind, value = given[0], so[given[0]]
+    where = f"structured_outputs.{kind}"
+    if kind in ("json", "json_object"):
+        schema = tool_calls.JSON_OBJECT if kind == "json_object" else _schema(value, where)
+        spec = tool_calls.json_schema_spec(schema)
+        check_structured("json", spec, where)
+        return gateway_pb2.StructuredOutputs(json=spec)
+    if kind == "choice":
+        if not (isinstance(value, list) and value and all(isinstance(c, str) for c in value)):
+            raise ValueError(f"{where}: must be a non-empty list of strings")
+        return gateway_pb2.StructuredOutputs(choice=value)
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"{where}: must be a non-empty string")
+    check_structured(kind, value, where)
+    return gateway_pb2.StructuredOutputs(**{kind: value})
+
+
+def _schema(value: Any, where: str) -> dict:
+    """A JSON schema given as an object, or as JSON text (vLLM takes both). Raises
+    ValueError naming ``where``."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as exc:
+            raise ValueError(f"{where}: not JSON ({exc})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{where}: a JSON schema must be an object")
+    return value
 
 
 class ChatCompletionRequest(_Common):
@@ -291,16 +381,125 @@ class ChatCompletionRequest(_Common):
         self.check_refused()
         if not self.messages:
             raise ValueError("messages: must not be empty")
-        messages = [gateway_pb2.ChatMessage(role=m.role, content=m.text(i))
-                    for i, m in enumerate(self.messages)]
+        messages = [m.to_proto(i) for i, m in enumerate(self.messages)]
         fields = self._common_fields()
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         if max_tokens is not None:
             fields["max_tokens"] = max_tokens
         if self.top_logprobs is not None:
             fields["top_logprobs"] = self.top_logprobs
-        return [gateway_pb2.GenerateRequest(request_id=request_id, logprobs=self.logprobs,
-                                            messages=messages, **fields)]
+        tools = self.function_tools()
+        constraint = self._constraint(tools)
+        if constraint is not None:
+            if "structured_outputs" in fields:
+                raise ValueError(f"structured_outputs: cannot be combined with "
+                                 f"{'response_format' if self.response_format else 'tool_choice'}")
+            fields["structured_outputs"] = constraint
+        return [gateway_pb2.GenerateRequest(
+            request_id=request_id, logprobs=self.logprobs, messages=messages,
+            tools=[gateway_pb2.Tool(name=t["function"]["name"],
+                                    description=t["function"].get("description") or "",
+                                    parameters=json.dumps(t["function"].get("parameters") or tool_calls.JSON_OBJECT))
+                   for t in tools], **fields)]
+
+    def presentation(self, decode: Callable[[list[int]], str]) -> Presentation:
+        """What the responses show beyond text: tool calls read out of the output (unless
+        ``tool_choice`` is none), vLLM's ``prompt_logprobs``."""
+        mode, named = self.tool_choice_mode()
+        parser = None if mode == "none" else functools.partial(tool_calls.parser_for, mode, named)
+        return Presentation(prompt_logprobs=self.prompt_logprobs is not None, tool_parser=parser)
+
+    def function_tools(self) -> list[dict]:
+        """``tools`` checked: function tools only, distinct names, parameter schemas that
+        compile. Raises ValueError naming ``tools[i]...``."""
+        if self.tools is None:
+            return []
+        if not isinstance(self.tools, list):
+            raise ValueError("tools: must be a list of tools")
+        names = set()
+        for i, tool in enumerate(self.tools):
+            at = f"tools[{i}]"
+            if not isinstance(tool, dict) or tool.get("type") != "function":
+                raise ValueError(f"{at}.type: only function tools are supported (type 'function')")
+            fn = tool.get("function")
+            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+                raise ValueError(f"{at}.function.name: required (a non-empty string)")
+            unknown = set(fn) - {"name", "description", "parameters", "strict"}
+            if unknown:
+                raise ValueError(f"{at}.function.{sorted(unknown)[0]}: unrecognized")
+            if fn["name"] in names:
+                raise ValueError(f"{at}.function.name: {fn['name']!r} is given twice")
+            names.add(fn["name"])
+            if fn.get("parameters") is not None:
+                params = _schema(fn["parameters"], f"{at}.function.parameters")
+                check_structured("json", tool_calls.json_schema_spec(params), f"{at}.function.parameters")
+        return self.tools
+
+    def tool_choice_mode(self) -> tuple[str, str | None]:
+        """(``none``, ``auto`` or ``required``, the function named or None). Raises ValueError
+        naming ``tool_choice``."""
+        choice = self.tool_choice
+        tools = self.tools or []
+        if choice is None:
+            return ("auto" if tools else "none"), None
+        if isinstance(choice, str):
+            if choice not in ("none", "auto", "required"):
+                raise ValueError(f"tool_choice: {choice!r} is not none, auto, required or a named function")
+            if choice != "none" and not tools:
+                raise ValueError(f"tool_choice: {choice!r} needs tools")
+            return choice, None
+        fn = choice.get("function") if isinstance(choice, dict) else None
+        if not (isinstance(choice, dict) and choice.get("type") == "function" and isinstance(fn, dict)
+                and isinstance(fn.get("name"), str)):
+            raise ValueError("tool_choice: must be none, auto, required or {\"type\": \"function\", "
+                             "\"function\": {\"name\": ...}}")
+        if fn["name"] not in {t["function"]["name"] for t in tools}:
+            raise ValueError(f"tool_choice.function.name: {fn['name']!r} is not one of the tools")
+        return "required", fn["name"]
+
+    def _constraint(self, tools: list[dict]) -> gateway_pb2.StructuredOutputs | None:
+        """The output's constraint from ``response_format`` or ``tool_choice`` (required, or a
+        named function: held to a JSON schema of the call). Raises ValueError naming them."""
+        fmt = response_format_constraint(self.response_format)
+        mode, named = self.tool_choice_mode()
+        if mode != "required":
+            return fmt
+        if fmt is not None:
+            raise ValueError("tool_choice: a required or named tool call cannot be combined with "
+                             "response_format")
+        if named is not None:
+            fn = next(t["function"] for t in tools if t["function"]["name"] == named)
+            schema = _schema(fn.get("parameters") or tool_calls.JSON_OBJECT, "tools")
+        else:
+            schema = tool_calls.required_schema(tools, self.parallel_tool_calls)
+        return gateway_pb2.StructuredOutputs(json=tool_calls.json_schema_spec(schema))
+
+
+def response_format_constraint(fmt: Any) -> gateway_pb2.StructuredOutputs | None:
+    """OpenAI's ``response_format``: ``text`` (no constraint), ``json_object`` (any JSON
+    object), ``json_schema`` (``json_schema.schema``; ``strict`` or not, the output is held to
+    it). Raises ValueError naming ``response_format...``."""
+    if fmt is None:
+        return None
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return gateway_pb2.StructuredOutputs(json=tool_calls.json_schema_spec(tool_calls.JSON_OBJECT))
+    if kind != "json_schema":
+        raise ValueError(f"response_format.type: {kind!r} is not text, json_object or json_schema")
+    js = fmt.get("json_schema")
+    if not isinstance(js, dict) or not isinstance(js.get("name"), str):
+        raise ValueError("response_format.json_schema: needs a name and a schema")
+    unknown = set(js) - {"name", "description", "schema", "strict"}
+    if unknown:
+        raise ValueError(f"response_format.json_schema.{sorted(unknown)[0]}: unrecognized")
+    if js.get("strict") not in (None, True, False):
+        raise ValueError("response_format.json_schema.strict: must be a boolean")
+    where = "response_format.json_schema.schema"
+    spec = tool_calls.json_schema_spec(_schema(js.get("schema", tool_calls.JSON_OBJECT), where))
+    check_structured("json", spec, where)
+    return gateway_pb2.StructuredOutputs(json=spec)
 
 
 class CompletionRequest(_Common):
@@ -312,7 +511,7 @@ class CompletionRequest(_Common):
     prompt: Any = DEFAULT_PROMPT  # checked by prompts(): the four forms have clean errors
     max_tokens: Int32 | None = None  # absent: DEFAULT_MAX_TOKENS
     logprobs: int | None = Field(default=None, ge=0, le=20)  # vLLM's max; OpenAI's is 5
-    echo: Any = None
+    echo: bool = False  # the prompt before the choice's text (and its logprobs, with logprobs)
     suffix: Any = None
     best_of: Any = None
 
@@ -338,6 +537,15 @@ class CompletionRequest(_Common):
                     raise ValueError(f"prompt[{i}][{j}]: must be a token id (an integer >= 0)")
         return list(p)
 
+    def presentation(self, decode: Callable[[list[int]], str]) -> Presentation:
+        """What the responses show beyond text: with ``echo``, each prompt's text (token-id
+        prompts through ``decode``) and, with ``logprobs``, its tokens' logprobs; vLLM's
+        ``prompt_logprobs``."""
+        echo = ([p if isinstance(p, str) else decode(p) for p in self.prompts()]
+                if self.echo else None)
+        return Presentation(echo=echo, echo_logprobs=self.echo and self.logprobs is not None,
+                            prompt_logprobs=self.prompt_logprobs is not None)
+
     def check_refused(self, accepted: tuple[str, ...] = ()) -> None:
         """As ``_Common``'s; ``best_of`` equal to ``n`` asks for nothing more than n choices."""
         best_of = self.best_of
@@ -358,6 +566,9 @@ class CompletionRequest(_Common):
             fields["max_tokens"] = self.max_tokens
         if self.logprobs is not None:
             fields.update(logprobs=True, top_logprobs=self.logprobs)
+        if self.echo and (self.logprobs is not None or fields.get("max_tokens") == 0):
+            # the prompt's logprobs to echo (max_tokens 0: the prompt is only scored)
+            fields["prompt_logprobs"] = max(self.logprobs or 0, fields.get("prompt_logprobs", 0))
         return [gateway_pb2.GenerateRequest(request_id=request_id, **fields, **(
             {"prompt": p} if isinstance(p, str) else {"prompt_token_ids": p}))
             for p in self.prompts()]

@@ -127,6 +127,16 @@ class GatewayCore:
         trace.requested(rid, params, len(prompt))
         return Prepared(rid, prompt, params, trace, t0)
 
+    async def tokenize(self, request: gateway_pb2.GenerateRequest) -> list[int]:
+        """The prompt's token ids, exactly as ``prepare`` makes them (chat template, tools),
+        off the event loop. Raises ValueError naming the field."""
+        if request.model and request.model != self.model.name:
+            raise ValueError(f"model: {request.model!r} is not served here (serving {self.model.name!r})")
+        validation.check_request(request, self.limits)
+        return await asyncio.get_running_loop().run_in_executor(
+            self._tokenize, validation.prompt_token_ids, request, self.tokenizer,
+            2**31)  # NOTE: /tokenize counts a prompt of any length
+
     async def admit(self, prepared: Prepared, key_id: str = "") -> RequestRecord:
         """Take one of ``max_inflight`` places and create the Redis record (QUEUED), owned by
         the API key ``key_id`` (``services/gateway/access.py``).
