@@ -183,7 +183,7 @@ class LLMEngine:
         if output is None:
             return None
         self.metrics.requests.on_remote_first_token(request, time.monotonic())
-        if logprobs is not None:
+        if logprobs is not None and output.new_token_ids:  # a scored prompt keeps no token
             output.logprobs = [logprobs]
         return output
 

@@ -212,6 +212,7 @@ class Dispatcher:
     async def _relay(self, job: Job, att: _Attempt):
         """Yield the decode stream's messages; watch the prefill until it ends."""
         prefill, read, got_tokens = att.prefill, None, False
+        prefilled: worker_pb2.PrefillResponse | None = None  # the prefill worker's answer
         if att.first is not None:  # unified: read while choosing the worker
             got_tokens = True
             yield att.first
@@ -224,16 +225,19 @@ class Dispatcher:
                                          return_when=asyncio.FIRST_COMPLETED)
             if prefill in done:
                 _check_prefill(prefill, got_tokens, job)
+                prefilled = prefill.result() if prefill.exception() is None else None
                 prefill = None
             if read in done:
                 msg = _decode_message(att.decode, read)
                 read = None
-                if not got_tokens and prefill is not None and _wants_prompt_logprobs(job, msg):
-                    await asyncio.wait({prefill})  # NOTE: it answers right after the KV landed
-                    _check_prefill(prefill, False, job)
-                    if prefill.exception() is None:
-                        msg.prompt_logprobs.extend(prefill.result().prompt_logprobs)
-                    prefill = None
+                if not got_tokens and _wants_prompt_logprobs(job, msg):
+                    if prefill is not None:  # NOTE: it answers right after the KV landed
+                        await asyncio.wait({prefill})
+                        _check_prefill(prefill, False, job)
+                        prefilled = prefill.result() if prefill.exception() is None else None
+                        prefill = None
+                    if prefilled is not None:
+                        msg.prompt_logprobs.extend(prefilled.prompt_logprobs)
                 got_tokens = True
                 if msg.kv_recomputed:  # the decode worker computed the prompt itself
                     kind, _, why = msg.kv_recomputed.partition(": ")

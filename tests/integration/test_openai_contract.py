@@ -86,7 +86,7 @@ def accepted_space() -> dict:
         schemas["ChatCompletionStreamOptions"]["anyOf"][0]["properties"].pop(key)
     schemas["ChatCompletionRequestMessage"]["oneOf"] = [
         v for v in schemas["ChatCompletionRequestMessage"]["oneOf"]
-        if not v["$ref"].endswith(("ToolMessage", "FunctionMessage"))]
+        if not v["$ref"].endswith("FunctionMessage")]
     for role in ("Developer", "System", "User", "Assistant"):
         for key in MESSAGE_REFUSED:
             schemas[f"ChatCompletionRequest{role}Message"]["properties"].pop(key, None)
@@ -299,9 +299,11 @@ def test_refused_fields_are_400_naming_them_through_the_openai_client(http_stack
                 model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2, **kwargs)
         return err.value.body
 
-    for kwargs, param in (({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-                          ({"response_format": {"type": "json_object"}}, "response_format"),
-                          ({"logit_bias": {"1": 5}}, "logit_bias"),
+    for kwargs, param in (({"functions": [{"name": "f"}]}, "functions"),
+                          ({"response_format": {"type": "json_schema", "json_schema": {
+                              "name": "x", "schema": {"type": "nonsense"}}}}, "response_format.json_schema.schema"),
+                          ({"logit_bias": {"49152": 5}}, "logit_bias"),
+                          ({"tools": [{"type": "custom", "custom": {"name": "f"}}]}, "tools[0].type"),
                           ({"store": True}, "store"),
                           ({"extra_body": {"temprature": 0.5}}, "temprature")):
         body = run(refused(**kwargs))

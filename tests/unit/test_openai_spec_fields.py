@@ -19,12 +19,13 @@ from services.gateway.openai_responses import Chunker, error_body
 from services.gateway.validation import template_messages
 from tests.openai_spec import completion_chunk_validator, properties, spec, validator
 
-VLLM_EXTRAS = {"top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids"}
+VLLM_EXTRAS = {"top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
+               "structured_outputs", "prompt_logprobs"}
 
 # The specification's fields Tandem refuses (400 naming the field), each with its reason. A field
 # leaves this list only when it is honoured; a refresh of the vendored document that adds a field
 # fails test_every_field_of_the_specification_is_honoured_or_refused until it is one or the other.
-TOOLS = "tool and function calling is not implemented yet"
+FUNCTIONS = "the deprecated function-calling fields: send tools and tool_choice instead"
 STORED = "Tandem stores no completions (OpenAI's stored-completions API)"
 END_USER = ("Tandem keeps no per-end-user accounting or abuse monitoring that an end-user "
             "identifier would feed")
@@ -32,12 +33,8 @@ REFUSED_CHAT = {
     "audio": "the model produces text only, no audio",
     "modalities": "the model produces text only, no audio",
     "prediction": "predicted outputs are not implemented",
-    "response_format": "structured outputs (json_schema, json_object) are not implemented yet",
-    "tools": TOOLS,
-    "tool_choice": TOOLS,
-    "functions": TOOLS,
-    "function_call": TOOLS,
-    "logit_bias": "logit_bias is not implemented yet",
+    "functions": FUNCTIONS,
+    "function_call": FUNCTIONS,
     "web_search_options": "Tandem has no web search",
     "reasoning_effort": "the model does not reason before answering",
     "verbosity": "the model has no verbosity control",
@@ -54,11 +51,9 @@ REFUSED_CHAT = {
     "prompt_cache_options": "the prefix cache has no client-set options",
 }
 REFUSED_COMPLETIONS = {
-    "echo": "echoing the prompt (with its logprobs) is not implemented yet",
     "suffix": "the model does not fill in the middle (no suffix)",
     "best_of": "best_of > n (ranking candidates server-side) is not implemented; best_of equal "
                "to n is accepted",
-    "logit_bias": "logit_bias is not implemented yet",
     "user": END_USER,
 }
 # values of refused fields that ask for nothing, and so are accepted
@@ -76,14 +71,14 @@ COMPLETION = {"model": "m", "prompt": "hi"}
 REFUSED_MESSAGE_KEYS = {
     "name": "the chat template has no place for a participant's name",
     "audio": "the model reads and writes text only",
-    "tool_calls": TOOLS,
-    "function_call": TOOLS,
+    "function_call": FUNCTIONS,
 }
 REFUSED_TEXT_PART_KEYS = {"prompt_cache_breakpoint": "the prefix cache has no client-set breakpoints"}
 REFUSED_STREAM_OPTIONS = {"include_obfuscation": "Tandem does not pad stream events with random characters"}
-# and whole kinds: the tool and function roles (TOOLS), content parts other than text (and an
+# and whole kinds: the function role (FUNCTIONS), content parts other than text (and an
 # assistant's refusal parts): image_url, input_audio, file (the model reads text only)
-HONOURED_MESSAGE_KEYS = {"role", "content", "refusal"}  # refusal: an assistant's, as its text
+HONOURED_MESSAGE_KEYS = {"role", "content", "refusal", "tool_calls", "tool_call_id"}  # refusal: an
+# assistant's, as its text
 
 
 def reasons(table: dict) -> dict[str, str]:
@@ -174,9 +169,9 @@ def test_seed_takes_any_int64_and_top_p_zero_keeps_the_top_token():
     ({"role": "user", "content": [{"type": "image_url", "image_url": {"url": "u"}}]}, "messages[0].content[0].type"),
     ({"role": "user", "content": [{"type": "text", "text": "a", "prompt_cache_breakpoint": {}}]},
      "messages[0].content[0].prompt_cache_breakpoint"),
-    ({"role": "tool", "content": "x", "tool_call_id": "1"}, "messages[0].role"),
+    ({"role": "tool", "content": "x"}, "messages[0].tool_call_id"),
     ({"role": "function", "content": "x", "name": "f"}, "messages[0].role"),
-    ({"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]}, "messages[0].tool_calls"),
+    ({"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]}, "messages[0].tool_calls[0].type"),
     ({"role": "user", "content": "x", "refusal": "no"}, "messages[0].refusal"),
     ({"role": "user"}, "messages[0].content"),
     ({"role": "user", "content": []}, "messages[0].content"),
