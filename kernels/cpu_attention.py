@@ -7,7 +7,7 @@ CPU the gathers alone were 19% of a step. The kernel reads each K/V row once, fo
 heads that share it. vLLM's CPU backend does the same with its own C++ kernels.
 
 The kernel is built on first use with the system C compiler (``$CC``, else ``cc``/``gcc``),
-``-O3 -march=native -fopenmp -ffast-math`` (the last for the compile step only), into
+``-O3 -march=native -fopenmp``, into
 ``$TANDEM_CACHE_DIR/kernels`` (default ``~/.cache/tandem/kernels``), keyed by a hash of the
 source, the flags and the CPU; later processes load the cached library. Without a compiler, or
 if the build fails, ``paged_decode_attention`` falls back to the torch reference and logs why
@@ -35,9 +35,10 @@ from kernels import reference
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "paged_decode_attention.c"
-# -ffast-math vectorises expf (17% faster at batch 64); it is given to the compile step only:
-# linked with -ffast-math, gcc adds crtfastmath.o, which turns on flush-to-zero process-wide
-CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffast-math", "-fPIC", "-std=c11")
+# NOTE: no -ffast-math: it lets the compiler reorder sums (two copies of one reduction could then
+# round differently, and a row would depend on which copy ran it); the kernels write their own
+# vectorised exp (csrc/vec_exp.h) instead of relying on -ffast-math to vectorise expf
+CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-std=c11")
 LDFLAGS = ("-shared", "-fopenmp")
 _ERRORS = {1: "a block table entry is outside the KV cache", 2: "a sequence length is outside "
            "1..(block_table columns x block_size)", 3: "out of memory for the split context's parts"}
