@@ -1,0 +1,181 @@
+"""Same input, same output, through the whole stack (gateway, workers, KV transfer, real
+processes): in the default precision (the built-in GGUF's Q4_1 weights, int8 activations) a
+greedy request's token ids and logprobs (and its top-5 alternatives) are the same bits
+
+- alone on a cold cache (the reference),
+- again with its prefix cached (usage.cached_tokens > 0),
+- inside a batch of 16 other requests,
+- after its decode worker is killed mid-stream and the gateway migrates it to the other one,
+- with its prompt computed in chunks of 7 tokens (a 7-token step budget),
+- after a preemption (a KV cache too small for the batch: recomputed from its tokens so far).
+
+Two stacks: 1 prefill + 2 decode workers with the default settings, and one unified worker
+with a 7-token step budget and 16 KV blocks. The engine-level checks are
+tests/unit/test_batch_invariance.py, the kernels' tests/kernels/test_batch_invariance.py.
+"""
+from __future__ import annotations
+
+import asyncio
+import signal
+from collections.abc import Iterator
+
+import grpc
+import pytest
+
+from services.api import gateway_pb2, gateway_pb2_grpc
+from services.launcher import Stack, UpOptions
+from tests.integration.conftest import WORKER_ARGS, free_port, wait_until, worker_loads
+
+pytestmark = pytest.mark.integration
+
+DEFAULT_PRECISION = ["--dtype", "auto", "--quantization", "auto"]
+MAX_TOKENS = 32
+PROMPT = ("The history of the printing press begins in the fifteenth century, when a goldsmith "
+          "in Mainz combined movable metal type, oil-based ink and a wooden press adapted from")
+OTHERS = [f"Question {i}: name {i + 2} facts about the river that flows through city number "
+          f"{i * 7}, and explain why" + " in detail" * (i % 5) for i in range(16)]
+
+
+def request(prompt: str, request_id: str, max_tokens: int = MAX_TOKENS) -> gateway_pb2.GenerateRequest:
+    return gateway_pb2.GenerateRequest(request_id=request_id, prompt=prompt, max_tokens=max_tokens,
+                                       temperature=0.0, ignore_eos=True, logprobs=True,
+                                       top_logprobs=5)
+
+
+async def generate(address: str, req: gateway_pb2.GenerateRequest, progress: list | None = None):
+    """(token ids, per token (logprob, top 5 as (id, logprob))), and the last message."""
+    tokens, logprobs, last = [], [], None
+    async with grpc.aio.insecure_channel(address) as channel:
+        async for msg in gateway_pb2_grpc.GatewayStub(channel).Generate(req, timeout=300):
+            tokens.extend(msg.token_ids)
+            logprobs.extend((lp.logprob, [(t.token_id, t.logprob) for t in lp.top_logprobs])
+                            for lp in msg.logprobs)
+            if progress is not None:
+                progress.extend(msg.token_ids)
+            last = msg
+    assert last.finish_reason == "length" and len(tokens) == req.max_tokens == len(logprobs)
+    return (tokens, logprobs), last
+
+
+async def record(address: str, request_id: str) -> gateway_pb2.RequestInfo:
+    async with grpc.aio.insecure_channel(address) as ch:
+        return await gateway_pb2_grpc.GatewayStub(ch).GetRequest(
+            gateway_pb2.GetRequestRequest(request_id=request_id), timeout=10)
+
+
+def started(opts: UpOptions) -> Iterator[Stack]:
+    s = Stack(opts)
+    try:
+        s.start()
+        s.wait_ready()
+        yield s
+    finally:
+        s.stop()
+
+
+@pytest.fixture(scope="module")
+def pd_stack(redis_server) -> Iterator[Stack]:
+    """1 prefill + 2 decode workers, default settings and precision."""
+    yield from started(UpOptions(
+        host="127.0.0.1", port=free_port(), num_prefill=1, num_decode=2,
+        redis_url=redis_server.url, worker_args=[*WORKER_ARGS, *DEFAULT_PRECISION],
+        gateway_args=["--heartbeat-s", "0.5"], ready_timeout_s=240))
+
+
+@pytest.fixture(scope="module")
+def reference(pd_stack) -> tuple[list[int], list]:
+    """The request alone on the fresh stack: nothing cached."""
+    out, last = asyncio.run(generate(pd_stack.address, request(PROMPT, "alone")))
+    assert last.usage.cached_tokens == 0
+    return out
+
+
+def test_prefix_cached(pd_stack, reference):
+    out, last = asyncio.run(generate(pd_stack.address, request(PROMPT, "cached")))
+    assert last.usage.cached_tokens > 0
+    assert out == reference
+
+
+def test_inside_a_batch_of_16_others(pd_stack, reference):
+    async def run():
+        others = [generate(pd_stack.address, request(p, f"other-{i}", 24 + i))
+                  for i, p in enumerate(OTHERS)]
+        results = await asyncio.gather(*others[:8], generate(pd_stack.address,
+                                                             request(PROMPT, "batched")),
+                                       *others[8:])
+        return results[8][0]
+    assert asyncio.run(run()) == reference
+
+
+def test_after_migration_to_another_decode_worker(pd_stack, reference):
+    """The decode worker streaming the request is killed after 4 tokens; the gateway sends
+    prompt + tokens so far to the other decode worker, which computes them as a prefill and
+    goes on."""
+    async def run():
+        progress: list[int] = []
+        stream = asyncio.ensure_future(generate(pd_stack.address, request(PROMPT, "migrated"),
+                                                progress))
+
+        async def streaming():
+            return len(progress) >= 4
+        await wait_until(streaming, 120, "4 tokens streamed", poll_s=0.01)
+        victim = (await record(pd_stack.address, "migrated")).decode_worker
+        pd_stack.process(victim).send_signal(signal.SIGKILL)
+        assert len(progress) < MAX_TOKENS - 4, "decoding finished before the kill"
+        out, _ = await stream
+        info = await record(pd_stack.address, "migrated")
+        assert info.decode_worker and info.decode_worker != victim
+        return out
+    assert asyncio.run(run()) == reference
+
+
+@pytest.fixture(scope="module")
+def small_stack(redis_server) -> Iterator[Stack]:
+    """One unified worker: a 7-token step budget, 16 KV blocks of 16 tokens."""
+    yield from started(UpOptions(
+        host="127.0.0.1", port=free_port(), num_prefill=0, num_decode=0, num_unified=1,
+        redis_url=redis_server.url,
+        worker_args=[*WORKER_ARGS, *DEFAULT_PRECISION, "--max-num-batched-tokens", "7",
+                     "--num-kv-blocks", "16"],
+        gateway_args=["--heartbeat-s", "0.5"], ready_timeout_s=240))
+
+
+def test_prompt_chunked_by_7_tokens(small_stack, reference):
+    out, last = asyncio.run(generate(small_stack.address, request(PROMPT, "chunked")))
+    assert last.usage.cached_tokens == 0 and last.usage.prompt_tokens > 14
+    assert out == reference
+
+
+def test_after_preemption(small_stack, reference):
+    """4 others decode first; then the request joins, the newest running sequence: when the 16
+    blocks cannot hold everyone's growing KV, the scheduler preempts it (its blocks freed, back
+    to the queue: seen in the worker's own state) and recomputes it later from its prompt and
+    output so far, in chunks of 7."""
+    async def stage_of(request_id: str) -> str | None:
+        loads = await worker_loads(small_stack)
+        return next((r.stage for load in loads.values() for r in load.requests
+                     if r.request_id == request_id), None)
+
+    async def run():
+        progress = [[] for _ in range(4)]
+        others = [asyncio.ensure_future(generate(small_stack.address,
+                                                 request(p, f"pressure-{i}"), progress[i]))
+                  for i, p in enumerate(OTHERS[:4])]
+
+        async def all_decoding():
+            return all(progress)
+        await wait_until(all_decoding, 180, "the 4 others decoding", poll_s=0.05)
+        target = asyncio.ensure_future(generate(small_stack.address,
+                                                request(PROMPT, "preempted")))
+        stages: list[str] = []
+        while not target.done():
+            stage = await stage_of("preempted")
+            if stage and (not stages or stages[-1] != stage):
+                stages.append(stage)
+            await asyncio.sleep(0.02)
+        await asyncio.gather(*others)
+        return (await target)[0], stages
+    out, stages = asyncio.run(run())
+    ran = [i for i, stage in enumerate(stages) if stage in ("prefilling", "decoding")]
+    assert ran and "queued" in stages[ran[0]:], stages  # running, then preempted
+    assert out == reference
