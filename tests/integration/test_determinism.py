@@ -130,11 +130,12 @@ def test_after_migration_to_another_decode_worker(pd_stack, reference):
 
 
 @pytest.fixture(scope="module")
-def small_stack(redis_server) -> Iterator[Stack]:
-    """One unified worker: a 7-token step budget, 16 KV blocks of 16 tokens."""
+def small_stack() -> Iterator[Stack]:
+    """One unified worker: a 7-token step budget, 16 KV blocks of 16 tokens (its own Redis:
+    the other stack's workers must not join its registry)."""
     yield from started(UpOptions(
         host="127.0.0.1", port=free_port(), num_prefill=0, num_decode=0, num_unified=1,
-        redis_url=redis_server.url,
+        redis_url=None,
         worker_args=[*WORKER_ARGS, *DEFAULT_PRECISION, "--max-num-batched-tokens", "7",
                      "--num-kv-blocks", "16"],
         gateway_args=["--heartbeat-s", "0.5"], ready_timeout_s=240))
