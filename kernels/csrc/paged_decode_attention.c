@@ -279,6 +279,58 @@ static void softmax_part(float *sc, int64_t n, int whole, float *max_out, float 
     *sum_out = sum;
 }
 
+/* One part [t_begin, t_end) of query i's context: scores, softmax, the weighted V sum into
+ * dst ([num_heads, head_dim]); whole (the part is the context): normalised in place, else the
+ * part's max and sum per head into part_max, part_sum [num_heads]. */
+static void attend_part(const float *q, const float *k_cache, const float *v_cache,
+                        const int64_t *table, int64_t num_kv_heads, int64_t group,
+                        int64_t head_dim, int64_t t_begin, int64_t t_end, int64_t block_size,
+                        float scale, score_fn score, weigh_fn weigh, float *scores, int whole,
+                        float *dst, float *part_max, float *part_sum) {
+    const int64_t n = t_end - t_begin, num_heads = num_kv_heads * group;
+    score(q, k_cache, table, num_kv_heads, group, head_dim, t_begin, t_end, block_size, scale,
+          scores, n);
+    for (int64_t h = 0; h < num_heads; ++h) {
+        float max, sum;
+        softmax_part(scores + h * n, n, whole, &max, &sum);
+        if (!whole) {
+            part_max[h] = max;
+            part_sum[h] = sum;
+        }
+    }
+    weigh(v_cache, table, num_kv_heads, group, head_dim, t_begin, t_end, block_size, scores, n,
+          dst);
+}
+
+/* out [num_heads, head_dim] = the merge of parts p < parts (part_out [parts][num_heads *
+ * head_dim], part_max and part_sum [parts][num_heads]): sum_p e^(m_p - M) o_p /
+ * sum_p e^(m_p - M) l_p, parts in order. */
+static void merge_parts(int64_t parts, int64_t num_heads, int64_t head_dim,
+                        const float *part_out, const float *part_max, const float *part_sum,
+                        float *out) {
+    const int64_t row = num_heads * head_dim;
+    for (int64_t h = 0; h < num_heads; ++h) {
+        const float *m = part_max + h, *l = part_sum + h;
+        float M = m[0];
+        for (int64_t p = 1; p < parts; ++p)
+            M = m[p * num_heads] > M ? m[p * num_heads] : M;
+        float total = 0.0f, *oh = out + h * head_dim;
+        memset(oh, 0, sizeof(float) * head_dim);
+        for (int64_t p = 0; p < parts; ++p) {
+            const float w = tandem_exp(m[p * num_heads] - M);
+            const float *o = part_out + p * row + h * head_dim;
+            total = fmaf(w, l[p * num_heads], total);
+#pragma omp simd
+            for (int64_t d = 0; d < head_dim; ++d)
+                oh[d] = fmaf(w, o[d], oh[d]);
+        }
+        const float inv = 1.0f / total;
+#pragma omp simd
+        for (int64_t d = 0; d < head_dim; ++d)
+            oh[d] *= inv;
+    }
+}
+
 int tandem_paged_attention_f32(
     const float *q,              /* [num_queries, num_heads, head_dim] */
     const float *k_cache,        /* [num_blocks, block_size, num_kv_heads, head_dim] */
@@ -319,84 +371,68 @@ int tandem_paged_attention_f32(
         const int64_t parts = (seq_lens[i] + per - 1) / per;
         max_parts = parts > max_parts ? parts : max_parts;
     }
-    /* split: per (query, part) the unnormalised output [num_heads, head_dim], and the max and
-     * sum of each head's scores [num_heads] */
-    float *part_out = NULL, *part_max = NULL, *part_sum = NULL;
-    if (max_parts > 1) {
-        part_out = malloc(sizeof(float) * (size_t)(num_queries * max_parts * row));
-        part_max = malloc(sizeof(float) * (size_t)(num_queries * max_parts * num_heads));
-        part_sum = malloc(sizeof(float) * (size_t)(num_queries * max_parts * num_heads));
-        if (!part_out || !part_max || !part_sum) {
-            free(part_out);
-            free(part_max);
-            free(part_sum);
-            return TANDEM_NO_MEMORY;
-        }
-    }
+    /* Work items: with few queries, (query, part) pairs, so the threads share a long context
+     * (parts kept in shared buffers, merged after a barrier); with enough queries to keep the
+     * threads busy, whole queries (a thread's parts in its own small buffers). Which does not
+     * change a result: a part is computed and the parts merged by the same code either way. */
+    const int split = max_parts > 1 && num_queries < 4 * (int64_t)num_threads;
+    const int64_t shared = split ? num_queries * max_parts : 0;
+    float *part_out = shared ? malloc(sizeof(float) * (size_t)(shared * (row + 2 * num_heads)))
+                             : NULL;
+    if (shared && !part_out)
+        return TANDEM_NO_MEMORY;
+    int failed = 0;
 
-#pragma omp parallel num_threads(num_threads)
+#pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
 #ifdef _OPENMP
         float *scores = scratch + (int64_t)omp_get_thread_num() * num_heads * max_seq_len;
 #else
         float *scores = scratch;
 #endif
+        /* a whole query's parts: [max_parts][row] outputs, then max and sum [max_parts][heads] */
+        float *own = !split && max_parts > 1
+            ? malloc(sizeof(float) * (size_t)(max_parts * (row + 2 * num_heads))) : NULL;
+        float *po = split ? part_out : own;
+        float *pm = po ? po + (split ? shared : max_parts) * row : NULL;
+        float *ps = pm ? pm + (split ? shared : max_parts) * num_heads : NULL;
+        if (!split && max_parts > 1 && !own)
+            failed = 1;
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t work = 0; work < num_queries * max_parts; ++work) {
-            const int64_t i = work / max_parts, part = work % max_parts;
+        for (int64_t work = 0; work < (split ? shared : num_queries); ++work) {
+            if (failed)
+                continue;
+            const int64_t i = split ? work / max_parts : work;
             const int64_t len = seq_lens[i], per = part_tokens(len, block_size);
-            const int64_t t_begin = part * per;
-            if (t_begin >= len) continue;  /* a shorter context than the longest: no such part */
-            const int64_t t_end = t_begin + per < len ? t_begin + per : len, n = t_end - t_begin;
+            const int64_t parts = (len + per - 1) / per;
             const int64_t *table = block_tables + (query_seq ? query_seq[i] : i) * max_blocks;
-            score(q + i * row, k_cache, table, num_kv_heads, group, head_dim, t_begin, t_end,
-                  block_size, scale, scores, n);
-            const int whole = n == len;  /* one part: normalise here, nothing to merge */
-            for (int64_t h = 0; h < num_heads; ++h) {
-                float max, sum;
-                softmax_part(scores + h * n, n, whole, &max, &sum);
-                if (!whole) {
-                    part_max[work * num_heads + h] = max;
-                    part_sum[work * num_heads + h] = sum;
-                }
+            const int64_t first = split ? work % max_parts : 0, last = split ? first + 1 : parts;
+            for (int64_t part = first; part < last && part < parts; ++part) {
+                const int64_t t_begin = part * per, t_end = t_begin + per < len ? t_begin + per : len;
+                const int64_t slot = split ? work : part; /* this part's row of po, pm, ps */
+                attend_part(q + i * row, k_cache, v_cache, table, num_kv_heads, group, head_dim,
+                            t_begin, t_end, block_size, scale, score, weigh, scores, parts == 1,
+                            parts == 1 ? out + i * row : po + slot * row,
+                            parts == 1 ? NULL : pm + slot * num_heads,
+                            parts == 1 ? NULL : ps + slot * num_heads);
             }
-            weigh(v_cache, table, num_kv_heads, group, head_dim, t_begin, t_end, block_size,
-                  scores, n, whole ? out + i * row : part_out + work * row);
+            if (!split && parts > 1)
+                merge_parts(parts, num_heads, head_dim, po, pm, ps, out + i * row);
         }
-        if (max_parts > 1) {
-            /* merge the parts (after the loop's barrier): out = sum_p e^(m_p - M) o_p /
-             * sum_p e^(m_p - M) l_p, parts in order */
+        if (split) {
+            /* merge the parts (after the loop's barrier), as a whole query's are above */
 #pragma omp for schedule(static)
             for (int64_t i = 0; i < num_queries; ++i) {
                 const int64_t len = seq_lens[i], per = part_tokens(len, block_size);
                 const int64_t parts = (len + per - 1) / per;
-                if (parts == 1) continue;  /* written in place above */
-                for (int64_t h = 0; h < num_heads; ++h) {
-                    const float *m = part_max + i * max_parts * num_heads + h;
-                    const float *l = part_sum + i * max_parts * num_heads + h;
-                    float M = m[0];
-                    for (int64_t p = 1; p < parts; ++p)
-                        M = m[p * num_heads] > M ? m[p * num_heads] : M;
-                    float total = 0.0f, *oh = out + i * row + h * head_dim;
-                    memset(oh, 0, sizeof(float) * head_dim);
-                    for (int64_t p = 0; p < parts; ++p) {
-                        const float w = tandem_exp(m[p * num_heads] - M);
-                        const float *o = part_out + (i * max_parts + p) * row + h * head_dim;
-                        total = fmaf(w, l[p * num_heads], total);
-#pragma omp simd
-                        for (int64_t d = 0; d < head_dim; ++d)
-                            oh[d] = fmaf(w, o[d], oh[d]);
-                    }
-                    const float inv = 1.0f / total;
-#pragma omp simd
-                    for (int64_t d = 0; d < head_dim; ++d)
-                        oh[d] *= inv;
-                }
+                if (parts > 1)
+                    merge_parts(parts, num_heads, head_dim, po + i * max_parts * row,
+                                pm + i * max_parts * num_heads, ps + i * max_parts * num_heads,
+                                out + i * row);
             }
         }
+        free(own);
     }
     free(part_out);
-    free(part_max);
-    free(part_sum);
-    return TANDEM_OK;
+    return failed ? TANDEM_NO_MEMORY : TANDEM_OK;
 }
