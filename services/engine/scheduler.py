@@ -54,6 +54,8 @@ class SchedulerOutput:
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     # requests preempted this step (blocks already freed)
     preempted: list[Request] = field(default_factory=list)
+    # requests finished (or released) since the previous step: the runner forgets them
+    finished_req_ids: set[str] = field(default_factory=set)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -89,6 +91,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}  # every unfinished request, and held ones
+        self.finished_req_ids: set[str] = set()  # since the last schedule(), for the runner
         self.num_preemptions = 0
         self.prefix_cache_queries = 0  # tokens
         self.prefix_cache_hits = 0  # tokens
@@ -127,7 +130,8 @@ class Scheduler:
     def prefix_hit(self, request: Request) -> list[int]:
         """Cached blocks to start ``request`` from: [] unless caching is on and nothing of the
         request is computed yet (new or preempted; a decode-role request has its prompt KV)."""
-        if not self.config.enable_prefix_caching or request.num_computed_tokens:
+        if (not self.config.enable_prefix_caching or request.num_computed_tokens
+                or request.sampling_params.prompt_logprobs is not None):  # every logit needed
             return []
         return self.block_manager.get_computed_blocks(request)
 
@@ -147,7 +151,8 @@ class Scheduler:
 
     # -- one step ----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
+        out = SchedulerOutput(finished_req_ids=self.finished_req_ids)
+        self.finished_req_ids = set()
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
         self._schedule_new(out, budget)
         return out
@@ -230,6 +235,9 @@ class Scheduler:
         return outputs
 
     def _append_token(self, request: Request, token_id: int) -> RequestOutput:
+        if request.sampling_params.max_tokens == 0:  # a scored prompt: nothing to generate
+            self._finish(request, RequestStatus.FINISHED_LENGTH)
+            return RequestOutput(request.request_id, [], "length", request.num_prompt_tokens, 0)
         request.output_token_ids.append(token_id)
         status = request.check_stop(self.config.max_model_len)
         if status is not None:
@@ -254,6 +262,7 @@ class Scheduler:
         request = self.requests.pop(request_id, None)
         if request is not None:
             self.block_manager.free(request)
+            self.finished_req_ids.add(request_id)
 
     def abort(self, request_id: str) -> bool:
         """Finish a request in any state and free its blocks. Returns False if unknown."""
