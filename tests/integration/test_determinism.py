@@ -24,7 +24,8 @@ import pytest
 
 from services.api import gateway_pb2, gateway_pb2_grpc
 from services.launcher import Stack, UpOptions
-from tests.integration.conftest import WORKER_ARGS, free_port, wait_until, worker_loads
+from tests.integration.conftest import (WORKER_ARGS, free_port, running, wait_until,
+                                        worker_loads)
 
 pytestmark = pytest.mark.integration
 
@@ -63,23 +64,14 @@ async def record(address: str, request_id: str) -> gateway_pb2.RequestInfo:
             gateway_pb2.GetRequestRequest(request_id=request_id), timeout=10)
 
 
-def started(opts: UpOptions) -> Iterator[Stack]:
-    s = Stack(opts)
-    try:
-        s.start()
-        s.wait_ready()
-        yield s
-    finally:
-        s.stop()
-
-
 @pytest.fixture(scope="module")
 def pd_stack(redis_server) -> Iterator[Stack]:
     """1 prefill + 2 decode workers, default settings and precision."""
-    yield from started(UpOptions(
-        host="127.0.0.1", port=free_port(), num_prefill=1, num_decode=2,
-        redis_url=redis_server.url, worker_args=[*WORKER_ARGS, *DEFAULT_PRECISION],
-        gateway_args=["--heartbeat-s", "0.5"], ready_timeout_s=240))
+    with running(Stack(UpOptions(
+            host="127.0.0.1", port=free_port(), num_prefill=1, num_decode=2,
+            redis_url=redis_server.url, worker_args=[*WORKER_ARGS, *DEFAULT_PRECISION],
+            gateway_args=["--heartbeat-s", "0.5"], ready_timeout_s=240))) as s:
+        yield s
 
 
 @pytest.fixture(scope="module")
@@ -133,12 +125,13 @@ def test_after_migration_to_another_decode_worker(pd_stack, reference):
 def small_stack() -> Iterator[Stack]:
     """One unified worker: a 7-token step budget, 16 KV blocks of 16 tokens (its own Redis:
     the other stack's workers must not join its registry)."""
-    yield from started(UpOptions(
-        host="127.0.0.1", port=free_port(), num_prefill=0, num_decode=0, num_unified=1,
-        redis_url=None,
-        worker_args=[*WORKER_ARGS, *DEFAULT_PRECISION, "--max-num-batched-tokens", "7",
-                     "--num-kv-blocks", "16"],
-        gateway_args=["--heartbeat-s", "0.5"], ready_timeout_s=240))
+    with running(Stack(UpOptions(
+            host="127.0.0.1", port=free_port(), num_prefill=0, num_decode=0, num_unified=1,
+            redis_url=None,
+            worker_args=[*WORKER_ARGS, *DEFAULT_PRECISION, "--max-num-batched-tokens", "7",
+                         "--num-kv-blocks", "16"],
+            gateway_args=["--heartbeat-s", "0.5"], ready_timeout_s=240))) as s:
+        yield s
 
 
 def test_prompt_chunked_by_7_tokens(small_stack, reference):
