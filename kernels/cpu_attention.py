@@ -43,7 +43,7 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("csrc") / "paged_decode_attention.c"
 # NOTE: no -ffast-math: it lets the compiler reorder sums (two copies of one reduction could then
 # round differently, and a row would depend on which copy ran it); the kernels write their own
-# vectorised exp (csrc/vec_exp.h) instead of relying on -ffast-math to vectorise expf
+# vectorised exp (csrc/vec_math.h) instead of relying on -ffast-math to vectorise expf
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-std=c11")
 LDFLAGS = ("-shared", "-fopenmp")
 _ERRORS = {1: "a block table entry is outside the KV cache", 2: "a sequence length is outside "

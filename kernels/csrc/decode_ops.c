@@ -223,8 +223,8 @@ static int64_t argmax_finite(const float *row, int64_t N) {
 }
 
 /* out[m] = the first index of row m's largest value (torch.argmax's answer: a NaN counts as
- * the largest, so the first NaN wins). NaNs are found with integer tests: -ffast-math's float
- * compares assume there are none. */
+ * the largest, so the first NaN wins). NaNs are found first, with integer tests; the float
+ * compares of argmax_finite then see none. */
 int tandem_argmax_rows_f32(const float *x, int64_t M, int64_t N, int64_t *out,
                            int num_threads) {
     if (M < 0 || N <= 0) return TANDEM_BAD_SHAPE;
