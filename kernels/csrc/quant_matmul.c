@@ -142,14 +142,25 @@ static void unpack_row(int fmt, const uint8_t *src, int64_t nb, uint8_t *u, floa
         const float d = half_at(blk);
         uint8_t *ub = u + b * QK;
         if (fmt == FMT_Q8_0) {
+#if defined(__AVX2__)
+            const __m256i q = _mm256_loadu_si256((const __m256i *)(blk + 2));
+            _mm256_storeu_si256((__m256i *)ub, _mm256_xor_si256(q, _mm256_set1_epi8((char)0x80)));
+#else
             for (int j = 0; j < QK; j++) ub[j] = (uint8_t)(blk[2 + j] ^ 0x80);
+#endif
             cw[b * cw_stride] = -128.0f * d;
         } else {
             const uint8_t *qs = blk + (fmt == FMT_Q4_1 ? 4 : 2);
+#if defined(__AVX2__)
+            const __m128i q = _mm_loadu_si128((const __m128i *)qs), mask = _mm_set1_epi8(0x0f);
+            _mm_storeu_si128((__m128i *)ub, _mm_and_si128(q, mask));
+            _mm_storeu_si128((__m128i *)(ub + QK / 2), _mm_and_si128(_mm_srli_epi16(q, 4), mask));
+#else
             for (int j = 0; j < QK / 2; j++) {
                 ub[j] = qs[j] & 0x0f;
                 ub[j + QK / 2] = qs[j] >> 4;
             }
+#endif
             cw[b * cw_stride] = fmt == FMT_Q4_1 ? half_at(blk + 2) : -8.0f * d;
         }
         dw[b] = d;
@@ -224,20 +235,25 @@ static void block_sums(const uint8_t *u, const int8_t *q, int64_t nb, int32_t *S
     }
 }
 
-/* One output from its block sums S[nb], in the order of the header: the weight row's dw[nb]
- * and cw[b * cw_stride], the activation row's dx, sx, zq [nb]; zp: Q4_0 / Q8_0's form. */
-static float ordered_blocks(const int32_t *S, const float *dw, const float *cw, int64_t cw_stride,
-                            const float *dx, const float *sx, const int32_t *zq, int64_t nb,
-                            int zp) {
-    float acc = 0.0f;
-    if (zp)
-        for (int64_t b = 0; b < nb; b++) acc = fmaf((float)(S[b] + zq[b]), dw[b] * dx[b], acc);
-    else
-        for (int64_t b = 0; b < nb; b++) {
-            acc = fmaf((float)S[b], dw[b] * dx[b], acc);
-            acc = fmaf(cw[b * cw_stride], sx[b], acc);
+/* out[r] for the tile's rows r < rows (<= TILE_N) and one activation row, from the block sums
+ * S [rows][nb], in the order of the header: the weight rows' dw [rows][nb] and cw [nb][TILE_N],
+ * the activation row's dx, sx, zq [nb]; zp: Q4_0 / Q8_0's form. The loop over rows is inside,
+ * so each step is one vector FMA across them (the compiler vectorises fmaf with FMA). */
+static void ordered_rows(const int32_t *S, const float *dw, const float *cw, int64_t rows,
+                         const float *dx, const float *sx, const int32_t *zq, int64_t nb, int zp,
+                         float *out) {
+    float acc[TILE_N] = {0};
+    for (int64_t b = 0; b < nb; b++)
+        for (int64_t r = 0; r < TILE_N; r++) {
+            const float sc = dw[(r < rows ? r : 0) * nb + b] * dx[b];
+            if (zp) {
+                acc[r] = fmaf((float)(S[(r < rows ? r : 0) * nb + b] + zq[b]), sc, acc[r]);
+            } else {
+                acc[r] = fmaf((float)S[(r < rows ? r : 0) * nb + b], sc, acc[r]);
+                acc[r] = fmaf(cw[b * TILE_N + r], sx[b], acc[r]);
+            }
         }
-    return acc;
+    for (int64_t r = 0; r < rows; r++) out[r] = acc[r];
 }
 
 #if defined(HAVE_AVX2)
@@ -370,12 +386,11 @@ static void run_tile(const uint8_t *u, const float *dw, const float *cw, int64_t
                         ldo);
 #endif
     (void)xt, (void)dxt, (void)zt;
-    for (int64_t m = mp; m < M; m++)
-        for (int64_t r = 0; r < rows; r++) {
-            block_sums(u + r * K, xq + m * K, nb, S, isa);
-            out[m * ldo + r] = ordered_blocks(S, dw + r * nb, cw + r, TILE_N, dx + m * nb,
-                                              sx + m * nb, zq + m * nb, nb, zp);
-        }
+    for (int64_t m = mp; m < M; m++) {
+        for (int64_t r = 0; r < rows; r++) block_sums(u + r * K, xq + m * K, nb, S + r * nb, isa);
+        ordered_rows(S, dw, cw, rows, dx + m * nb, sx + m * nb, zq + m * nb, nb, zp,
+                     out + m * ldo);
+    }
 }
 
 /* Tile t of the parts (tile_end: cumulative tile counts): its part, first row and row count. */
@@ -1054,7 +1069,7 @@ int tandem_quant_matmul_f32(const float *x, const uint8_t *const *parts, const i
         /* scratch of the row paths: a padded tile (rows16), or the unpacked tile and sums */
         uint8_t *u = tiled ? NULL : malloc((size_t)(TILE_N * (rows16 ? row_bytes : K)));
         float *dw = tiled || rows16 ? NULL : malloc(sizeof(float) * (size_t)(TILE_N * nb * 2));
-        int32_t *S = tiled || rows16 ? NULL : malloc(sizeof(int32_t) * (size_t)nb);
+        int32_t *S = tiled || rows16 ? NULL : malloc(sizeof(int32_t) * (size_t)(TILE_N * nb));
         const int ready = tiled || (u && (rows16 || (dw && S)));
         if (!ready) failed = 1;
 #pragma omp for schedule(static)
