@@ -93,7 +93,8 @@ def peer_top(url: str, ids: list[int], positions: list[int], tokenizer) -> list[
             r = client.post("/v1/completions", json={
                 "model": model, "prompt": ids[:p + 1], "max_tokens": 1, "temperature": 0,
                 "logprobs": TOP})
-            r.raise_for_status()
+            if r.status_code != 200:
+                raise RuntimeError(f"peer answered {r.status_code}: {r.text[:500]}")
             out.append(_top_of(r.json()["choices"][0]["logprobs"], tokenizer))
     return out
 
