@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
-from pathlib import Path
 
 import openai
 import pytest
@@ -243,13 +242,3 @@ def test_bad_input_is_400_naming_param_and_the_stack_keeps_serving(http_stack, k
     assert err.body["param"] == param, err.body
     assert err.body["message"] and err.body["type"] == "invalid_request_error"
     assert ok.choices[0].finish_reason == "length"
-
-
-def test_readme_python_example_runs_against_the_stack(http_stack, capsys):
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    code = readme.split("```python\nfrom openai import OpenAI", 1)[1].split("```", 1)[0]
-    code = "from openai import OpenAI" + code.replace("http://127.0.0.1:8000/v1", http_stack.base_url)
-    exec(compile(code, "README.md", "exec"), {})
-    printed = capsys.readouterr().out
-    assert printed.splitlines()[0] == "The capital of France is Paris."  # what the README says
-    assert len(printed.splitlines()[1]) > 0  # the streamed haiku
