@@ -5,7 +5,9 @@
 Every sequence decodes exactly ``--max-tokens`` tokens (free ones ignore EOS; constrained ones
 write a JSON array of at least that many integers, so their grammar never ends first); the three
 batch kinds are run interleaved, ``--rounds`` times each, so a shared machine's noise falls on
-all of them alike. Prints a table and writes JSON (``--out``).
+all of them alike. Also the time one constrained row's token mask takes to fill
+(``Matchers.fill`` for a small object schema, mean over ``MASK_REPEATS``). Prints a table and
+writes JSON (``--out``).
 
     python -m scripts.bench_structured --rounds 3 --out results/bench_structured.json
 """
@@ -23,6 +25,26 @@ from services.engine.tokenizer import Tokenizer
 
 BATCH = 16
 KINDS = (0, 1, 16)  # constrained sequences in the batch
+MASK_REPEATS = 1000
+PERSON = {"type": "object", "properties": {"name": {"type": "string"},
+                                           "age": {"type": "integer", "minimum": 0}},
+          "required": ["name", "age"]}
+
+
+def mask_microseconds(engine: LLMEngine) -> float:
+    """Mean microseconds of one ``Matchers.fill`` (a row of the step's token bitmask) for a
+    small object schema at the start of its output."""
+    import numpy as np
+
+    matchers = engine.runner.input_batch.matchers
+    matchers.add("mask-timing", "json", json.dumps(PERSON))
+    row = np.zeros(matchers.words, dtype=np.int32)
+    t0 = time.perf_counter()
+    for _ in range(MASK_REPEATS):
+        matchers.fill("mask-timing", row)
+    seconds = time.perf_counter() - t0
+    matchers.remove("mask-timing")
+    return seconds / MASK_REPEATS * 1e6
 
 
 def batch_params(num_constrained: int, max_tokens: int) -> list[SamplingParams]:
@@ -72,10 +94,12 @@ def main() -> int:
     for k, row in rows.items():
         print(f"{k:>11} {row['output_tokens_per_s_median']:>18.1f}  "
               + " ".join(f"{v:.1f}" for v in row["output_tokens_per_s"]))
+    mask_us = mask_microseconds(engine)
+    print(f"one constrained row's token mask: {mask_us:.0f} us")
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"max_tokens": args.max_tokens, "precision": str(engine.precision),
-                                        "rows": list(rows.values())}, indent=2))
+                                        "mask_us": mask_us, "rows": list(rows.values())}, indent=2))
     return 0
 
 
