@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -24,6 +23,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # NOTE: run as a script from anywhere; the repo is the package root
 
+from services import process
 from services.launcher import Stack, UpOptions  # noqa: E402
 
 FIELDS = ("median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "median_itl_ms", "output_throughput",
@@ -31,9 +31,7 @@ FIELDS = ("median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "median_itl_ms", "o
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return process.free_port("127.0.0.1")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

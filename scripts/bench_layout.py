@@ -32,12 +32,12 @@ import json
 import logging
 import os
 import shlex
-import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from loadtest import serve
+from services import process
 from services.launcher import Stack, UpOptions
 from services.layout import choose_layout, usable_cores
 from services.settings import UpSection
@@ -106,9 +106,7 @@ def pin_workers(stack: Stack) -> None:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return process.free_port("127.0.0.1")
 
 
 def serve_argv(args, address: str, concurrency: int, out: Path, name: str) -> list[str]:

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -37,6 +36,7 @@ def mark(name):
 import torch
 torch.set_num_threads({threads})
 mark("import_torch")
+from services import process
 from services.engine.engine import EngineConfig, LLMEngine
 from services.engine.quantized import build_model
 from services.engine.quantized_loader import file_weight_formats
@@ -73,9 +73,7 @@ def phases(dtype: str, quant: str, threads: int, blocks: int) -> dict:
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return process.free_port("127.0.0.1")
 
 
 def _serving(address: str) -> bool:

@@ -31,7 +31,6 @@ import json
 import math
 import os
 import platform
-import socket
 import statistics
 import threading
 import time
@@ -46,6 +45,7 @@ from loadtest.datasets import DatasetOptions, random_dataset
 from loadtest.metrics import summarize
 from loadtest.runner import RunConfig, run_benchmark
 from loadtest.serve import load_tokenizer
+from services import process
 from services.launcher import Stack, UpOptions
 
 
@@ -68,9 +68,7 @@ class SpanCounter(trace_service_pb2_grpc.TraceServiceServicer):
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return process.free_port("127.0.0.1")
 
 
 def cpu_seconds(pid: int) -> float:

@@ -15,7 +15,6 @@ import asyncio
 import os
 import re
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -26,7 +25,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
-from services.process import die_with_parent
+from services.process import die_with_parent, free_port
 
 REDIS_BINARY = "redis-server"
 INSTALL_HINT = ("install it with `apt-get install -y redis-server` (Debian/Ubuntu) "
@@ -126,7 +125,7 @@ def start_redis_server(host: str = "127.0.0.1", port: int = 0, *,
         raise RuntimeError(f"`{REDIS_BINARY}` was not found on PATH; {INSTALL_HINT}")
     attempts = _PORT_ATTEMPTS if port == 0 else 1
     for attempt in range(attempts):
-        chosen = port or _free_port(host)
+        chosen = port or free_port(host)
         server = _spawn(binary, host, chosen, password)
         try:
             _wait_until_ready(server, startup_timeout_s)
@@ -166,12 +165,6 @@ async def check_redis(url: str, timeout_s: float = 2.0) -> None:
 
 class _ExitedEarly(Exception):
     """The child exited before answering PING (for instance: its port was taken)."""
-
-
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
 
 
 def redact_url(url: str) -> str:

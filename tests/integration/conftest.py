@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
@@ -14,6 +13,7 @@ import grpc
 import pytest
 import redis.asyncio as aioredis
 
+from services import process
 from services.auth import internal_channel
 from services.api import worker_pb2, worker_pb2_grpc
 from services.launcher import Stack, UpOptions
@@ -27,9 +27,7 @@ GET_LOAD_TIMEOUT_S = 20.0
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return process.free_port("127.0.0.1")
 
 
 @pytest.fixture(scope="package", autouse=True)

@@ -11,16 +11,24 @@ from services.engine.engine_loop import ENGINE_THREAD_NAME, _name_os_thread
 
 
 def test_engine_named_threads_are_counted_as_the_model():
+    spun, measured = threading.Event(), threading.Event()
+
     def spin():  # 0.3 s of this thread's own CPU, however busy the machine is
         _name_os_thread(ENGINE_THREAD_NAME)
         while time.thread_time() < 0.3:
             pass
+        spun.set()
+        measured.wait(60)  # a thread that has exited leaves /proc/PID/task, and its CPU with it
 
     t = threading.Thread(target=spin)
     before = cpu_split(os.getpid())
     t.start()
-    t.join()
-    total, engine = (a - b for a, b in zip(cpu_split(os.getpid()), before))
+    try:
+        assert spun.wait(60)
+        total, engine = (a - b for a, b in zip(cpu_split(os.getpid()), before))
+    finally:
+        measured.set()
+        t.join()
     assert engine >= 0.2 and total >= engine  # the busy thread's CPU, at clock-tick resolution
 
 
