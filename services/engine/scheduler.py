@@ -14,6 +14,19 @@ where other requests wait behind it, so a short prompt queued behind a long one 
 the same step instead of after the long prompt's last chunk (vLLM's
 ``long_prefill_token_threshold``; vLLM caps always, this caps only when someone waits).
 
+Waiting order (``queue_policy``): ``fcfs`` admits in arrival order (the head blocks the rest);
+``srpt`` admits the waiting request with the least work left first, aged so that none starves:
+its key is ``arrival + remaining_tokens / queue_aging_tokens_per_s`` (shortest remaining
+processing time, Schrage 1968, with linear aging), lowest first. A request of R uncomputed
+tokens that arrived at t is therefore admitted before any request that arrives after
+``t + R / rate``: its wait is bounded by R / rate plus the time to serve what arrived before then.
+
+Time-budgeted steps: with ``step_token_budget`` B set (the engine sets it each step from the
+measured step cost and ``max_step_ms``), a step that carries decode rows schedules at most B
+tokens in all, prompt chunks getting what the rows leave (at least one block), so a running
+stream's inter-token gap stays near the budget while prompts are computed beside it
+(Sarathi-Serve's stall-free batching; ``step_cost.py``).
+
 ``policy="static"`` is the subclass ``StaticScheduler`` (``static_batch.py``, the padded
 static-batching baseline); ``create_scheduler`` (``policy.py``) picks the class from the config.
 """
@@ -29,6 +42,8 @@ from .outputs import RequestOutput
 from .request import Request, RequestStatus
 
 POLICIES = ("continuous", "static")
+QUEUE_POLICIES = ("fcfs", "srpt")
+QUEUE_AGING_TOKENS_PER_S = 1000.0  # srpt: tokens of priority a waiting request gains per second
 
 
 @dataclass(frozen=True)
@@ -42,6 +57,9 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True
     # tokens one prompt chunk may take in a step while other requests wait; 0: no cap
     long_prefill_token_threshold: int = 0
+    # order of admission: "fcfs" (arrival) or "srpt" (least work left first, aged; see above)
+    queue_policy: str = "fcfs"
+    queue_aging_tokens_per_s: float = QUEUE_AGING_TOKENS_PER_S
 
 
 @dataclass
@@ -83,6 +101,11 @@ class Scheduler:
         if config.long_prefill_token_threshold < 0:
             raise ValueError("long_prefill_token_threshold: must be >= 0, got "
                              f"{config.long_prefill_token_threshold}")
+        if config.queue_policy not in QUEUE_POLICIES:
+            raise ValueError(f"queue_policy: {config.queue_policy!r} is not one of {QUEUE_POLICIES}")
+        if not config.queue_aging_tokens_per_s > 0:
+            raise ValueError("queue_aging_tokens_per_s: must be > 0, got "
+                             f"{config.queue_aging_tokens_per_s}")
         capacity = block_manager.num_blocks * block_manager.block_size
         self.config = dataclasses.replace(config, max_model_len=min(config.max_model_len, capacity))
         self.block_manager = block_manager
@@ -92,6 +115,9 @@ class Scheduler:
         self.num_preemptions = 0
         self.prefix_cache_queries = 0  # tokens
         self.prefix_cache_hits = 0  # tokens
+        # most tokens a step with decode rows schedules (None: no limit); set by the engine
+        self.step_token_budget: int | None = None
+        self._prefill_left = config.max_num_batched_tokens  # prompt tokens left this step
 
     # -- admission ---------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -101,10 +127,19 @@ class Scheduler:
     def reserve(self, request: Request) -> bool:
         """Decode role: allocate blocks for the prompt, whose KV another worker will write.
 
-        Returns False (nothing allocated) when too few blocks are free.
+        The longest prefix of the prompt already in this worker's prefix cache is pinned
+        (shared, ref-counted) instead: its tokens are ``request.num_cached_tokens`` and only
+        the blocks after them are for the writer (``block_table[num_cached_tokens //
+        block_size:]``). Returns False (nothing allocated) when too few blocks are free.
         """
-        if not self.block_manager.allocate_slots(request, request.num_prompt_tokens):
+        hits = self.prefix_hit(request)
+        cached = len(hits) * self.block_manager.block_size
+        if not self.block_manager.allocate_slots(request, request.num_prompt_tokens - cached, hits):
             return False
+        if self.config.enable_prefix_caching:
+            self.prefix_cache_queries += request.num_prompt_tokens
+            self.prefix_cache_hits += cached
+        request.num_cached_tokens = cached
         request.status = RequestStatus.WAITING_FOR_KV
         self.requests[request.request_id] = request
         return True
@@ -148,9 +183,29 @@ class Scheduler:
     # -- one step ----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        self._prefill_left = self._prefill_budget()
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
         self._schedule_new(out, budget)
         return out
+
+    def _prefill_budget(self) -> int:
+        """Prompt tokens this step may compute: what ``step_token_budget`` leaves after the
+        decode rows (at least one block), or no limit without rows or budget."""
+        budget = self.step_token_budget
+        if budget is None:
+            return self.config.max_num_batched_tokens
+        rows = sum(1 for r in self.running if r.num_computed_tokens >= r.num_prompt_tokens)
+        if not rows:
+            return self.config.max_num_batched_tokens
+        return max(self.block_manager.block_size, budget - rows)
+
+    def _order_waiting(self) -> None:
+        """``srpt``: put the waiting request with the lowest aged key first (module docstring)."""
+        if self.config.queue_policy != "srpt" or len(self.waiting) < 2:
+            return
+        rate = self.config.queue_aging_tokens_per_s
+        self.waiting = deque(sorted(self.waiting, key=lambda r: r.arrival_time + (
+            r.num_tokens - r.num_computed_tokens) / rate))
 
     def _schedule_new(self, out: SchedulerOutput, budget: int) -> None:
         """Spend the budget left after the running requests (no admission after a preemption)."""
@@ -158,10 +213,16 @@ class Scheduler:
             self._schedule_waiting(out, budget)
 
     def _chunk(self, remaining: int, budget: int, others_waiting: bool) -> int:
-        """Tokens to compute for a request with ``remaining`` uncomputed tokens."""
+        """Tokens to compute for a request with ``remaining`` uncomputed tokens (a prompt
+        chunk counts against this step's prefill budget; a decode row's one token does not)."""
         num_new = min(remaining, budget)
         cap = self.config.long_prefill_token_threshold
-        return min(num_new, cap) if cap and others_waiting else num_new
+        if cap and others_waiting:
+            num_new = min(num_new, cap)
+        if remaining > 1:
+            num_new = min(num_new, self._prefill_left)
+            self._prefill_left -= num_new
+        return num_new
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         """Schedule running requests in order; returns the token budget left."""
@@ -170,6 +231,9 @@ class Scheduler:
             request = self.running[i]
             num_new = self._chunk(request.num_tokens - request.num_computed_tokens, budget,
                                   bool(self.waiting))
+            if num_new == 0:  # a prompt chunk over this step's time budget: next step
+                i += 1
+                continue
             if not self._allocate_or_preempt(request, num_new, out):
                 continue  # ``request`` itself was preempted: running[i] is now another request
             out.scheduled.append(request)
@@ -179,14 +243,15 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        """Admit waiting requests in arrival order (the head blocks the rest: FCFS)."""
+        """Admit waiting requests in ``queue_policy`` order (the head blocks the rest)."""
         bs = self.block_manager.block_size
+        self._order_waiting()
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             hits = self.prefix_hit(request)
             num_new = self._chunk(request.num_tokens - request.num_computed_tokens - len(hits) * bs,
                                   budget, len(self.waiting) > 1)
-            if not self.block_manager.allocate_slots(request, num_new, hits):
+            if num_new == 0 or not self.block_manager.allocate_slots(request, num_new, hits):
                 break
             self.start_running(request, hits)
             out.scheduled.append(request)
@@ -270,6 +335,14 @@ class Scheduler:
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        """Prompt tokens not computed yet of the requests queued or prefilling here (a
+        worker's queued prefill work; plain reads, safe from another thread)."""
+        pending = list(self.waiting) + list(self.running)
+        return sum(max(r.num_prompt_tokens - r.num_computed_tokens, 0) for r in pending
+                   if r.status != RequestStatus.WAITING_FOR_KV)
 
     @property
     def num_waiting(self) -> int:
