@@ -113,13 +113,15 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 owned = False
                 raise ResourceExhausted(f"decode worker {self.rt.worker_id}: not enough free KV "
                                         f"blocks for {len(prompt)} prompt tokens")
-            if not request.local_prefill:
-                token, outcome = self._open_reservation(rid, list(req.block_table))
+            if not request.local_prefill:  # the prefix cached here is pinned, not written
+                num_cached = req.num_cached_tokens // self.rt.engine.block_manager.block_size
+                writable = list(req.block_table[num_cached:])
+                token, outcome = self._open_reservation(rid, writable)
                 yield worker_pb2.DecodeResponse(reservation=worker_pb2.KVReservation(
                     worker_id=self.rt.worker_id, transport=self.rt.options.kv_transport,
                     transport_metadata=self.transport.metadata(),
-                    block_ids=list(req.block_table), lease_s=self.rt.options.kv_lease_s,
-                    write_token=token))
+                    block_ids=writable, lease_s=self.rt.options.kv_lease_s,
+                    write_token=token, num_cached_blocks=num_cached))
                 kv = await trace.kv_wait(outcome, request.kv_failure_policy != FAIL)
                 await self._start(rid, kv, request.kv_failure_policy, queue)
                 recomputed = "" if kv.kind == "landed" else f"{kv.kind}: {kv.why}"

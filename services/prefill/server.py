@@ -125,10 +125,12 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         keeper = asyncio.ensure_future(self._keep_lease(dest, lease))
         try:
             prompt = list(request.prompt_token_ids)
-            n_blocks = self.rt.engine.block_manager.blocks_needed(len(prompt))
-            if len(dest.block_ids) != n_blocks:
+            first = dest.num_cached_blocks  # the destination holds the blocks before it
+            n_blocks = self.rt.engine.block_manager.blocks_needed(len(prompt)) - first
+            if n_blocks < 1 or len(dest.block_ids) != n_blocks:
                 raise ValueError(f"destination.block_ids: {len(dest.block_ids)} blocks for "
-                                 f"{len(prompt)} prompt tokens, expected {n_blocks}")
+                                 f"{len(prompt)} prompt tokens after {first} cached blocks, "
+                                 f"expected {max(n_blocks, 1)}")
             await asyncio.sleep(faults.queue_delay_s)
             held = True  # set first: cancelled once added, it is freed; refused, nothing is found
             req = await self.rt.call(commands.AddRequest(rid, prompt, params, hold_kv=True))
@@ -140,7 +142,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
                                "first_token_id": out.new_token_ids[0],
                                "logprobs": out.logprobs[0].to_dict() if out.logprobs else None})
             write = asyncio.ensure_future(asyncio.to_thread(
-                self._write, dest, req.block_table[:n_blocks], note.encode(), lease.deadline,
+                self._write, dest, req.block_table[first:first + n_blocks], note.encode(),
+                lease.deadline,
                 faults))
             await asyncio.shield(write)
             t_done = time.monotonic()
