@@ -119,6 +119,7 @@ class Dispatcher:
                             return
             except WorkerLost as exc:
                 self.pool.lost(exc.worker, str(exc))
+                self.router.lost(exc.worker.worker_id, self.pool.suspect_s)
                 job.trace.event("migration" if generated else "retry", reason=str(exc),
                                 **{"tandem.num_generated_tokens": len(generated)})
                 if n + 1 < MAX_ATTEMPTS:  # another attempt follows
@@ -177,6 +178,7 @@ class Dispatcher:
                     continue
                 if exc.code() in LOST:
                     self.pool.lost(w, f"{exc.code().name}: {exc.details()}")
+                    self.router.lost(w.worker_id, self.pool.suspect_s)
                     lost += 1
                     continue
                 raise _status_error(w, exc) from exc

@@ -111,6 +111,7 @@ class Router:
         self._sent: dict[str, list[Ticket]] = {}
         self._task: asyncio.Task | None = None
         self._ignored: set[str] = set()  # workers whose streams name another model or hash
+        self._suspects: dict[str, float] = {}  # worker id -> monotonic time it is trusted again
         self.num_events = 0  # event batches applied
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -220,6 +221,9 @@ class Router:
         if self.metrics is not None:
             self.metrics.routing_decisions[route.reason].inc()
         w = route.worker
+        log.debug("routed to %s worker %s (%s): %d of %d prompt tokens cached there, cost %.1f%s",
+                  w.role, w.worker_id, route.reason, route.overlap_blocks * (w.block_size or 16),
+                  len(prompt), route.cost, ", prefilled there" if route.local_prefill else "")
         tokens = len(prompt) - route.overlap_blocks * (w.block_size or 16) if computes else 0
         ticket = Ticket(time.time(), max(tokens, 0))
         self._sent.setdefault(w.worker_id, []).append(ticket)
@@ -229,6 +233,14 @@ class Router:
             self._publish_gauges()
         return ticket
 
+    def lost(self, worker_id: str, suspect_s: float) -> None:
+        """A request found ``worker_id`` gone: drop its entries now (not at its registry
+        entry's expiry) and ignore its stream for ``suspect_s`` seconds; a worker that only
+        blipped is read again from its last snapshot then."""
+        self.index.drop(worker_id)
+        self._suspects[worker_id] = time.monotonic() + suspect_s
+        self._publish_gauges()
+
     # -- the KV event follower -----------------------------------------------------------------
     async def _follow(self) -> None:
         """Read every live worker's KV event stream into the index; drop the entries of
@@ -237,7 +249,10 @@ class Router:
         failing = False
         while True:
             try:
-                workers = {w.worker_id: w for role in ROLES for w in await self.registry.list(role)}
+                now = time.monotonic()
+                self._suspects = {w: t for w, t in self._suspects.items() if t > now}
+                workers = {w.worker_id: w for role in ROLES for w in await self.registry.list(role)
+                           if w.worker_id not in self._suspects}
                 for gone in self.index.keep_only(workers):
                     log.info("prefix index: worker %s left the registry; its entries dropped", gone)
                 self._sent = {w: s for w, s in self._sent.items() if w in workers}
