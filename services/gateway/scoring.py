@@ -109,12 +109,15 @@ def reason(chosen: Candidate, candidates: list[Candidate], weight: float) -> str
 
 def local_prefill_reason(num_prompt_tokens: int, decode: Candidate, prefill: Candidate | None,
                          threshold_tokens: int) -> str | None:
-    """Whether the decode worker should compute the prompt itself instead of a prefill worker:
+    """Whether the decode worker should compute the prompt itself instead of a prefill worker
+    (never with ``threshold_tokens`` 0: conditional disaggregation off):
     ``THRESHOLD`` when the part not in its cache is at most ``threshold_tokens``; ``QUEUE`` when
     the prompt would wait longer in the queue of the best prefill worker ``prefill`` (its
     queued tokens x its seconds per token) than the decode worker takes to compute it (its own
     queued + the uncached tokens, x its seconds per token; both measured, else no); else None
     (``prefill`` None: no prefill worker to compare with)."""
+    if threshold_tokens <= 0:
+        return None
     uncached = num_prompt_tokens - decode.overlap_blocks * decode.block_size
     if uncached <= threshold_tokens:
         return THRESHOLD

@@ -125,12 +125,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         keeper = asyncio.ensure_future(self._keep_lease(dest, lease))
         try:
             prompt = list(request.prompt_token_ids)
-            first = dest.num_cached_blocks  # the destination holds the blocks before it
-            n_blocks = self.rt.engine.block_manager.blocks_needed(len(prompt)) - first
-            if n_blocks < 1 or len(dest.block_ids) != n_blocks:
-                raise ValueError(f"destination.block_ids: {len(dest.block_ids)} blocks for "
-                                 f"{len(prompt)} prompt tokens after {first} cached blocks, "
-                                 f"expected {max(n_blocks, 1)}")
+            first, n_blocks = self._blocks_to_write(len(prompt), dest)
             await asyncio.sleep(faults.queue_delay_s)
             held = True  # set first: cancelled once added, it is freed; refused, nothing is found
             req = await self.rt.call(commands.AddRequest(rid, prompt, params, hold_kv=True))
@@ -172,6 +167,18 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             queue_time_s=req.first_scheduled_time - t_arrival,
             compute_time_s=t_first - req.first_scheduled_time, transfer_time_s=t_done - t_first,
             num_cached_tokens=max(req.num_cached_tokens, 0))
+
+    def _blocks_to_write(self, num_tokens: int, dest: worker_pb2.KVReservation) -> tuple[int, int]:
+        """(first, count) of the prompt's blocks to write: those after the prefix the
+        destination holds already. Raises ValueError naming ``destination.block_ids`` when
+        they are not exactly as many as its block ids (or none)."""
+        first = dest.num_cached_blocks
+        n_blocks = self.rt.engine.block_manager.blocks_needed(num_tokens) - first
+        if n_blocks < 1 or len(dest.block_ids) != n_blocks:
+            raise ValueError(f"destination.block_ids: {len(dest.block_ids)} blocks for "
+                             f"{num_tokens} prompt tokens after {first} cached blocks, "
+                             f"expected {max(n_blocks, 1)}")
+        return first, n_blocks
 
     def _count_transfer(self, seconds: float, num_blocks: int, failure: str | None) -> None:
         """Metrics of one handoff: its write's duration and bytes, or why it did not land."""

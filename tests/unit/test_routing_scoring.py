@@ -241,10 +241,12 @@ def test_pd_pair_short_prompts_prefill_on_the_decode_worker_long_ones_go_to_pref
     tail = r.rank_decode(cached + list(range(30)), d, p)[0]
     assert tail.local_prefill and tail.reason == scoring.THRESHOLD
     assert r.rank_decode(list(range(60)), d, [])[0].local_prefill  # no prefill worker at all
+    off = router(pd_threshold_tokens=0)  # conditional disaggregation off: always the prefill pool
+    assert not off.rank_decode(list(range(60)), d, p)[0].local_prefill
 
 
 def test_pd_queue_rule_prefills_on_the_decode_worker_when_the_prefill_queue_is_long():
-    r = router(pd_threshold_tokens=0)
+    r = router(pd_threshold_tokens=1)
     d = [worker("d", "decode", prefill_seconds_per_token=0.001)]
     p_idle = [worker("p", "prefill", prefill_seconds_per_token=0.001)]
     p_busy = [worker("p", "prefill", prefill_seconds_per_token=0.001, num_prefill_tokens=8000)]
