@@ -101,7 +101,7 @@ def add_rmsnorm(x: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor, e
 
 def add_rmsnorm_reference(x: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor,
                           eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """torch: ``(x + y, rmsnorm(x + y) * weight)`` as ``model.RMSNorm`` computes it."""
+    """torch: ``(x + y, rmsnorm(x + y) * weight)`` as ``reference.rms_norm`` computes it."""
     x = x if y is None else x + y
     return x, weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
 

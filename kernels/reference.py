@@ -29,6 +29,57 @@ def write_kv_cache(
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm (Zhang and Sennrich, NeurIPS 2019) as Hugging Face's ``LlamaRMSNorm``:
+    normalised in float32, cast back to x's dtype, then scaled by ``weight`` (``[hidden]``)."""
+    x32 = x.float()
+    variance = x32.pow(2).mean(-1, keepdim=True)
+    return weight * (x32 * torch.rsqrt(variance + eps)).to(x.dtype)
+
+
+def add_rms_norm(x: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> torch.Tensor:
+    """``residual += x`` in place (skipped when ``x`` is None), then ``rms_norm(residual)``;
+    x, residual: ``[num_tokens, hidden]``. The sum rounds as Hugging Face's ``residual +
+    hidden_states`` does (addition commutes)."""
+    if x is not None:
+        residual.add_(x)
+    return rms_norm(residual, weight, eps)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding (Su et al. 2021) in Hugging Face's rotate-half layout:
+    ``x * cos + rotate_half(x) * sin``; x ``[num_tokens, num_heads, head_dim]``, cos/sin
+    ``[num_tokens, 1, head_dim]`` in x's dtype."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def rope_write_kv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+                  sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  slot_mapping: torch.Tensor, num_heads: int, num_kv_heads: int) -> torch.Tensor:
+    """Rotate q and k of the fused projection ``qkv`` (``[num_tokens, (num_heads + 2 *
+    num_kv_heads) * head_dim]``) at ``positions`` (cos/sin: ``[max_positions, head_dim]``
+    float32 tables), write k and v into their cache slots; returns rotated q ``[num_tokens,
+    num_heads, head_dim]``. The tables are gathered and cast to qkv's dtype first, as Hugging
+    Face's rotary embedding does."""
+    t, d = qkv.shape[0], k_cache.shape[3]
+    h, kvh = num_heads, num_kv_heads
+    heads = qkv.view(t, h + 2 * kvh, d)
+    c, s = cos[positions].unsqueeze(1).to(qkv.dtype), sin[positions].unsqueeze(1).to(qkv.dtype)
+    qk = rotate(heads[:, :h + kvh], c, s)  # q and k heads in one pass
+    write_kv_cache(qk[:, h:], heads[:, h + kvh:], k_cache, v_cache, slot_mapping)
+    return qk[:, :h]
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's ``silu(gate) * up`` of ``gate_up`` (``[num_tokens, 2 * ffn]``: gate's columns,
+    then up's) -> ``[num_tokens, ffn]``."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
     """One sequence's first ``seq_len`` K (or V) rows: ``[seq_len, num_kv_heads, head_dim]``."""
     num_blocks = -(-seq_len // cache.shape[1])

@@ -1,12 +1,19 @@
-"""CPU cost of one decode step, in process (``python -m scripts.profile_decode_step``).
+"""CPU cost and op count of one decode step, in process (``python -m scripts.profile_decode_step``).
 
 The engine on the built-in GGUF (``--dtype``/``--quantization``, default ``auto``/``auto``: the
-served default), per batch size (default 1, 16, 64): ``batch`` greedy requests of 16 random
-prompt tokens are prefilled, ``--warmup`` decode steps run, then ``--steps`` decode steps are
-timed in CPU seconds of this process (``time.process_time``: every thread's CPU time, steady on
-a loaded machine; wall time is not measured), and ``--profile-steps`` more run under
-``torch.profiler``: aten ops per step and the top ops by self CPU time. Also the CPU split of
-the runner's phases (prepare_inputs, forward, sample) and the rest of ``engine.step``.
+served default; ``--device cuda`` for a GPU), per batch size (default 1, 16, 64): ``batch``
+requests of 16 random prompt tokens are prefilled, ``--warmup`` decode steps run, then
+``--steps`` decode steps are timed in CPU seconds of this process (``time.process_time``: every
+thread's CPU time, steady on a loaded machine; wall time is printed beside it), and
+``--profile-steps`` more run under ``torch.profiler``: aten ops per step (all, and those that
+are not views, which is what launches a kernel on a GPU), the top ops by self CPU time, and on
+CUDA the kernel launches and host synchronisations per step. ``host_reads_per_step`` counts the
+runner's device-to-host copies of sampled tokens. Also the CPU split of the runner's phases
+(prepare_inputs, forward, sample) and the rest of ``engine.step``.
+
+``--sampling greedy`` (default) runs greedy requests; ``mixed`` cycles through four kinds in
+every batch: greedy, seeded temperature + top-k + top-p, penalties + min_tokens, greedy with 5
+logprobs, so every sampler path is in every step: the op count must not grow with the batch.
 
 Prints a table and writes JSON (``--out``). Compare figures only within one run and one thread
 count (``--threads``; with 2, OpenMP's waiting threads count as CPU time too).
@@ -22,20 +29,52 @@ from pathlib import Path
 import torch
 
 
-def make_engine(dtype: str, quantization: str, max_batch: int):
+# ops that only make a view of their input: no kernel runs for them on a GPU
+VIEW_OPS = frozenset(f"aten::{op}" for op in (
+    "view", "_unsafe_view", "reshape", "as_strided", "slice", "select", "t", "transpose",
+    "unsqueeze", "squeeze", "expand", "permute", "alias", "detach", "detach_", "lift_fresh",
+    "split", "split_with_sizes", "chunk", "unbind", "narrow", "flatten", "view_as", "numpy_T",
+    "resolve_conj", "resolve_neg", "empty", "empty_like", "empty_strided", "to", "contiguous",
+    "result_type", "item", "_local_scalar_dense"))
+LAUNCH_EVENTS = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx")
+SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize",
+               "cudaMemcpy")  # cudaMemcpy without Async: a synchronous copy
+
+
+def make_engine(dtype: str, quantization: str, max_batch: int, device: str = "cpu"):
     from services.engine.engine import EngineConfig, LLMEngine
 
     e = LLMEngine(EngineConfig(dtype=dtype, quantization=quantization, num_kv_blocks=2048,
-                               max_num_seqs=max(64, max_batch)))
+                               max_num_seqs=max(64, max_batch), device=device))
     e.warm_up()
     return e
 
 
-def _start(e, batch: int, tokens: int, seed: int) -> None:
-    """Add ``batch`` greedy requests and step until every one has its first token."""
-    from scripts.bench_quant import start_batch
+def sampling_params(kind: str, i: int, tokens: int):
+    """The i-th request's settings for ``--sampling kind`` (see the module docstring)."""
+    from services.engine.sampling_params import SamplingParams
 
-    start_batch(e, batch, tokens, seed, tag="p")
+    base = {"max_tokens": tokens, "ignore_eos": True}
+    if kind == "greedy" or i % 4 == 0:
+        return SamplingParams(temperature=0, **base)
+    return [None, SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=i, **base),
+            SamplingParams(temperature=0.7, frequency_penalty=0.5, repetition_penalty=1.2,
+                           min_tokens=tokens, seed=i, **base),
+            SamplingParams(temperature=0, logprobs=5, **base)][i % 4]
+
+
+def _start(e, batch: int, tokens: int, seed: int, kind: str = "greedy") -> None:
+    """Add ``batch`` requests of 16 random prompt tokens and step until every one has its
+    first token: what follows is decode."""
+    import random
+
+    rng = random.Random(seed)
+    for i in range(batch):
+        ids = [rng.randrange(17, e.model_config.vocab_size) for _ in range(16)]
+        e.add_request(e.make_request(f"p{seed}-{i}", ids, sampling_params(kind, i, tokens)))
+    started: set[str] = set()
+    while len(started) < batch:
+        started.update(o.request_id for o in e.step())
 
 
 class PhaseClock:
@@ -53,11 +92,12 @@ class PhaseClock:
 
 
 def profile_batch(e, batch: int, warmup: int, steps: int, profile_steps: int, top: int,
-                  seed: int) -> dict:
+                  seed: int, sampling: str = "greedy") -> dict:
     """Decode-step figures at ``batch`` running sequences (see the module docstring)."""
     from torch.profiler import ProfilerActivity, profile
 
-    _start(e, batch, warmup + steps + profile_steps + 4, seed)
+    cuda = e.runner.device.type == "cuda"
+    _start(e, batch, warmup + steps + profile_steps + 4, seed, sampling)
     for _ in range(warmup):
         e.step()
     clock = PhaseClock()
@@ -70,15 +110,20 @@ def profile_batch(e, batch: int, warmup: int, steps: int, profile_steps: int, to
         cpu, wall = time.process_time() - t0, time.perf_counter() - w0
     finally:
         e.runner.execute = run_model
-    events = []
+    everything, reads0 = [], e.runner.num_host_reads
     if profile_steps:
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        with profile(activities=activities) as prof:
             for _ in range(profile_steps):
                 e.step()
-        events = [a for a in prof.key_averages() if a.key.startswith("aten::")]
+        everything = list(prof.key_averages())
+    host_reads = e.runner.num_host_reads - reads0
     while e.has_work():  # the batch finishes in a few steps: the next starts from empty
         e.step()
+    events = [a for a in everything if a.key.startswith("aten::")]
     ops = sum(a.count for a in events)
+    compute_ops = sum(a.count for a in events if a.key not in VIEW_OPS)
+    count = lambda names: sum(a.count for a in everything if a.key.startswith(names))  # noqa: E731
     profile_steps = max(profile_steps, 1)
     events.sort(key=lambda a: a.self_cpu_time_total, reverse=True)
     phases = {k: v / steps * 1e3 for k, v in clock.cpu.items()}
@@ -89,6 +134,10 @@ def profile_batch(e, batch: int, warmup: int, steps: int, profile_steps: int, to
         "wall_ms_per_step": wall / steps * 1e3,
         "phase_cpu_ms_per_step": phases,
         "aten_ops_per_step": ops / profile_steps,
+        "compute_ops_per_step": compute_ops / profile_steps,
+        "host_reads_per_step": host_reads / profile_steps,
+        **({"kernel_launches_per_step": count(LAUNCH_EVENTS) / profile_steps,
+            "host_syncs_per_step": count(SYNC_EVENTS) / profile_steps} if cuda else {}),
         "top_ops": [{"op": a.key, "calls_per_step": a.count / profile_steps,
                      "self_cpu_ms_per_step": a.self_cpu_time_total / profile_steps / 1e3}
                     for a in events[:top]],
@@ -99,6 +148,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dtype", default="auto")
     p.add_argument("--quantization", default="auto")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--sampling", choices=("greedy", "mixed"), default="greedy")
     p.add_argument("--batches", default="1,16,64")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--warmup", type=int, default=8)
@@ -109,17 +160,22 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     batches = [int(b) for b in args.batches.split(",")]
-    e = make_engine(args.dtype, args.quantization, max(batches))
-    rows = [profile_batch(e, b, args.warmup, args.steps, args.profile_steps, args.top, seed=b)
-            for b in batches]
-    result = {"precision": vars(e.precision), "threads": args.threads, "steps": args.steps,
-              "torch": torch.__version__, "rows": rows}
-    print(f"precision {e.precision}, {args.threads} thread(s), {args.steps} timed steps")
+    e = make_engine(args.dtype, args.quantization, max(batches), args.device)
+    rows = [profile_batch(e, b, args.warmup, args.steps, args.profile_steps, args.top, seed=b,
+                          sampling=args.sampling) for b in batches]
+    result = {"precision": vars(e.precision), "device": args.device, "sampling": args.sampling,
+              "threads": args.threads, "steps": args.steps, "torch": torch.__version__,
+              "layers": e.model_config.num_hidden_layers, "rows": rows}
+    print(f"precision {e.precision} on {args.device}, {args.sampling} sampling, "
+          f"{args.threads} thread(s), {args.steps} timed steps")
     for r in rows:
         split = ", ".join(f"{k} {v:.2f}" for k, v in r["phase_cpu_ms_per_step"].items())
+        gpu = (f", {r['kernel_launches_per_step']:.0f} launches, "
+               f"{r['host_syncs_per_step']:.0f} syncs" if "kernel_launches_per_step" in r else "")
         print(f"batch {r['batch']:3d}: {r['cpu_ms_per_step']:8.2f} CPU ms/step, "
               f"{r['wall_ms_per_step']:8.2f} wall ms/step, "
-              f"{r['aten_ops_per_step']:7.0f} aten ops/step ({split})")
+              f"{r['aten_ops_per_step']:7.0f} aten ops/step ({r['compute_ops_per_step']:.0f} not "
+              f"views), {r['host_reads_per_step']:.0f} host reads{gpu} ({split})")
         for o in r["top_ops"]:
             print(f"    {o['op']:32s} {o['calls_per_step']:7.0f} calls "
                   f"{o['self_cpu_ms_per_step']:8.3f} ms self")

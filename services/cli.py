@@ -205,11 +205,14 @@ def cmd_up(args, loaded: LoadedSettings) -> int:
     from services.client import print_chat
     from services.launcher import Stack, UpOptions, run_until_interrupted
 
+    from services.layout import gpu_placement
+
     s = loaded.settings
     layout = up_layout(loaded)
     stack = Stack(UpOptions(s.host, s.gateway.port, layout.num_prefill, layout.num_decode,
                             s.state.redis_url, settings=s, num_unified=layout.num_unified,
-                            threads=layout.threads))
+                            threads=layout.threads,
+                            gpus=gpu_placement(layout, s.engine.gpu_memory_utilization)))
     try:
         stack.start()
         stack.wait_ready()
@@ -236,11 +239,13 @@ def _api_key(s) -> str | None:
 
 def up_layout(loaded: LoadedSettings):
     """The workers `tandem up` starts (``services.layout``), logged with why."""
-    from services.layout import choose_layout, usable_cores
+    from services.layout import choose_layout, usable_cores, visible_gpus
+    from services.settings import Device
 
     s = loaded.settings
     explicit = loaded.source("worker.num_threads") != "default"
-    layout = choose_layout(s.up, usable_cores(), s.worker.num_threads if explicit else None)
+    gpus = visible_gpus() if s.engine.device == Device.cuda else None
+    layout = choose_layout(s.up, usable_cores(), s.worker.num_threads if explicit else None, gpus)
     logging.getLogger("tandem").info("layout: %s (%s; override with --layout, --unified or "
                                      "worker counts)", layout.describe(), layout.reason)
     return layout

@@ -58,6 +58,8 @@ class UpOptions:
     threads: dict[str, int] | None = None  # role -> --num-threads of its workers (None: settings')
     env: dict[str, str] | None = None  # extra environment for every child (tests: fault hooks)
     settings: Settings | None = None  # handed to every child; default: this process's env
+    # worker id -> (GPU id, its gpu_memory_utilization): CUDA_VISIBLE_DEVICES of that worker
+    gpus: dict[str, tuple[str, float]] = field(default_factory=dict)
 
 
 @dataclass
@@ -102,8 +104,13 @@ class Stack:
                             ("prefill", self.opts.num_prefill)):
             threads = (self.opts.threads or {}).get(role)
             for i in range(count):
-                self.add_worker(role, f"{role}-{i}",
-                                ["--num-threads", str(threads)] if threads else [])
+                worker_id = f"{role}-{i}"
+                args, env = ["--num-threads", str(threads)] if threads else [], None
+                if worker_id in self.opts.gpus:
+                    gpu, utilization = self.opts.gpus[worker_id]
+                    args += ["--gpu-memory-utilization", f"{utilization:.4f}"]
+                    env = {"CUDA_VISIBLE_DEVICES": gpu}
+                self.add_worker(role, worker_id, args, env)
         self.add_gateway("gateway", self.opts.port)
         scrape = write_scrape_config(self.run_dir / "prometheus.yml", self.metrics_targets)
         log.info("Prometheus metrics: %s (scrape config: %s)",
@@ -135,11 +142,14 @@ class Stack:
         process, e.g. tests reading a worker's GetLoad through ``services.auth.internal_channel``)."""
         return self.child_env["TANDEM_INTERNAL_SECRET"]
 
-    def add_worker(self, role: str, worker_id: str, extra_args: list[str] = ()) -> subprocess.Popen:
-        """Start one more worker (it joins through the registry; nothing else restarts)."""
+    def add_worker(self, role: str, worker_id: str, extra_args: list[str] = (),
+                   env: dict[str, str] | None = None) -> subprocess.Popen:
+        """Start one more worker (it joins through the registry; nothing else restarts), with
+        ``env`` added to its environment (its GPU)."""
         port = self._metrics_port(worker_id, self.settings.worker.metrics_port, "worker.metrics_port")
         return self._add(worker_id, [*self._serve(role), "--worker-id", worker_id,
-                                     "--metrics-port", str(port), *self.opts.worker_args, *extra_args])
+                                     "--metrics-port", str(port), *self.opts.worker_args, *extra_args],
+                         env)
 
     def add_gateway(self, name: str, port: int, extra_args: list[str] = ()) -> subprocess.Popen:
         """Start a gateway on ``port``; several gateways share the workers and Redis. Only the
@@ -174,8 +184,9 @@ class Stack:
         return [sys.executable, "-m", "services.cli", "serve", role,
                 "--config", str(self.settings_file)]
 
-    def _add(self, name: str, argv: list[str]) -> subprocess.Popen:
-        child = Child(name, argv, self.child_env, spawn(argv, self.child_env))
+    def _add(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
+        env = {**self.child_env, **env} if env else self.child_env
+        child = Child(name, argv, env, spawn(argv, env))
         self.children.append(child)
         return child.proc
 

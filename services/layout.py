@@ -11,6 +11,12 @@ bursts then no longer stall the running streams' inter-token latency (DistServe 
 The crossing point depends on the CPU and the model: ``scripts/bench_layout.py`` measures the
 options on one machine, and ``up.auto_unified_max_cores`` moves the threshold.
 
+On GPUs (``engine.device`` cuda) the rule counts GPUs instead of cores: one unified worker per
+visible GPU (one GPU serves unified: a prefill and a decode process on one device would split
+its memory and time between two engines with no cores to gain). Asked for P/D, the workers are
+placed on the GPUs round-robin in start order (unified, decode, prefill); workers that share a
+GPU share its ``engine.gpu_memory_utilization`` equally (``gpu_placement``).
+
 Explicit settings win over the rule: ``--layout``, ``--unified``, or worker counts
 (``--num-unified`` implies unified, ``--num-prefill`` / ``--num-decode`` disaggregated), and an
 explicit ``worker.num_threads`` is every worker's thread count.
@@ -20,6 +26,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from services.engine.cpus import available_cpus
 from services.settings import Layout, UpSection
 
 
@@ -32,54 +39,98 @@ class WorkerLayout:
     num_unified: int
     threads: dict[str, int]  # role -> torch threads of each of its workers
     reason: str  # why this layout: logged at start
+    gpus: tuple[str, ...] = ()  # GPU ids the workers are placed on (gpu_placement); () on CPU
+
+    def worker_ids(self) -> list[tuple[str, str]]:
+        """(role, worker id) of every worker, in start order."""
+        return [(role, f"{role}-{i}") for role, n in (
+            ("unified", self.num_unified), ("decode", self.num_decode),
+            ("prefill", self.num_prefill)) for i in range(n)]
 
     def describe(self) -> str:
         parts = [f"{n} {role} ({self.threads[role]} thread{'s' * (self.threads[role] > 1)} each)"
                  for role, n in (("prefill", self.num_prefill), ("decode", self.num_decode),
                                  ("unified", self.num_unified)) if n]
-        return ", ".join(parts)
+        return ", ".join(parts) + (f" on GPUs {','.join(self.gpus)}" if self.gpus else "")
 
 
 def usable_cores() -> int:
-    """CPU cores this process may run on (its affinity mask: what a container or taskset
-    grants, not the machine's total)."""
+    """CPU cores this process may keep busy: its affinity mask (what a container or taskset
+    grants, not the machine's total) capped by its cgroup CPU quota (``engine.cpus``)."""
+    return available_cpus()
+
+
+def visible_gpus(env: dict[str, str] | None = None) -> list[str]:
+    """Ids of the GPUs this process may use, found without initialising CUDA:
+    ``CUDA_VISIBLE_DEVICES`` when set (its entries up to the first empty or negative one, as
+    the CUDA runtime reads it), else one per entry of the NVIDIA driver's
+    ``/proc/driver/nvidia/gpus``, else none."""
+    env = os.environ if env is None else env
+    listed = env.get("CUDA_VISIBLE_DEVICES")
+    if listed is not None:
+        ids = []
+        for entry in (e.strip() for e in listed.split(",")):
+            if not entry or entry.startswith("-"):
+                break
+            ids.append(entry)
+        return ids
     try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
+        return [str(i) for i in range(len(os.listdir("/proc/driver/nvidia/gpus")))]
+    except OSError:
+        return []
 
 
-def choose_layout(up: UpSection, cores: int, num_threads: int | None = None) -> WorkerLayout:
-    """The layout for ``cores`` usable cores. ``num_threads``: threads per worker when the user
-    set them, else None (the cores are shared among the workers, at least one each).
+def gpu_placement(layout: WorkerLayout, utilization: float) -> dict[str, tuple[str, float]]:
+    """Worker id -> (GPU id, its share of ``utilization``): round-robin over ``layout.gpus`` in
+    start order; the workers on one GPU split ``utilization`` equally. Empty without GPUs."""
+    if not layout.gpus:
+        return {}
+    ids = [worker_id for _, worker_id in layout.worker_ids()]
+    on = [layout.gpus[k % len(layout.gpus)] for k in range(len(ids))]
+    return {w: (gpu, utilization / on.count(gpu)) for w, gpu in zip(ids, on)}
+
+
+def choose_layout(up: UpSection, cores: int, num_threads: int | None = None,
+                  gpus: list[str] | None = None) -> WorkerLayout:
+    """The layout for ``cores`` usable cores and, when the workers run on GPUs, the ``gpus``
+    they may use (ids; ``visible_gpus``). ``num_threads``: threads per worker when the user set
+    them, else None (the cores are shared among the workers, at least one each).
 
     Raises ValueError naming the setting when counts contradict the layout (``up.num_unified``
-    with a disaggregated layout, ``up.num_prefill`` / ``up.num_decode`` with a unified one)."""
+    with a disaggregated layout, ``up.num_prefill`` / ``up.num_decode`` with a unified one), or
+    ``engine.device`` when the workers are for GPUs and none is visible."""
     if cores < 1:
         raise ValueError(f"cores: must be >= 1, got {cores}")
-    layout, reason = _resolve(up, cores)
+    if gpus is not None and not gpus:
+        raise ValueError("engine.device: cuda, but no GPU is visible (CUDA_VISIBLE_DEVICES, "
+                         "/proc/driver/nvidia/gpus)")
+    placed = tuple(gpus or ())
+    layout, reason = _resolve(up, cores, len(placed))
     if layout == Layout.unified:
         for name in ("num_prefill", "num_decode"):
             if getattr(up, name) is not None:
                 raise ValueError(f"up.{name}: a unified layout has no {name[4:]} workers "
                                  f"(layout {layout.value}: {reason})")
-        n = up.num_unified or 1
-        return WorkerLayout(0, 0, n, {"unified": num_threads or max(1, cores // n)}, reason)
+        n = up.num_unified or max(1, len(placed))
+        return WorkerLayout(0, 0, n, {"unified": num_threads or max(1, cores // n)}, reason,
+                            placed)
     if up.num_unified is not None:
         raise ValueError(f"up.num_unified: a disaggregated layout has no unified workers "
                          f"(layout {layout.value}: {reason})")
     p, d = up.num_prefill or 1, up.num_decode or 1
     share = num_threads or max(1, cores // (p + d))
-    return WorkerLayout(p, d, 0, {"prefill": share, "decode": share}, reason)
+    return WorkerLayout(p, d, 0, {"prefill": share, "decode": share}, reason, placed)
 
 
-def _resolve(up: UpSection, cores: int) -> tuple[Layout, str]:
+def _resolve(up: UpSection, cores: int, gpus: int) -> tuple[Layout, str]:
     if up.layout != Layout.auto:
         return up.layout, "up.layout"
     if up.num_unified is not None and up.num_prefill is None and up.num_decode is None:
         return Layout.unified, "up.num_unified given"
     if up.num_prefill is not None or up.num_decode is not None:
         return Layout.disaggregated, "worker counts given"
+    if gpus:
+        return Layout.unified, f"auto: {gpus} GPU{'s' * (gpus > 1)}, one unified worker each"
     if cores <= up.auto_unified_max_cores:
         return Layout.unified, (f"auto: {cores} usable cores <= up.auto_unified_max_cores "
                                 f"({up.auto_unified_max_cores})")

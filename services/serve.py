@@ -63,6 +63,13 @@ async def serve_worker(opts: WorkerOptions, num_threads: int) -> None:
     from services.observability.metrics import MetricsServer, WorkerMetrics
     from services.worker import WorkerRuntime
 
+    from services.engine.cpus import available_cpus
+
+    budget = available_cpus()
+    if num_threads > budget:  # a team larger than the CPU it may use stalls at every join
+        log.warning("worker.num_threads %d exceeds the %d CPU(s) this process may use (affinity "
+                    "and cgroup quota): using %d", num_threads, budget, budget)
+        num_threads = budget
     torch.set_num_threads(num_threads)
     if opts.internal_secret is None:
         opts = dataclasses.replace(opts, internal_secret=read_internal_secret())

@@ -41,7 +41,11 @@ ENGINE_HELP = {
     "device": "torch device of a worker's model and KV cache",
     "block_size": "tokens per KV block",
     "num_kv_blocks": "KV blocks per worker; overrides kv_cache_memory_gib",
-    "kv_cache_memory_gib": "KV cache memory per worker, GiB",
+    "kv_cache_memory_gib": "KV cache memory per worker, GiB (default: 1 on CPU; on a GPU what "
+                           "gpu_memory_utilization leaves after the model and its largest step)",
+    "gpu_memory_utilization": "fraction of the GPU's memory this worker may use, KV cache "
+                              "included (vLLM's; `tandem up` divides it among workers sharing "
+                              "a GPU)",
     "max_num_seqs": "sequences in one running batch",
     "max_num_batched_tokens": "token budget of one engine step (chunked prefill)",
     "max_model_len": "longest sequence in tokens (default: the model's context length)",
@@ -50,13 +54,15 @@ ENGINE_HELP = {
     "long_prefill_token_threshold": "most prompt tokens one request computes per step while "
                                     "others wait (0: no cap; default: prefill workers a quarter "
                                     "of max_num_batched_tokens, others no cap)",
-    "step_threads": "threads of a step of at most 8 tokens: auto (timed while serving, one or "
+    "step_threads": "threads of each step: auto (timed while serving per step size, one or "
                     "all of worker.num_threads, whichever is faster) or all",
     "queue_policy": "admission order of waiting requests: fcfs (arrival) or srpt (least work "
                     "left first, aged by 1,000 tokens a second waited, so none starves)",
     "max_step_ms": "a step with running streams computes only the prompt tokens that fit this "
                    "many ms by the measured step cost, so inter-token gaps stay near it while "
                    "prompts are prefilled (unset: no budget)",
+    "enforce_eager": "on a GPU, launch every step's kernels from Python instead of replaying "
+                     "decode steps from CUDA graphs (vLLM's --enforce-eager)",
 }
 ENGINE_NAMES = {"kv_cache_memory_gib": ("TANDEM_KV_CACHE_GIB", "--kv-cache-gib")}
 

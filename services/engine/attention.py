@@ -42,6 +42,11 @@ class AttentionMetadata:
             self._query_start_loc_t = t
         return t
 
+    def set_query_start_loc_tensor(self, t: torch.Tensor) -> None:
+        """Give ``query_start_loc_tensor`` a copy already on its device (``[num_seqs + 1]``
+        int32)."""
+        self._query_start_loc_t = t
+
     @property
     def max_query_len(self) -> int:
         """The longest query chunk of the step, in tokens."""

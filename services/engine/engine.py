@@ -14,7 +14,6 @@ others' tokens are used as if the batch had succeeded (re-running a request rewr
 slots with the same values). When no request succeeds alone (two or more in the step, or
 ``MAX_STEPS_LOST_ALL`` such steps in a row), or anything outside ``execute`` raises, the failure
 is the engine's: ``EngineDeadError`` (or the exception) propagates; do not step it again.
-A fault raised while the sampler draws may shift a seeded request's random stream by one draw.
 """
 from __future__ import annotations
 
@@ -24,10 +23,13 @@ import uuid
 
 import torch
 
+from . import kv_sizing
 from .block_manager import BlockManager
 from .config import KVCacheLayout, ModelConfig
+from .cuda_graphs import CUDAGraphRunner
 from .engine_config import EngineConfig  # noqa: F401 - re-exported: callers name it from here
 from .faults import EngineFaults
+from .grammars import Matchers
 from .kv_alloc import zeroed_kv_cache
 from .kv_events import KVEventLog
 from .metrics import EngineMetrics
@@ -41,6 +43,7 @@ from .sampling_params import SamplingParams
 from .scheduler import SchedulerConfig, SchedulerOutput
 from .step_cost import StepCostModel
 from .step_threads import StepThreads
+from .tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -60,19 +63,33 @@ class LLMEngine:
                  fault_injection: bool = False, kv_events: bool = False) -> None:
         self.config = config = config or EngineConfig()
         t0 = time.perf_counter()
+        by_utilization = (torch.device(config.device).type == "cuda"
+                          and not config.num_kv_blocks and config.kv_cache_memory_gib is None)
+        free_at_start = torch.cuda.mem_get_info(config.device)[0] if by_utilization else 0
         model, self.precision = build_model(config.model, config.dtype, config.quantization,
                                             config.device, weights)
         self.model_config: ModelConfig = (model_config := model.config)
         self.weight_bytes = resident_weight_bytes(model)
+        self.max_model_len = min(config.max_model_len or model_config.max_position_embeddings,
+                                 model_config.max_position_embeddings)
         dtype = getattr(torch, self.precision.dtype)
         self.layout = KVCacheLayout.of(model_config, config.block_size, dtype)
         per_block = self.layout.block_bytes * 2 * self.layout.num_layers  # bytes, K and V
-        num_blocks = config.num_kv_blocks or max(1, int(config.kv_cache_memory_gib * 2**30) // per_block)
+        if config.num_kv_blocks:
+            num_blocks = config.num_kv_blocks
+        elif by_utilization:
+            step_tokens = min(config.max_num_batched_tokens, self.max_model_len)
+            memory = kv_sizing.measure_gpu(model, config.block_size, step_tokens,
+                                           config.max_num_seqs, free_at_start)
+            num_blocks = kv_sizing.gpu_kv_cache_bytes(memory, config.gpu_memory_utilization) // per_block
+            log.info("KV cache sized by gpu_memory_utilization %.2f: %s", config.gpu_memory_utilization,
+                     memory)
+        else:
+            num_blocks = kv_sizing.blocks_for_memory(
+                config.kv_cache_memory_gib or kv_sizing.CPU_DEFAULT_GIB, per_block)
         kv_shape = (self.layout.num_layers, 2, num_blocks, config.block_size,
                     self.layout.num_kv_heads, self.layout.head_dim)
         self.kv_cache = zeroed_kv_cache(kv_shape, dtype, config.device)  # zero pages on first touch
-        self.max_model_len = min(config.max_model_len or model_config.max_position_embeddings,
-                                 model_config.max_position_embeddings)
         self.kv_events = KVEventLog() if kv_events else None
         self.block_manager = BlockManager(num_blocks, config.block_size, self.kv_events)
         self.scheduler = create_scheduler(
@@ -84,7 +101,14 @@ class LLMEngine:
         self.step_cost = StepCostModel()  # seconds per step, learned (time budget, heartbeat)
         threads = StepThreads(config.step_threads if config.device == "cpu" else "all",
                               torch.get_num_threads())  # CPU threads matter on CPU only
-        self.runner = ModelRunner(model, self.kv_cache, config.block_size, threads)
+        matchers = Matchers(lambda: Tokenizer.load(config.model).backend.to_str(),
+                            model_config.vocab_size, model_config.eos_token_id)
+        self.runner = ModelRunner(model, self.kv_cache, config.block_size,
+                                  self.scheduler.config.max_model_len, threads, matchers)
+        if self.kv_cache.is_cuda and not config.enforce_eager:
+            self.runner.graphs = CUDAGraphRunner(
+                model, self.kv_cache, config.max_num_seqs,
+                self.block_manager.blocks_needed(self.scheduler.config.max_model_len))
         self.metrics = EngineMetrics(max_model_len=self.max_model_len)
         self._faults = EngineFaults() if fault_injection else None
         self._steps_lost_all = 0  # failed steps in a row whose every request failed alone
@@ -125,6 +149,9 @@ class LLMEngine:
             raise ValueError(f"prompt_token_ids: ids must be in [0, {vocab})")
         if self.block_manager.blocks_needed(len(prompt_token_ids) + 1) > self.block_manager.num_blocks:
             raise ValueError(f"prompt: {len(prompt_token_ids)} tokens exceed this worker's KV cache")
+        if params.num_prior_output_tokens >= len(prompt_token_ids):
+            raise ValueError(f"num_prior_output_tokens: {params.num_prior_output_tokens} must be "
+                             f"below the prompt's {len(prompt_token_ids)} tokens")
         if request_id in self.scheduler.requests:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         self.check_params(params)
@@ -138,6 +165,9 @@ class LLMEngine:
         bad = [t for t in params.stop_token_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"stop_token_ids: {bad[:5]} outside the vocabulary [0, {vocab})")
+        bad = [t for t, _ in params.logit_bias if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"logit_bias: token ids {bad[:5]} outside the vocabulary [0, {vocab})")
 
     def add_request(self, request: Request) -> None:
         """Queue a request. Raises ``ValueError`` naming a field the model cannot serve."""
@@ -161,10 +191,6 @@ class LLMEngine:
         self.metrics.requests.on_remote_first_token(request, time.monotonic())
         if logprobs is not None:
             output.logprobs = [logprobs]
-        if output.finish_reason:
-            self.runner.remove_request(request_id)
-        else:
-            self.runner.skip_first_draw(request)
         return output
 
     def prefill_locally(self, request_id: str) -> bool:
@@ -184,7 +210,6 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> bool:
         """Finish a request in any state and free its blocks. False if unknown."""
-        self.runner.remove_request(request_id)
         if self._faults is not None:
             self._faults.forget(request_id)
         request = self.scheduler.requests.get(request_id)
@@ -213,6 +238,7 @@ class LLMEngine:
                 self.config.max_step_ms / 1000)
         out = self.metrics.timed("schedule", self.scheduler.schedule)
         if not out.scheduled:
+            self.runner.input_batch.remove(out.finished_req_ids)
             return []
         sampled, logprobs, failed = self._execute(out)
         if self._faults is not None:
@@ -273,8 +299,6 @@ class LLMEngine:
         for o in outputs:
             if o.request_id in by_id:
                 o.logprobs = [by_id[o.request_id]]
-            if o.finish_reason:
-                self.runner.remove_request(o.request_id)
         return outputs
 
     def load(self) -> dict[str, int | float]:

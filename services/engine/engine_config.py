@@ -25,7 +25,9 @@ class EngineConfig(BaseModel):
     device: str = "cpu"
     block_size: int = Field(default=16, gt=0)  # tokens per KV block
     num_kv_blocks: int | None = Field(default=None, gt=0)  # overrides kv_cache_memory_gib
-    kv_cache_memory_gib: float = Field(default=1.0, gt=0)
+    # None: 1 GiB on CPU; on a GPU what gpu_memory_utilization leaves (kv_sizing.py)
+    kv_cache_memory_gib: float | None = Field(default=None, gt=0)
+    gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)  # this worker's GPU share
     max_num_seqs: int = Field(default=64, gt=0)
     max_num_batched_tokens: int = Field(default=2048, gt=0)
     max_model_len: int | None = Field(default=None, gt=1)  # default: the model's context
@@ -34,8 +36,8 @@ class EngineConfig(BaseModel):
     # tokens one prompt chunk may take per step while others wait (scheduler.py); 0: no cap;
     # None: the role's default (a prefill worker caps, see services/serve.py; otherwise none)
     long_prefill_token_threshold: int | None = Field(default=None, ge=0)
-    # threads of a small step: "all" (torch's thread count, every step) or "auto" (timed while
-    # serving, one thread or all: see step_threads.py)
+    # threads of a step: "all" (torch's thread count, every step) or "auto" (timed while
+    # serving per step size, one thread or all: see step_threads.py)
     step_threads: Literal["auto", "all"] = "all"
     # admission order of waiting requests (scheduler.py): "fcfs", or "srpt" (least work left
     # first, aged so that none starves)
@@ -43,3 +45,5 @@ class EngineConfig(BaseModel):
     # a step that carries running streams computes only as many prompt tokens as fit this
     # many milliseconds by the measured step cost (step_cost.py); None: no time budget
     max_step_ms: float | None = Field(default=None, gt=0)
+    # CUDA: run decode steps eagerly instead of replaying CUDA graphs (cuda_graphs.py)
+    enforce_eager: bool = False

@@ -3,20 +3,26 @@
 RMSNorm, rotary position embeddings (RoFormer, Su et al. 2021; Hugging Face's rotate-half
 layout), grouped-query attention over the paged KV cache, SwiGLU MLP, optional tied LM head.
 The forward pass takes a flattened ragged batch (``[num_tokens]``), never a padded one.
+
+A layer is few launches: q/k/v and gate/up are one matmul each (``qkv_proj``, ``gate_up_proj``;
+Hugging Face checkpoints are fused on load by ``fuse_projections``), and the elementwise steps
+are fused (``layer_ops``: residual add + RMSNorm, rotary + KV cache write, SiLU-and-multiply):
+one kernel each on CUDA, the exact torch ops of Hugging Face's model elsewhere.
 """
 from __future__ import annotations
 
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from .attention import AttentionMetadata, paged_attention, write_kv_cache
+from kernels import reference
+
+from . import layer_ops
+from .attention import AttentionMetadata, paged_attention
 from .config import ModelConfig
 
 Device = torch.device | str | None
-RopeTables = tuple[torch.Tensor, torch.Tensor]  # cos, sin: [num_tokens, 1, head_dim]
 
 
 class RMSNorm(nn.Module):
@@ -27,37 +33,22 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Normalised in float32 and cast back, as Hugging Face's LlamaRMSNorm does."""
-        x32 = x.float()
-        variance = x32.pow(2).mean(-1, keepdim=True)
-        return self.weight * (x32 * torch.rsqrt(variance + self.eps)).to(x.dtype)
+        return reference.rms_norm(x, self.weight, self.eps)
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin tables for every position up to ``max_positions``: ``[max_positions, head_dim]``."""
+    """cos/sin tables for every position up to ``max_positions``: ``[max_positions, head_dim]``
+    float32 (always real CPU tensors at construction, even when the weights are on meta)."""
 
     def __init__(self, head_dim: int, max_positions: int, theta: float) -> None:
         super().__init__()
-        cpu = torch.device("cpu")  # NOTE: real tables even when the weights are on meta
+        cpu = torch.device("cpu")
         inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=cpu)
                                    .float() / head_dim)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32, device=cpu), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
-
-    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeTables:
-        """cos and sin at each token's position, ``[num_tokens, 1, head_dim]`` in ``dtype``:
-        gathered once per forward pass and shared by every layer."""
-        return (self.cos[positions].unsqueeze(1).to(dtype),
-                self.sin[positions].unsqueeze(1).to(dtype))
-
-    @staticmethod
-    def apply(tables: RopeTables, x: torch.Tensor) -> torch.Tensor:
-        """Rotate ``x`` (``[num_tokens, num_heads, head_dim]``) by ``tables`` (``tables()``)."""
-        cos, sin = tables
-        half = x.shape[-1] // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * cos + rotated * sin
 
 
 class Attention(nn.Module):
@@ -67,63 +58,32 @@ class Attention(nn.Module):
         self.head_dim = cfg.head_dim
         self.scale = self.head_dim**-0.5
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, q, bias=False, device=device)
-        self.k_proj = nn.Linear(cfg.hidden_size, kv, bias=False, device=device)
-        self.v_proj = nn.Linear(cfg.hidden_size, kv, bias=False, device=device)
-        self.o_proj = nn.Linear(q, cfg.hidden_size, bias=False, device=device)
+        # output rows: q's, then k's, then v's (fuse_projections)
+        self.qkv_proj: nn.Module = nn.Linear(cfg.hidden_size, q + 2 * kv, bias=False, device=device)
+        self.o_proj: nn.Module = nn.Linear(q, cfg.hidden_size, bias=False, device=device)
         self.rope = rope
-        self.qkv_proj: nn.Module | None = None  # fused q/k/v (quantized path), see fuse_qkv
 
-    def fuse_qkv(self, qkv_proj: nn.Module) -> None:
-        """Replace q/k/v_proj by one module whose output rows are q's, then k's, then v's."""
-        del self.q_proj, self.k_proj, self.v_proj
-        self.qkv_proj = qkv_proj
-
-    def _qkv(self, x: torch.Tensor, rope: RopeTables,
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Rotated q ``[t, heads, head_dim]``, rotated k and v ``[t, kv_heads, head_dim]``."""
-        t, h, kvh, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
-        if self.qkv_proj is None:
-            q = RotaryEmbedding.apply(rope, self.q_proj(x).reshape(t, h, d))
-            k = RotaryEmbedding.apply(rope, self.k_proj(x).reshape(t, kvh, d))
-            return q, k, self.v_proj(x).reshape(t, kvh, d)
-        # fused: q and k heads rotated in one pass (fewer ops per layer at small batches)
-        qkv = self.qkv_proj(x).reshape(t, h + 2 * kvh, d)
-        qk = RotaryEmbedding.apply(rope, qkv[:, :h + kvh])
-        return qk[:, :h], qk[:, h:], qkv[:, h + kvh:]
-
-    def forward(
-        self, x: torch.Tensor, rope: RopeTables, kv_cache: torch.Tensor,
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        """x: ``[num_tokens, hidden]``; rope: ``RotaryEmbedding.tables`` of the tokens'
-        positions; kv_cache: ``[2, num_blocks, block_size, kv_heads, head_dim]``."""
-        t = x.shape[0]
-        q, k, v = self._qkv(x, rope)
-        write_kv_cache(k, v, kv_cache[0], kv_cache[1], meta.slot_mapping)
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """x: ``[num_tokens, hidden]``; positions: ``[num_tokens]`` int64; kv_cache: ``[2,
+        num_blocks, block_size, kv_heads, head_dim]``. Writes this step's K/V into the cache."""
+        q = layer_ops.rope_write_kv(self.qkv_proj(x), positions, self.rope.cos, self.rope.sin,
+                                    kv_cache[0], kv_cache[1], meta.slot_mapping,
+                                    self.num_heads, self.num_kv_heads)
         o = paged_attention(q, kv_cache[0], kv_cache[1], meta, self.scale)
-        return self.o_proj(o.reshape(t, -1))
+        return self.o_proj(o.reshape(x.shape[0], -1))
 
 
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, device: Device = None) -> None:
         super().__init__()
         hidden, ffn = cfg.hidden_size, cfg.intermediate_size
-        self.gate_proj = nn.Linear(hidden, ffn, bias=False, device=device)
-        self.up_proj = nn.Linear(hidden, ffn, bias=False, device=device)
-        self.down_proj = nn.Linear(ffn, hidden, bias=False, device=device)
-        self.gate_up_proj: nn.Module | None = None  # fused gate/up (quantized path)
-
-    def fuse_gate_up(self, gate_up_proj: nn.Module) -> None:
-        """Replace gate/up_proj by one module whose output rows are gate's, then up's."""
-        del self.gate_proj, self.up_proj
-        self.gate_up_proj = gate_up_proj
+        # output rows: gate's, then up's (fuse_projections)
+        self.gate_up_proj: nn.Module = nn.Linear(hidden, 2 * ffn, bias=False, device=device)
+        self.down_proj: nn.Module = nn.Linear(ffn, hidden, bias=False, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate_up_proj is None:
-            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(layer_ops.silu_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -134,9 +94,16 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device)
         self.mlp = MLP(cfg, device)
 
-    def forward(self, x, rope, kv_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor | None, residual: torch.Tensor, positions: torch.Tensor,
+                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """x: the previous layer's MLP output (None for the first layer), added to
+        ``residual`` (``[num_tokens, hidden]``, updated in place); returns this layer's MLP
+        output, which the next layer (or the final norm) adds."""
+        norm = self.input_layernorm
+        h = layer_ops.add_rms_norm(x, residual, norm.weight, norm.eps)
+        a = self.self_attn(h, positions, kv_cache, meta)
+        norm = self.post_attention_layernorm
+        return self.mlp(layer_ops.add_rms_norm(a, residual, norm.weight, norm.eps))
 
 
 class LlamaModel(nn.Module):
@@ -154,7 +121,8 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """State-dict names match Hugging Face's, so loader output loads with ``load_state_dict``.
+    """Parameter names are Hugging Face's except the fused ``qkv_proj`` / ``gate_up_proj``:
+    load a Hugging Face state dict with ``fuse_projections`` first.
 
     ``device="meta"``: weights without storage or initialisation, for ``load_state_dict(...,
     assign=True)`` (the rotary tables are always built on CPU). Not a ``torch.device("meta")``
@@ -180,12 +148,41 @@ class LlamaForCausalLM(nn.Module):
         ``[num_tokens, hidden]``."""
         if self.fused_forward is not None:
             return self.fused_forward(input_ids, positions, kv_cache, meta)
-        x = self.model.embed_tokens(input_ids)
-        rope = self.model.layers[0].self_attn.rope.tables(positions, x.dtype)
+        residual = self.model.embed_tokens(input_ids)  # the residual stream, updated in place
+        x = None
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, rope, kv_cache[i], meta)
-        return self.model.norm(x)
+            x = layer(x, residual, positions, kv_cache[i], meta)
+        norm = self.model.norm
+        return layer_ops.add_rms_norm(x, residual, norm.weight, norm.eps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[n, hidden]`` -> ``[n, vocab_size]`` float32 logits."""
         return self.lm_head(hidden).float()
+
+
+# Hugging Face projections stacked into one of ours, in output-row order (vLLM's
+# ``stacked_params_mapping``)
+STACKED_PROJECTIONS = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+}
+
+
+def fuse_projections(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A Hugging Face-named state dict with each layer's q/k/v and gate/up weights stacked into
+    ``qkv_proj`` / ``gate_up_proj`` (concatenated along the output rows; the inputs are dropped
+    from the dict as they are used, so at most one layer's worth is held twice). Raises
+    ``ValueError`` naming a projection whose parts are incomplete."""
+    out = dict(state_dict)
+    layers = {k.split(".self_attn.")[0] for k in state_dict if ".self_attn." in k}
+    for prefix in sorted(layers):
+        for fused, parts in STACKED_PROJECTIONS.items():
+            names = [f"{prefix}.{p}.weight" for p in parts]
+            present = [n in out for n in names]
+            if not any(present):
+                continue
+            if not all(present):
+                raise ValueError(f"checkpoint has {[n for n, p in zip(names, present) if p]} "
+                                 f"but not {[n for n, p in zip(names, present) if not p]}")
+            out[f"{prefix}.{fused}.weight"] = torch.cat([out.pop(n) for n in names])
+    return out

@@ -32,15 +32,13 @@ from kernels.quant import QuantizedWeight
 
 from .config import ModelConfig
 from .loader import load_model
-from .model import LlamaForCausalLM
+from .model import LlamaForCausalLM, fuse_projections
 from .quantized_forward import QuantizedForward
 
 log = logging.getLogger(__name__)
 
 DTYPES = ("float32", "bfloat16", "auto")
 QUANTIZATIONS = ("none", "auto", *quant.FORMATS)
-_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 
 
 @dataclass(frozen=True)
@@ -165,8 +163,9 @@ def build_model(path: str | None, dtype: str, quantization: str, device: str,
 
 
 def load_dense(model: LlamaForCausalLM, state_dict: dict[str, torch.Tensor]) -> None:
-    """Load Hugging Face-named weights; raises ``ValueError`` listing missing/unexpected names."""
-    result = model.load_state_dict(state_dict, strict=False, assign=True)
+    """Load Hugging Face-named weights (q/k/v and gate/up stacked by ``fuse_projections``);
+    raises ``ValueError`` listing missing/unexpected names."""
+    result = model.load_state_dict(fuse_projections(state_dict), strict=False, assign=True)
     tied = model.config.tie_word_embeddings
     missing = [k for k in result.missing_keys if not (tied and k == "lm_head.weight")]
     if missing or result.unexpected_keys:
@@ -188,10 +187,10 @@ def assemble_quantized(cfg: ModelConfig, dense: dict[str, torch.Tensor],
     for i, layer in enumerate(model.model.layers):
         p = f"model.layers.{i}."
         attn, mlp = layer.self_attn, layer.mlp
-        attn.fuse_qkv(QuantLinear(*[blocks[p + f"self_attn.{n}_proj.weight"] for n in "qkv"]))
+        attn.qkv_proj = QuantLinear(*[blocks[p + f"self_attn.{n}_proj.weight"] for n in "qkv"])
         attn.o_proj = QuantLinear(blocks[p + "self_attn.o_proj.weight"])
-        mlp.fuse_gate_up(QuantLinear(blocks[p + "mlp.gate_proj.weight"],
-                                     blocks[p + "mlp.up_proj.weight"]))
+        mlp.gate_up_proj = QuantLinear(blocks[p + "mlp.gate_proj.weight"],
+                                       blocks[p + "mlp.up_proj.weight"])
         mlp.down_proj = QuantLinear(blocks[p + "mlp.down_proj.weight"])
     embed = blocks.get("model.embed_tokens.weight")
     if embed is not None:

@@ -5,7 +5,21 @@ from __future__ import annotations
 # a tiny temperature overflows them to inf, and the softmax of inf is nan
 SAMPLING_EPS = 1e-5
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+
+class StructuredOutput(BaseModel):
+    """A constraint on the whole output (vLLM's ``structured_outputs``, OpenAI's
+    ``response_format``): ``format`` ``json`` (``spec``: a JSON schema; ``{"type": "object"}``
+    for any object), ``regex`` (Rust regex syntax), ``choice`` (a JSON list of strings) or
+    ``grammar`` (Lark, or llama.cpp's GBNF). Compiled and checked by ``grammars.grammar_of``."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    format: Literal["json", "regex", "choice", "grammar"]
+    spec: str
 
 
 class SamplingParams(BaseModel):
@@ -28,11 +42,18 @@ class SamplingParams(BaseModel):
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)  # OpenAI: once per seen token
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)  # OpenAI: per occurrence
     repetition_penalty: float = Field(default=1.0, gt=0.0, le=10.0)  # CTRL: prompt + output
-    seed: int | None = None  # per-request generator: same seed, same tokens, whatever the batch
+    seed: int | None = None  # same seed, same tokens, whatever the batch (sampler.uniforms)
     stop: tuple[str, ...] = ()  # finish when the text contains one; it is not emitted
     stop_token_ids: tuple[int, ...] = ()  # finish (token kept) when one of these is sampled
     ignore_eos: bool = False  # keep going past EOS (benchmarks with exact output lengths)
     logprobs: int | None = Field(default=None, ge=0, le=20)  # top-N alternatives; 0: chosen only
+    # a resumed request (migration): the prompt's last N tokens are output tokens of an earlier
+    # attempt, so the seed's draws and the frequency/presence penalties continue after them
+    num_prior_output_tokens: int = Field(default=0, ge=0)
+    structured_output: StructuredOutput | None = None  # every output token keeps it valid
+    # (token id, bias) added to the logits before sampling (OpenAI's logit_bias: -100 bans a
+    # token, 100 all but forces it); ids are checked against the model by the engine
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     @field_validator("stop")
     @classmethod
@@ -46,6 +67,25 @@ class SamplingParams(BaseModel):
     def _seed_range(cls, v: int | None) -> int | None:
         if v is not None and not 0 <= v < 2**63:
             raise ValueError("seed must be in [0, 2**63)")
+        return v
+
+    @field_validator("structured_output")
+    @classmethod
+    def _compiles(cls, v: StructuredOutput | None) -> StructuredOutput | None:
+        if v is not None:
+            from .grammars import grammar_of
+
+            grammar_of(v)  # ValueError naming structured_output and why
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_range(cls, v: tuple[tuple[int, float], ...]) -> tuple[tuple[int, float], ...]:
+        ids = [token for token, _ in v]
+        if any(token < 0 for token in ids) or len(set(ids)) != len(ids):
+            raise ValueError("logit_bias: token ids must be distinct and >= 0")
+        if any(not -100.0 <= bias <= 100.0 for _, bias in v):
+            raise ValueError("logit_bias: biases must be within [-100, 100]")
         return v
 
     @model_validator(mode="after")

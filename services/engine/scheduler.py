@@ -72,6 +72,8 @@ class SchedulerOutput:
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     # requests preempted this step (blocks already freed)
     preempted: list[Request] = field(default_factory=list)
+    # requests finished (or released) since the previous step: the runner forgets them
+    finished_req_ids: set[str] = field(default_factory=set)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -112,6 +114,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}  # every unfinished request, and held ones
+        self.finished_req_ids: set[str] = set()  # since the last schedule(), for the runner
         self.num_preemptions = 0
         self.prefix_cache_queries = 0  # tokens
         self.prefix_cache_hits = 0  # tokens
@@ -182,7 +185,8 @@ class Scheduler:
 
     # -- one step ----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
+        out = SchedulerOutput(finished_req_ids=self.finished_req_ids)
+        self.finished_req_ids = set()
         self._prefill_left = self._prefill_budget()
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
         self._schedule_new(out, budget)
@@ -319,6 +323,7 @@ class Scheduler:
         request = self.requests.pop(request_id, None)
         if request is not None:
             self.block_manager.free(request)
+            self.finished_req_ids.add(request_id)
 
     def abort(self, request_id: str) -> bool:
         """Finish a request in any state and free its blocks. Returns False if unknown."""

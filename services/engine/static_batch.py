@@ -53,7 +53,7 @@ class StaticScheduler(Scheduler):
                 members.append(request)
                 tokens.append(token_id)
         outputs = super().update_from_output(
-            SchedulerOutput(members, out.num_scheduled_tokens, out.preempted), tokens)
+            SchedulerOutput(members, out.num_scheduled_tokens, out.preempted, set()), tokens)
         if not self.running:
             self._release_slots()  # the batch drained
         return outputs
@@ -99,6 +99,7 @@ class StaticScheduler(Scheduler):
         """Free the padding rows' slots (call once no member runs: the batch drained)."""
         for pad in self.padding:
             self.block_manager.free(pad)
+            self.finished_req_ids.add(pad.request_id)
         self.padding.clear()
 
     # -- admission ---------------------------------------------------------------------------

@@ -14,6 +14,7 @@ def resumed_params(params: worker_pb2.SamplingParams, num_generated: int) -> wor
     resumed.CopyFrom(params)
     resumed.max_tokens = params.max_tokens - num_generated
     resumed.min_tokens = max(params.min_tokens - num_generated, 0)
+    resumed.num_prior_output_tokens = params.num_prior_output_tokens + num_generated
     return resumed
 
 

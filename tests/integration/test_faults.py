@@ -107,7 +107,7 @@ def greedy(fs) -> list[list[int]]:
 def chat(prompt: str, request_id: str, max_tokens: int, **options) -> gateway_pb2.GenerateRequest:
     return gateway_pb2.GenerateRequest(
         request_id=request_id, messages=[gateway_pb2.ChatMessage(role="user", content=prompt)],
-        max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **options)
+        max_tokens=max_tokens, ignore_eos=True, **{"temperature": 0.0, **options})
 
 
 async def generate(address: str, request: gateway_pb2.GenerateRequest):
@@ -535,8 +535,15 @@ async def _leaves_registry(fs: FaultStack, role: str, worker_id: str) -> None:
 
 
 def test_decode_worker_killed_mid_stream_migrates_without_gaps_and_new_workers_join(fs, greedy):
+    """Stream 2 (the victim's) samples with a seed, stream 3 is greedy: after the migration
+    both go on exactly as uninterrupted runs do (the seed's draws continue at the next output
+    index on the new worker)."""
+    sampled = {"temperature": 0.9, "top_p": 0.95, "seed": 4242}
+    options = {2: sampled, 3: {}}
+
     async def stream(ch, i: int, progress: list):
-        call = gateway_pb2_grpc.GatewayStub(ch).Generate(chat(CHAT_PROMPTS[i], f"migrate-{i}", 40), timeout=120)
+        call = gateway_pb2_grpc.GatewayStub(ch).Generate(
+            chat(CHAT_PROMPTS[i], f"migrate-{i}", 40, **options[i]), timeout=120)
         last = None
         async for msg in call:
             progress.extend(msg.token_ids)
@@ -544,6 +551,10 @@ def test_decode_worker_killed_mid_stream_migrates_without_gaps_and_new_workers_j
         return last
 
     async def run():
+        uninterrupted, _ = await generate(fs.address, chat(CHAT_PROMPTS[2], "sampled-reference",
+                                                           40, **sampled))
+        assert uninterrupted != greedy[2]  # it really sampled
+        expected = {2: uninterrupted, 3: greedy[3]}
         async with grpc.aio.insecure_channel(fs.address) as ch:
             progress = {2: [], 3: []}
             streams = {i: asyncio.ensure_future(stream(ch, i, progress[i])) for i in progress}
@@ -556,7 +567,7 @@ def test_decode_worker_killed_mid_stream_migrates_without_gaps_and_new_workers_j
             assert len(progress[2]) < 30, "decoding finished before the kill"
             lasts = {i: await s for i, s in streams.items()}
         for i, last in lasts.items():
-            assert progress[i] == greedy[i], i  # no gap, no repeat, as uninterrupted
+            assert progress[i] == expected[i], i  # no gap, no repeat, as uninterrupted
             assert last.finish_reason == "length" and last.usage.completion_tokens == 40
         info = await record(fs, "migrate-2")
         assert info.status == "FINISHED" and info.output_tokens == 40

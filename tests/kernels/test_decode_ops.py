@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import decode_ops
+from kernels import decode_ops, reference
 from services.engine.model import RotaryEmbedding
 
 pytestmark = pytest.mark.skipif(not decode_ops.available(), reason="no C compiler")
@@ -46,10 +46,10 @@ def test_rope_write_kv_matches_torch(t, heads, kv_heads, head_dim):
     decode_ops.rope_write_kv(qkv, heads, kv_heads, positions, rope.cos, rope.sin, k_cache,
                              v_cache, slots, q)
     assert torch.equal(qkv, before)  # the projection is read, never written
-    tables = rope.tables(positions, torch.float32)
+    cos, sin = rope.cos[positions].unsqueeze(1), rope.sin[positions].unsqueeze(1)
     parts = qkv.reshape(t, heads + 2 * kv_heads, head_dim)
-    ref_q = RotaryEmbedding.apply(tables, parts[:, :heads])
-    ref_k = RotaryEmbedding.apply(tables, parts[:, heads:heads + kv_heads])
+    ref_q = reference.rotate(parts[:, :heads], cos, sin)
+    ref_k = reference.rotate(parts[:, heads:heads + kv_heads], cos, sin)
     # two products and a sum: at most one rounding of each product's size apart (FMA or not)
     bound = lambda x: 2 * EPS32 * (x.abs() + x.abs().flip(-1)).amax() + 1e-30  # noqa: E731
     assert (q - ref_q).abs().max() <= bound(parts[:, :heads])

@@ -54,3 +54,43 @@ def test_secret_is_new_per_run_unless_one_is_given(monkeypatch):
         assert c.settings.internal_secret() == "given" == c.child_env["TANDEM_INTERNAL_SECRET"]
     finally:
         c.stop()
+
+
+def test_each_gpu_worker_gets_its_device_and_memory_share(monkeypatch):
+    """`tandem up` on GPUs: CUDA_VISIBLE_DEVICES and --gpu-memory-utilization per worker, the
+    rest of the environment shared; a worker's settings parse with that share."""
+    from services import launcher
+
+    started = []
+    class Exited:
+        def poll(self):
+            return 0
+
+        def wait(self, timeout=None):
+            return 0
+
+    monkeypatch.setattr(launcher, "spawn", lambda argv, env: started.append((argv, env)) or Exited())
+    monkeypatch.setattr(launcher, "start_redis_server", None)  # a redis_url is given: not called
+    monkeypatch.setattr(Stack, "add_gateway", lambda self, name, port: None)
+    monkeypatch.setattr(launcher, "write_scrape_config", lambda path, targets: path)
+    monkeypatch.setattr(launcher, "check_redis", lambda url: _done())
+    stack = Stack(UpOptions(host="127.0.0.1", port=7000, num_prefill=1, num_decode=1,
+                            redis_url="redis://127.0.0.1:1/0",
+                            gpus={"decode-0": ("0", 0.45), "prefill-0": ("0", 0.45)}))
+    try:
+        stack.start()
+        (dargv, denv), (pargv, penv) = started
+        assert denv["CUDA_VISIBLE_DEVICES"] == "0" == penv["CUDA_VISIBLE_DEVICES"]
+        assert "CUDA_VISIBLE_DEVICES" not in stack.child_env
+        i = dargv.index("--gpu-memory-utilization")
+        assert dargv[i + 1] == "0.4500" and "--worker-id" in dargv
+        from services import cli
+
+        child = cli._load(cli.build_parser().parse_args(dargv[dargv.index("serve"):]))
+        assert child.settings.engine.gpu_memory_utilization == 0.45
+    finally:
+        stack.stop()
+
+
+async def _done():
+    return None

@@ -102,3 +102,55 @@ def test_serve_has_no_up_flags():
     with pytest.raises(SystemExit):
         cli.build_parser().parse_args(["serve", "unified", "--layout", "unified"])
     assert cli.build_parser().parse_args(["serve", "unified"]).role == "unified"
+
+
+# -- GPUs ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("listed,expected", [
+    ("0", ["0"]), ("1,3", ["1", "3"]), (" 2 , 0 ", ["2", "0"]), ("", []), ("-1", []),
+    ("0,-1,2", ["0"]), ("GPU-8c2f,MIG-1a", ["GPU-8c2f", "MIG-1a"]), ("0,,1", ["0"]),
+])
+def test_visible_gpus_reads_cuda_visible_devices_as_the_runtime_does(listed, expected):
+    from services.layout import visible_gpus
+
+    assert visible_gpus({"CUDA_VISIBLE_DEVICES": listed}) == expected
+
+
+def test_visible_gpus_without_the_variable_counts_the_driver_s_gpus(monkeypatch):
+    from services import layout as mod
+
+    monkeypatch.setattr(mod.os, "listdir", lambda path: ["0000:18:00.0", "0000:3b:00.0"]
+                        if path == "/proc/driver/nvidia/gpus" else [])
+    assert mod.visible_gpus({}) == ["0", "1"]
+
+    def no_driver(path):
+        raise FileNotFoundError(path)
+    monkeypatch.setattr(mod.os, "listdir", no_driver)
+    assert mod.visible_gpus({}) == []
+
+
+def test_auto_on_gpus_is_one_unified_worker_per_gpu_whatever_the_cores():
+    from services.layout import gpu_placement
+
+    one = choose_layout(UpSection(), 16, None, ["0"])
+    assert counts(one) == (0, 0, 1) and one.gpus == ("0",) and "1 GPU" in one.reason
+    four = choose_layout(UpSection(), 2, None, ["0", "1", "2", "3"])
+    assert counts(four) == (0, 0, 4) and four.threads == {"unified": 1}
+    assert gpu_placement(four, 0.9) == {f"unified-{i}": (str(i), 0.9) for i in range(4)}
+    assert "on GPUs 0,1,2,3" in four.describe()
+
+
+def test_p_d_on_gpus_places_workers_round_robin_and_splits_the_memory_share():
+    from services.layout import gpu_placement
+
+    one = choose_layout(UpSection(layout="disaggregated"), 16, None, ["0"])
+    assert counts(one) == (1, 1, 0)
+    assert gpu_placement(one, 0.9) == {"decode-0": ("0", 0.45), "prefill-0": ("0", 0.45)}
+    three = choose_layout(UpSection(num_prefill=2, num_decode=1), 16, None, ["a", "b"])
+    assert gpu_placement(three, 0.8) == {"decode-0": ("a", 0.4), "prefill-0": ("b", 0.8),
+                                         "prefill-1": ("a", 0.4)}
+    assert gpu_placement(choose_layout(UpSection(), 2), 0.9) == {}  # CPU: no placement
+
+
+def test_cuda_with_no_visible_gpu_names_the_device_setting():
+    with pytest.raises(ValueError, match="engine.device"):
+        choose_layout(UpSection(), 4, None, [])

@@ -23,3 +23,14 @@ def test_profile_writes_cpu_time_ops_and_phases_per_batch(tmp_path, monkeypatch,
                                                      "engine_rest"}
         assert 0 < len(row["top_ops"]) <= 3
     assert "batch   3:" in capsys.readouterr().out
+
+
+def test_ops_and_host_reads_per_decode_step_do_not_grow_with_the_batch():
+    """Every sampler path in every step (``--sampling mixed``): the same aten ops at 8, 16 and
+    32 sequences, and one device-to-host read of the sampled tokens per step. (From 8: with a
+    single row of a kind, torch's ``logsumexp`` takes another internal path, 2 views more.)"""
+    e = profile_decode_step.make_engine("float32", "auto", 32)
+    rows = [profile_decode_step.profile_batch(e, b, warmup=1, steps=1, profile_steps=2, top=1,
+                                              seed=b, sampling="mixed") for b in (8, 16, 32)]
+    assert len({r["aten_ops_per_step"] for r in rows}) == 1, [r["aten_ops_per_step"] for r in rows]
+    assert all(r["host_reads_per_step"] == 1 for r in rows)

@@ -1,0 +1,354 @@
+"""The model runner's persistent batch: what it knows of each request it runs, kept in arrays
+between steps (vLLM v1's ``InputBatch``).
+
+A request gets a row the first time it is scheduled: its tokens, block table and sampling
+settings are copied in once. After that a step only reads a few counters per scheduled request
+(``num_computed_tokens``, tokens scheduled, ``num_tokens``, the block table's length) and
+copies what changed: the tail of a block table that grew, tokens appended by someone other than
+this runner (a remote prefill's first token). Everything else (input ids, positions, slot
+mapping, block tables, sampling settings, the random draws) is gathered from the arrays with a
+few vectorised operations whose number does not depend on the batch size. Sampled tokens are
+written back into the rows by ``record_sampled``. Rows of finished requests are freed when the
+scheduler reports them (``SchedulerOutput.finished_req_ids``).
+
+Contract with the block manager: a request's ``block_table`` list is only appended to while it
+lives; freeing replaces it with a new list (``BlockManager.free``), which is how a preempted
+request's new table is told from its old one (by identity).
+"""
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .attention import AttentionMetadata
+from .grammars import Matchers
+from .request import Request
+from .sampler import Penalties, RandomDraws, SamplingBatch, uniforms
+from .scheduler import SchedulerOutput
+
+
+@dataclass
+class ModelInputs:
+    """One step's flattened ragged batch (no padding), decode rows first."""
+
+    input_ids: torch.Tensor  # [num_tokens] int64
+    positions: torch.Tensor  # [num_tokens] int64
+    attn: AttentionMetadata
+    order: list[int]  # batch row -> index in SchedulerOutput.scheduled
+    logits_indices: torch.Tensor  # [num_sampled] rows of the hidden states to sample from
+    sampled_rows: list[int]  # batch rows that sample, aligned with logits_indices
+    rows: np.ndarray  # [num_seqs] int64: each batch row's row in the InputBatch
+
+
+def to_device(arrays: dict[str, np.ndarray], device: torch.device) -> dict[str, torch.Tensor]:
+    """The arrays as tensors on ``device``: on a CPU, views of them (no copy); elsewhere all of
+    them packed into one pinned host buffer and sent in one asynchronous copy, so building a
+    step's inputs never waits for the device (a copy from pageable memory would first wait for
+    the stream's queued work)."""
+    if device.type == "cpu":
+        return {k: torch.from_numpy(np.ascontiguousarray(a)) for k, a in arrays.items()}
+    host, layout = pack(arrays, pin=True)
+    return unpack(host.to(device, non_blocking=True), layout)
+
+
+Layout = dict[str, tuple[int, np.dtype, tuple[int, ...]]]  # name -> (byte offset, dtype, shape)
+
+
+def pack(arrays: dict[str, np.ndarray], pin: bool) -> tuple[torch.Tensor, Layout]:
+    """The arrays' bytes in one ``uint8`` tensor (pinned if ``pin``), each part 8-byte aligned,
+    and where each one lies."""
+    layout, total = {}, 0
+    for k, a in arrays.items():
+        layout[k] = (total, a.dtype, a.shape)
+        total += -(-a.nbytes // 8) * 8
+    host = torch.empty(total, dtype=torch.uint8, pin_memory=pin)
+    packed = host.numpy()
+    for k, a in arrays.items():
+        offset = layout[k][0]
+        packed[offset:offset + a.nbytes] = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+    return host, layout
+
+
+def unpack(buffer: torch.Tensor, layout: Layout) -> dict[str, torch.Tensor]:
+    """``pack``'s parts as typed views of ``buffer`` (a copy of its tensor, on any device)."""
+    out = {}
+    for k, (offset, dtype, shape) in layout.items():
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        dt = torch.from_numpy(np.empty(0, dtype)).dtype
+        out[k] = buffer[offset:offset + nbytes].view(dt).view(shape)
+    return out
+
+
+class InputBatch:
+    """Per-request arrays, one row per request seen and not yet finished.
+
+    ``max_model_len``: tokens a row holds; ``block_size``: tokens per KV block;
+    ``vocab_size``: the model's, for checking stop token ids (an id outside it raises
+    ``IndexError`` when its request is scheduled, so that request fails alone); ``device``:
+    where the step's tensors go (``to_device``); ``matchers``: the grammar matchers of
+    structured outputs (None: a request that asks for one fails alone).
+    """
+
+    def __init__(self, max_model_len: int, block_size: int, vocab_size: int,
+                 device: torch.device | str = "cpu", capacity: int = 16,
+                 matchers: Matchers | None = None) -> None:
+        self.max_model_len, self.block_size, self.vocab_size = max_model_len, block_size, vocab_size
+        self.device = torch.device(device)
+        self.matchers = matchers
+        self.logit_bias: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # row -> (ids, biases)
+        self.max_blocks = -(-max_model_len // block_size)
+        self.row_of: dict[str, int] = {}
+        self._free_rows: list[int] = []
+        self._capacity = 0
+        self._tables: list[list[int] | None] = []  # the block table list each row copied
+        self._grow(capacity)
+
+    # -- rows --------------------------------------------------------------------------------
+    def _grow(self, capacity: int) -> None:
+        """Make room for ``capacity`` rows (arrays keep their rows, new ones are empty)."""
+        old = self._capacity
+
+        def resized(a: np.ndarray | None, shape: tuple[int, ...], dtype, fill=0) -> np.ndarray:
+            new = np.full(shape, fill, dtype=dtype)
+            if a is not None:
+                new[tuple(slice(0, n) for n in a.shape)] = a
+            return new
+
+        get = lambda name: getattr(self, name, None)  # noqa: E731
+        n = capacity
+        self.token_ids = resized(get("token_ids"), (n, self.max_model_len), np.int32)
+        self.num_tokens = resized(get("num_tokens"), (n,), np.int64)  # tokens held in token_ids
+        self.num_prompt = resized(get("num_prompt"), (n,), np.int64)
+        self.output_from = resized(get("output_from"), (n,), np.int64)  # first output token
+        self.block_table = resized(get("block_table"), (n, self.max_blocks), np.int64)
+        self.num_blocks = resized(get("num_blocks"), (n,), np.int64)
+        self.temperature = resized(get("temperature"), (n,), np.float32)  # 0: greedy
+        self.top_p = resized(get("top_p"), (n,), np.float32, 1.0)
+        self.top_k = resized(get("top_k"), (n,), np.int64)
+        self.min_p = resized(get("min_p"), (n,), np.float32)
+        self.presence = resized(get("presence"), (n,), np.float32)
+        self.frequency = resized(get("frequency"), (n,), np.float32)
+        self.repetition = resized(get("repetition"), (n,), np.float32, 1.0)
+        self.has_penalties = resized(get("has_penalties"), (n,), np.bool_)
+        self.seed = resized(get("seed"), (n,), np.uint64)
+        self.prior_outputs = resized(get("prior_outputs"), (n,), np.int64)
+        self.min_tokens = resized(get("min_tokens"), (n,), np.int64)
+        self.num_logprobs = resized(get("num_logprobs"), (n,), np.int64, -1)  # -1: none
+        self.constrained = resized(get("constrained"), (n,), np.bool_)  # structured output
+        self.request_ids: list[str | None] = getattr(self, "request_ids", []) + [None] * (n - old)
+        width = get("stop_ids").shape[1] if old else 1
+        self.stop_ids = resized(get("stop_ids"), (n, width), np.int64, -1)  # EOS + stop ids
+        self._tables.extend([None] * (n - old))
+        self._free_rows.extend(range(n - 1, old - 1, -1))
+        self._capacity = n
+
+    def add(self, r: Request) -> int:
+        """Give ``r`` a row and copy in its tokens and settings. Raises ``IndexError`` naming
+        ``stop_token_ids`` or ``logit_bias`` for a token id outside the vocabulary."""
+        p = r.sampling_params
+        for field, ids in (("stop_token_ids", p.stop_token_ids), ("logit_bias", [t for t, _ in p.logit_bias])):
+            if any(not 0 <= t < self.vocab_size for t in ids):
+                raise IndexError(f"{field}: an id is outside the vocabulary [0, {self.vocab_size})")
+        if not self._free_rows:
+            self._grow(2 * self._capacity)
+        if p.structured_output is not None:
+            if self.matchers is None:
+                raise ValueError("structured_output: this engine has no tokenizer for grammars")
+            self.matchers.add(r.request_id, p.structured_output)
+        row = self._free_rows.pop()
+        self.row_of[r.request_id] = row
+        self.request_ids[row] = r.request_id
+        self.constrained[row] = p.structured_output is not None
+        if p.logit_bias:
+            ids, biases = zip(*p.logit_bias)
+            self.logit_bias[row] = (np.array(ids, dtype=np.int64), np.array(biases, dtype=np.float32))
+        tokens = r.all_token_ids
+        self.token_ids[row, :len(tokens)] = tokens
+        self.num_tokens[row] = len(tokens)
+        self.num_prompt[row] = r.num_prompt_tokens
+        self.output_from[row] = r.num_prompt_tokens - p.num_prior_output_tokens
+        self.block_table[row] = 0
+        self.num_blocks[row] = 0
+        self._tables[row] = None
+        self.temperature[row] = 0.0 if p.greedy else p.temperature
+        self.top_p[row], self.top_k[row], self.min_p[row] = p.top_p, p.top_k, p.min_p
+        self.presence[row], self.frequency[row] = p.presence_penalty, p.frequency_penalty
+        self.repetition[row], self.has_penalties[row] = p.repetition_penalty, p.has_penalties
+        self.seed[row] = p.seed if p.seed is not None else secrets.randbits(64)
+        self.prior_outputs[row] = p.num_prior_output_tokens
+        self.min_tokens[row] = p.min_tokens
+        self.num_logprobs[row] = -1 if p.logprobs is None else p.logprobs
+        stops = list(p.stop_token_ids)
+        if r.eos_token_id is not None and not p.ignore_eos:
+            stops.append(r.eos_token_id)
+        if len(stops) > self.stop_ids.shape[1]:
+            wider = np.full((self._capacity, len(stops)), -1, dtype=np.int64)
+            wider[:, :self.stop_ids.shape[1]] = self.stop_ids
+            self.stop_ids = wider
+        self.stop_ids[row] = -1
+        self.stop_ids[row, :len(stops)] = stops
+        return row
+
+    def remove(self, request_ids) -> None:
+        """Free the rows of ``request_ids`` (unknown ids are ignored)."""
+        for request_id in request_ids:
+            row = self.row_of.pop(request_id, None)
+            if row is not None:
+                self._tables[row] = None
+                self.logit_bias.pop(row, None)
+                if self.constrained[row]:
+                    self.matchers.remove(request_id)
+                self.constrained[row] = False
+                self.request_ids[row] = None
+                self._free_rows.append(row)
+
+    def _sync(self, r: Request, row: int) -> None:
+        """Copy what changed in ``r`` since its row last saw it: appended tokens, and its block
+        table (the tail when it grew, all of it when it was replaced)."""
+        held = int(self.num_tokens[row])
+        if r.num_tokens != held:
+            self.token_ids[row, held:r.num_tokens] = r.token_slice(held, r.num_tokens)
+            self.num_tokens[row] = r.num_tokens
+        table, known = r.block_table, int(self.num_blocks[row])
+        if table is not self._tables[row]:  # replaced (preempted): the old entries go
+            self.block_table[row, :known] = 0
+            self._tables[row], known = table, 0
+        if len(table) != known:
+            self.block_table[row, known:len(table)] = table[known:]
+            self.num_blocks[row] = len(table)
+
+    # -- one step ----------------------------------------------------------------------------
+    def prepare(self, out: SchedulerOutput) -> ModelInputs:
+        """The model's inputs for ``out``, on the batch's device. Rows are added for requests
+        seen for the first time (``add``: its errors propagate)."""
+        self.remove(out.finished_req_ids)
+        reqs, sched = out.scheduled, out.num_scheduled_tokens
+        n = len(reqs)
+        rows, num_new, computed = (np.empty(n, np.int64) for _ in range(3))
+        for i, r in enumerate(reqs):  # NOTE: the one loop over requests: counters only
+            row = self.row_of.get(r.request_id)
+            if row is None:
+                row = self.add(r)
+            rows[i], num_new[i], computed[i] = row, sched[r.request_id], r.num_computed_tokens
+            if (r.num_tokens != self.num_tokens[row] or r.block_table is not self._tables[row]
+                    or len(r.block_table) != self.num_blocks[row]):
+                self._sync(r, row)
+        # decode rows (one token) first: they take the batched decode attention path
+        order = np.argsort(num_new != 1, kind="stable")
+        rows, num_new, computed = rows[order], num_new[order], computed[order]
+        ends = np.cumsum(num_new)
+        starts = ends - num_new
+        seq = np.repeat(np.arange(n), num_new)  # [num_tokens] batch row of each token
+        positions = computed[seq] + np.arange(int(ends[-1])) - starts[seq]
+        token_rows = rows[seq]
+        bs = self.block_size
+        slots = self.block_table[token_rows, positions // bs] * bs + positions % bs
+        seq_lens = computed + num_new
+        width = int(-(-seq_lens.max() // bs))
+        sampled = np.flatnonzero(seq_lens == self.num_tokens[rows])
+        query_start_loc = np.concatenate(([0], ends))
+        t = to_device({"input_ids": self.token_ids[token_rows, positions].astype(np.int64),
+                       "positions": positions, "slot_mapping": slots, "seq_lens": seq_lens,
+                       "block_tables": self.block_table[rows, :width],
+                       "logits_indices": ends[sampled] - 1,
+                       "query_start_loc": query_start_loc.astype(np.int32)}, self.device)
+        attn = AttentionMetadata(t["slot_mapping"], t["block_tables"], t["seq_lens"],
+                                 query_start_loc.tolist(), int(np.count_nonzero(num_new == 1)))
+        attn.set_query_start_loc_tensor(t["query_start_loc"])
+        return ModelInputs(t["input_ids"], t["positions"], attn, order.tolist(),
+                           t["logits_indices"], sampled.tolist(), rows)
+
+    def sampling(self, rows: np.ndarray) -> SamplingBatch:
+        """Sampling settings of ``rows`` (the sampled rows, in logits order), on the batch's
+        device in one copy; which rows each stage concerns is decided here, on the host."""
+        num_out = self.num_tokens[rows] - self.num_prompt[rows]  # this attempt's outputs
+        a: dict[str, np.ndarray] = {}
+        below = np.flatnonzero(num_out < self.min_tokens[rows])
+        if below.size:  # min_tokens: EOS and stop ids masked
+            ids = self.stop_ids[rows[below]]
+            keep = ids >= 0
+            a["suppress_rows"] = np.broadcast_to(below[:, None], ids.shape)[keep]
+            a["suppress_ids"] = ids[keep]
+        num_logprobs = self.num_logprobs[rows]
+        if (num_logprobs >= 0).any():
+            a["logprob_rows"] = np.flatnonzero(num_logprobs >= 0)
+        if self.constrained[rows].any():
+            self._grammar_arrays(rows, a)
+        biased = [(i, self.logit_bias[row]) for i, row in enumerate(rows.tolist())
+                  if row in self.logit_bias]
+        if biased:
+            a["bias_rows"] = np.concatenate([np.full(len(ids), i) for i, (ids, _) in biased])
+            a["bias_ids"] = np.concatenate([ids for _, (ids, _) in biased])
+            a["bias_values"] = np.concatenate([b for _, (_, b) in biased])
+        if self.has_penalties[rows].any():
+            self._penalty_arrays(rows, a)
+        random = np.flatnonzero(self.temperature[rows] > 0)
+        if random.size:
+            self._random_arrays(rows, random, num_out[random], a)
+        t = to_device(a, self.device)
+        return SamplingBatch(
+            random=RandomDraws(
+                t["random_rows"], t["temperature"], t["top_p"], t["top_k"], t["min_p"],
+                t["uniforms"], t.get("filter_rows"), bool((a["min_p"] > 0).any()),
+            ) if random.size else None,
+            penalties=Penalties(t["penalty_rows"], t["presence"], t["frequency"],
+                                t["repetition"], t["history"], t["output_from"])
+            if "penalty_rows" in t else None,
+            suppress=(t["suppress_rows"], t["suppress_ids"]) if below.size else None,
+            allowed=(t["allowed_rows"], t["allowed_bitmask"]) if "allowed_rows" in t else None,
+            logit_bias=(t["bias_rows"], t["bias_ids"], t["bias_values"]) if biased else None,
+            logprob_rows=t.get("logprob_rows"),
+            max_num_logprobs=int(num_logprobs.max()) if "logprob_rows" in t else None)
+
+    def _random_arrays(self, rows: np.ndarray, which: np.ndarray, num_out: np.ndarray,
+                       a: dict[str, np.ndarray]) -> None:
+        r = rows[which]
+        top_p, top_k = self.top_p[r], self.top_k[r]
+        a.update(random_rows=which, temperature=self.temperature[r], top_p=top_p, top_k=top_k,
+                 min_p=self.min_p[r],
+                 uniforms=uniforms(self.seed[r], num_out + self.prior_outputs[r]).astype(np.float32))
+        filtered = (top_p < 1.0) | (top_k > 0)
+        if filtered.any():
+            a["filter_rows"] = np.flatnonzero(filtered)
+
+    def _grammar_arrays(self, rows: np.ndarray, a: dict[str, np.ndarray]) -> None:
+        """Each constrained row's allowed next tokens: its matcher first catches up with the
+        output tokens it has not seen (sampled here last step, or handed over: a remote
+        prefill's first token, a migrated request's earlier output)."""
+        which = np.flatnonzero(self.constrained[rows])
+        bitmask = np.zeros((which.size, self.matchers.words), dtype=np.int32)
+        for k, row in enumerate(rows[which].tolist()):
+            request_id = self.request_ids[row]
+            self.matchers.advance(request_id, self.token_ids[row, self.output_from[row]:self.num_tokens[row]])
+            self.matchers.fill(request_id, bitmask[k])
+        a["allowed_rows"], a["allowed_bitmask"] = which, bitmask
+
+    def _penalty_arrays(self, rows: np.ndarray, a: dict[str, np.ndarray]) -> None:
+        which = np.flatnonzero(self.has_penalties[rows])
+        r = rows[which]
+        lengths = self.num_tokens[r]
+        width = int(lengths.max())
+        history = self.token_ids[r, :width].astype(np.int64)
+        history[np.arange(width) >= lengths[:, None]] = -1
+        a.update(penalty_rows=which, presence=self.presence[r], frequency=self.frequency[r],
+                 repetition=self.repetition[r], history=history, output_from=self.output_from[r])
+
+    def plain_greedy(self, rows: np.ndarray) -> bool:
+        """Whether every row of ``rows`` takes the argmax of its raw logits: greedy, no
+        penalties, logit bias or structured output, no logprobs asked, and past ``min_tokens``
+        (nothing masked)."""
+        num_out = self.num_tokens[rows] - self.num_prompt[rows]
+        return bool((self.temperature[rows] == 0).all() and not self.has_penalties[rows].any()
+                    and (self.num_logprobs[rows] < 0).all() and not self.constrained[rows].any()
+                    and (num_out >= self.min_tokens[rows]).all()
+                    and not any(row in self.logit_bias for row in rows.tolist()))
+
+    def record_sampled(self, rows: np.ndarray, token_ids: list[int]) -> None:
+        """Append each row's sampled token (the scheduler appends the same to its request)."""
+        at = self.num_tokens[rows]
+        keep = at < self.max_model_len
+        self.token_ids[rows[keep], at[keep]] = np.asarray(token_ids, dtype=np.int32)[keep]
+        self.num_tokens[rows[keep]] += 1
