@@ -118,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--max-concurrency", type=int, default=4)
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
-    p.add_argument("--engine-args", default="--kv-cache-gib 0.25", help="every worker's flags")
+    p.add_argument("--engine-args", default="", help="every worker's flags")
     p.add_argument("--gateway-args", default="", help="the gateway's flags (e.g. the weight)")
     p.add_argument("--goodput", nargs="+", default=["ttft:1000", "tpot:200"], metavar="NAME:MS")
     p.add_argument("--time-limit", type=float, default=1200.0)

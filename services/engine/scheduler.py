@@ -9,6 +9,10 @@ running request cannot get a block, the newest running request is preempted (its
 its tokens recomputed later, mostly from the prefix cache), so the scheduler never deadlocks on
 KV memory; no request is admitted in a step that preempted (vLLM v1).
 
+A waiting request whose next uncached block a running request is computing right now waits
+until that block is cached (SGLang's scheduler likewise keeps two prompts from computing one
+prefix twice); it is passed over, not blocking the queue.
+
 With ``long_prefill_token_threshold`` T > 0, a prompt chunk is capped at T tokens in a step
 where other requests wait behind it, so a short prompt queued behind a long one is admitted in
 the same step instead of after the long prompt's last chunk (vLLM's
@@ -38,6 +42,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from .block_manager import BlockManager
+from .kv_events import prompt_block_hashes
 from .outputs import RequestOutput
 from .request import Request, RequestStatus
 
@@ -247,12 +252,17 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        """Admit waiting requests in ``queue_policy`` order (the head blocks the rest)."""
+        """Admit waiting requests in ``queue_policy`` order (the head blocks the rest), passing
+        over those whose next uncached block another request is computing now."""
         bs = self.block_manager.block_size
         self._order_waiting()
+        pending, deferred = self._blocks_in_progress(), []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             hits = self.prefix_hit(request)
+            if self._waits_for(request, hits, pending):
+                deferred.append(self.waiting.popleft())
+                continue
             num_new = self._chunk(request.num_tokens - request.num_computed_tokens - len(hits) * bs,
                                   budget, len(self.waiting) > 1)
             if num_new == 0 or not self.block_manager.allocate_slots(request, num_new, hits):
@@ -261,6 +271,36 @@ class Scheduler:
             out.scheduled.append(request)
             out.num_scheduled_tokens[request.request_id] = num_new
             budget -= num_new
+            if self.config.enable_prefix_caching:
+                pending.update(self._hashes(request)[len(hits):])
+        self.waiting.extendleft(reversed(deferred))
+
+    # -- prompts that share a prefix being computed ------------------------------------------
+    # A request admitted while another computes the same prefix would compute it a second
+    # time (neither's blocks are in the cache yet); held back until those blocks are cached,
+    # it finds them there. It waits at most as long as the computing request's prefill.
+
+    def _hashes(self, request: Request) -> list[int]:
+        if request.block_hashes is None:
+            request.block_hashes = prompt_block_hashes(request.prompt_token_ids,
+                                                       self.block_manager.block_size)
+        return request.block_hashes
+
+    def _blocks_in_progress(self) -> set[int]:
+        """Hashes of the prompt blocks that running requests have yet to compute."""
+        if not self.config.enable_prefix_caching:
+            return set()
+        bs = self.block_manager.block_size
+        return {h for r in self.running if r.num_computed_tokens < r.num_prompt_tokens
+                for h in self._hashes(r)[r.num_computed_tokens // bs:]}
+
+    def _waits_for(self, request: Request, hits: list[int], pending: set[int]) -> bool:
+        """Whether ``request`` (nothing computed yet) should wait: the block after its cached
+        prefix is one a running request is computing."""
+        if not pending or request.num_computed_tokens:
+            return False
+        hashes = self._hashes(request)
+        return len(hits) < len(hashes) and hashes[len(hits)] in pending
 
     def _allocate_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
         """Allocate for ``request``, preempting the newest running requests while needed."""

@@ -135,3 +135,37 @@ def test_num_prefill_tokens_counts_queued_and_prefilling_prompt_tokens():
     assert s.num_prefill_tokens == 32
     reserve(s, "c", list(range(200, 240)))  # waiting for KV from elsewhere: not ours to compute
     assert s.num_prefill_tokens == 32
+
+
+def test_a_prompt_waits_for_the_shared_prefix_another_is_computing_then_hits_it():
+    s = create_scheduler(max_num_batched_tokens=64, num_blocks=64)
+    doc = [30 + i for i in range(24)]  # 6 blocks
+    a = Request("a", doc + [1, 2], SamplingParams(temperature=0, max_tokens=2), eos_token_id=2)
+    b = Request("b", doc + [3, 4], SamplingParams(temperature=0, max_tokens=2), eos_token_id=2)
+    other = request("other", 8, arrival=0.0, base=90)
+    for r in (a, b, other):
+        s.add_request(r)
+    out = s.schedule()  # both fit the budget, but b would compute a's blocks again
+    assert out.num_scheduled_tokens == {"a": 26, "other": 8}
+    assert list(s.waiting) == [b]
+    s.update_from_output(out, fake_sample(out))
+    out = s.schedule()
+    assert out.num_scheduled_tokens["b"] == 2 and b.num_cached_tokens == 24  # a's blocks
+    s.update_from_output(out, fake_sample(out))
+
+
+def test_a_prompt_behind_a_chunked_prefix_follows_it_block_by_block():
+    s = create_scheduler(max_num_batched_tokens=12, num_blocks=64)
+    doc = [30 + i for i in range(40)]  # 10 blocks
+    a = Request("a", doc + [1], SamplingParams(temperature=0, max_tokens=2), eos_token_id=2)
+    b = Request("b", doc + [2], SamplingParams(temperature=0, max_tokens=2), eos_token_id=2)
+    s.add_request(a)
+    s.add_request(b)
+    while a.num_computed_tokens < a.num_prompt_tokens:
+        out = s.schedule()
+        assert "b" not in out.num_scheduled_tokens  # a is still computing what b needs
+        s.update_from_output(out, fake_sample(out))
+    while not b.output_token_ids:
+        out = s.schedule()
+        s.update_from_output(out, fake_sample(out))
+    assert b.num_cached_tokens == 40 and s.prefix_cache_hits == 40
