@@ -85,6 +85,14 @@ class BlockManager:
         """Blocks in the prefix cache, in use or free."""
         return len(self._cache)
 
+    def cached_prefix_blocks(self, hashes: list[int]) -> int:
+        """How many leading ``hashes`` (a prompt's chained block hashes) are in the cache: an
+        estimate of ``get_computed_blocks`` without its token checks (for ordering only)."""
+        n = 0
+        while n < len(hashes) and hashes[n] in self._cache:
+            n += 1
+        return n
+
     def cached_hashes(self) -> list[int]:
         """The chained hash of every block in the prefix cache. Safe from another thread while
         the engine runs: copying a dict of int keys holds the GIL throughout."""

@@ -126,6 +126,7 @@ class Scheduler:
         # most tokens a step with decode rows schedules (None: no limit); set by the engine
         self.step_token_budget: int | None = None
         self._prefill_left = config.max_num_batched_tokens  # prompt tokens left this step
+        self._yielded: list[Request] = []  # prompt chunks passed over for waiting requests
 
     # -- admission ---------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -193,8 +194,10 @@ class Scheduler:
         out = SchedulerOutput(finished_req_ids=self.finished_req_ids)
         self.finished_req_ids = set()
         self._prefill_left = self._prefill_budget()
+        self._yielded = []
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
         self._schedule_new(out, budget)
+        self._schedule_yielded(out)
         return out
 
     def _prefill_budget(self) -> int:
@@ -212,9 +215,7 @@ class Scheduler:
         """``srpt``: put the waiting request with the lowest aged key first (module docstring)."""
         if self.config.queue_policy != "srpt" or len(self.waiting) < 2:
             return
-        rate = self.config.queue_aging_tokens_per_s
-        self.waiting = deque(sorted(self.waiting, key=lambda r: r.arrival_time + (
-            r.num_tokens - r.num_computed_tokens) / rate))
+        self.waiting = deque(sorted(self.waiting, key=self._key))
 
     def _schedule_new(self, out: SchedulerOutput, budget: int) -> None:
         """Spend the budget left after the running requests (no admission after a preemption)."""
@@ -234,10 +235,18 @@ class Scheduler:
         return num_new
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
-        """Schedule running requests in order; returns the token budget left."""
-        i = 0
+        """Schedule running requests in order; returns the token budget left. Under ``srpt`` a
+        prompt still prefilling whose key is above an admissible waiting request's yields: it
+        gets what the waiting ones leave (``_schedule_yielded``), so a long prompt's chunks do
+        not hold every short prompt behind them."""
+        i, first_waiting = 0, self._lowest_waiting_key()
         while i < len(self.running) and budget > 0:
             request = self.running[i]
+            if (request.num_computed_tokens < request.num_prompt_tokens
+                    and self._key(request) > first_waiting):
+                self._yielded.append(request)
+                i += 1
+                continue
             num_new = self._chunk(request.num_tokens - request.num_computed_tokens, budget,
                                   bool(self.waiting))
             if num_new == 0:  # a prompt chunk over this step's time budget: next step
@@ -301,6 +310,42 @@ class Scheduler:
             return False
         hashes = self._hashes(request)
         return len(hits) < len(hashes) and hashes[len(hits)] in pending
+
+    def _schedule_yielded(self, out: SchedulerOutput) -> None:
+        """The prompt chunks that yielded to waiting requests, from the budget those left
+        (no preemption: what this step scheduled stays scheduled)."""
+        budget = self.config.max_num_batched_tokens - out.total_num_scheduled_tokens
+        for request in self._yielded:
+            if budget <= 0:
+                break
+            num_new = self._chunk(request.num_tokens - request.num_computed_tokens, budget,
+                                  bool(self.waiting))
+            if num_new == 0 or not self.block_manager.allocate_slots(request, num_new):
+                continue
+            out.scheduled.append(request)
+            out.num_scheduled_tokens[request.request_id] = num_new
+            budget -= num_new
+
+    def _key(self, request: Request) -> float:
+        """``srpt``'s key: arrival + uncomputed tokens / aging rate (lowest goes first)."""
+        return request.arrival_time + (request.num_tokens - request.num_computed_tokens) \
+            / self.config.queue_aging_tokens_per_s
+
+    def _lowest_waiting_key(self) -> float:
+        """The lowest ``srpt`` key of a waiting request that could start now (not one held
+        back for a prefix in progress); infinity under ``fcfs`` or with none."""
+        if self.config.queue_policy != "srpt" or not self.waiting:
+            return float("inf")
+        pending = self._blocks_in_progress()
+        keys = [self._key(r) for r in self.waiting if not pending or r.num_computed_tokens
+                or not self._waits_for(r, self._cached_prefix(r), pending)]
+        return min(keys, default=float("inf"))
+
+    def _cached_prefix(self, request: Request) -> list[int]:
+        """A stand-in for ``prefix_hit`` by the memoised hashes: as many entries as leading
+        blocks of the prompt the cache holds (cheap: no token hashing)."""
+        cached = self.block_manager.cached_prefix_blocks(self._hashes(request))
+        return [0] * cached
 
     def _allocate_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
         """Allocate for ``request``, preempting the newest running requests while needed."""

@@ -169,3 +169,19 @@ def test_a_prompt_behind_a_chunked_prefix_follows_it_block_by_block():
         out = s.schedule()
         s.update_from_output(out, fake_sample(out))
     assert b.num_cached_tokens == 40 and s.prefix_cache_hits == 40
+
+
+def test_under_srpt_a_long_prompts_chunks_yield_the_step_budget_to_a_short_prompt():
+    for policy, short_first in (("srpt", True), ("fcfs", False)):
+        s = create_scheduler(max_num_batched_tokens=64, num_blocks=128, queue_policy=policy)
+        s.add_request(request("stream", 4, arrival=0.0, max_tokens=100))
+        step(s)  # a decode row from now on
+        s.step_token_budget = 9  # 8 prompt tokens a step beside the row
+        s.add_request(request("long", 200, arrival=1.0, base=60))
+        step(s)  # the long prompt starts: 8 of its tokens
+        s.add_request(request("short", 8, arrival=1.05, base=200))  # key 1.058 < 1.192
+        out = s.schedule()
+        scheduled = out.num_scheduled_tokens
+        assert ("short" in scheduled) is short_first, policy
+        assert scheduled.get("short", scheduled.get("long")) == 8
+        s.update_from_output(out, fake_sample(out))
