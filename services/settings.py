@@ -60,32 +60,27 @@ ENGINE_HELP = {
                     "left first, aged by 1,000 tokens a second waited, so none starves)",
     "max_step_ms": "a step with running streams computes only the prompt tokens that fit this "
                    "many ms by the measured step cost, so inter-token gaps stay near it while "
-                   "prompts are prefilled (unset: no budget)",
+                   "prompts are prefilled (unset: no budget; for machines whose decode step is "
+                   "well under it, e.g. GPUs)",
     "enforce_eager": "on a GPU, launch every step's kernels from Python instead of replaying "
                      "decode steps from CUDA graphs (vLLM's --enforce-eager)",
 }
 ENGINE_NAMES = {"kv_cache_memory_gib": ("TANDEM_KV_CACHE_GIB", "--kv-cache-gib")}
 
 
-# a served worker's step budget: below the 200 ms TPOT objective the benchmarks count goodput
-# against (docs/benchmarks.md), with room for a step the cost model underestimates
-SERVED_MAX_STEP_MS = 150.0
-
-
 class EngineSection(EngineConfig):
     """``EngineConfig`` with closed choices as enums. Every default is ``EngineConfig``'s except
-    precision, ``step_threads`` and the scheduling policies: a served worker defaults to
-    ``auto`` (the fastest exact-enough combination this machine supports, logged at start;
-    small steps on the thread count timed fastest), ``srpt`` admission and a step budget of
-    ``SERVED_MAX_STEP_MS``; the in-process engine to float32/none (the oracle mode), every
-    thread, ``fcfs`` and no budget (what its benchmarks and tests measure)."""
+    precision, ``step_threads`` and the queue policy: a served worker defaults to ``auto``
+    (the fastest exact-enough combination this machine supports, logged at start; small steps
+    on the thread count timed fastest) and ``srpt`` admission; the in-process engine to
+    float32/none (the oracle mode), every thread and ``fcfs`` (what its benchmarks and tests
+    measure). No step budget by default (``max_step_ms``: docs/architecture.md says why)."""
 
     dtype: DType = DType.auto
     device: Device = Device(EngineConfig.model_fields["device"].default)
     quantization: Quantization = Quantization.auto
     step_threads: Literal["auto", "all"] = "auto"
     queue_policy: QueuePolicy = QueuePolicy.srpt
-    max_step_ms: float | None = Field(default=SERVED_MAX_STEP_MS, gt=0)
 
     def engine_config(self) -> EngineConfig:
         """The plain ``EngineConfig`` the engine takes."""

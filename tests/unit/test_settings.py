@@ -12,8 +12,7 @@ import pytest
 
 from services import cli
 from services.engine.engine import EngineConfig
-from services.settings import (SERVED_MAX_STEP_MS, DType, KVFailurePolicy, KVTransportKind, LogLevel,
-                               Quantization, Settings)
+from services.settings import DType, Quantization, KVFailurePolicy, KVTransportKind, LogLevel, Settings
 from services.settings_sources import (
     SettingsError, leaves, load_settings, markdown_table, show_lines, write_settings_file)
 
@@ -36,8 +35,7 @@ def test_engine_defaults_are_engine_configs_own_but_a_served_worker_picks_precis
     engine = Settings().engine
     assert engine.dtype is DType.auto and engine.quantization is Quantization.auto
     assert engine.engine_config() == EngineConfig(dtype="auto", quantization="auto",
-                                                  step_threads="auto", queue_policy="srpt",
-                                                  max_step_ms=SERVED_MAX_STEP_MS)
+                                                  step_threads="auto", queue_policy="srpt")
     assert (EngineConfig().dtype, EngineConfig().quantization, EngineConfig().step_threads,
             EngineConfig().queue_policy, EngineConfig().max_step_ms) == (
         "float32", "none", "all", "fcfs", None)
