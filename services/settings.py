@@ -57,7 +57,8 @@ ENGINE_HELP = {
     "step_threads": "threads of each step: auto (timed while serving per step size, one or "
                     "all of worker.num_threads, whichever is faster) or all",
     "queue_policy": "admission order of waiting requests: fcfs (arrival) or srpt (least work "
-                    "left first, aged by 1,000 tokens a second waited, so none starves)",
+                    "left first, aged: passed only by requests arriving before it would have "
+                    "finished alone, at the measured time per token)",
     "max_step_ms": "a step with running streams computes only the prompt tokens that fit this "
                    "many ms by the measured step cost, so inter-token gaps stay near it while "
                    "prompts are prefilled (unset: no budget; for machines whose decode step is "

@@ -233,6 +233,7 @@ class LLMEngine:
         failed alone come first, with ``error`` set. Raises ``EngineDeadError`` (or what the
         scheduler raised) when the engine cannot continue; see the module docstring."""
         t0 = time.perf_counter()
+        self.scheduler.seconds_per_token = self.step_cost.seconds_per_token or None
         if self.config.max_step_ms:
             self.scheduler.step_token_budget = self.step_cost.token_budget(
                 self.config.max_step_ms / 1000)

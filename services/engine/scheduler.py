@@ -20,10 +20,11 @@ the same step instead of after the long prompt's last chunk (vLLM's
 
 Waiting order (``queue_policy``): ``fcfs`` admits in arrival order (the head blocks the rest);
 ``srpt`` admits the waiting request with the least work left first, aged so that none starves:
-its key is ``arrival + remaining_tokens / queue_aging_tokens_per_s`` (shortest remaining
-processing time, Schrage 1968, with linear aging), lowest first. A request of R uncomputed
-tokens that arrived at t is therefore admitted before any request that arrives after
-``t + R / rate``: its wait is bounded by R / rate plus the time to serve what arrived before then.
+its key is ``arrival + remaining_tokens x seconds_per_token`` (shortest remaining processing
+time, Schrage 1968, with linear aging; the engine measures seconds per token, 1 /
+``queue_aging_tokens_per_s`` until it has), lowest first. A request that arrived at t needing
+S seconds alone is therefore admitted before any request that arrives after ``t + S``: its wait
+is bounded by its own service time plus the time to serve what arrived before then.
 
 Time-budgeted steps: with ``step_token_budget`` B set (the engine sets it each step from the
 measured step cost and ``max_step_ms``), a step that carries decode rows schedules at most B
@@ -48,7 +49,7 @@ from .request import Request, RequestStatus
 
 POLICIES = ("continuous", "static")
 QUEUE_POLICIES = ("fcfs", "srpt")
-QUEUE_AGING_TOKENS_PER_S = 1000.0  # srpt: tokens of priority a waiting request gains per second
+QUEUE_AGING_TOKENS_PER_S = 1000.0  # srpt: prefill speed assumed until the engine measures it
 
 
 @dataclass(frozen=True)
@@ -125,6 +126,8 @@ class Scheduler:
         self.prefix_cache_hits = 0  # tokens
         # most tokens a step with decode rows schedules (None: no limit); set by the engine
         self.step_token_budget: int | None = None
+        # measured seconds one scheduled token costs (None: not known); set by the engine
+        self.seconds_per_token: float | None = None
         self._prefill_left = config.max_num_batched_tokens  # prompt tokens left this step
         self._yielded: list[Request] = []  # prompt chunks passed over for waiting requests
 
@@ -327,9 +330,10 @@ class Scheduler:
             budget -= num_new
 
     def _key(self, request: Request) -> float:
-        """``srpt``'s key: arrival + uncomputed tokens / aging rate (lowest goes first)."""
-        return request.arrival_time + (request.num_tokens - request.num_computed_tokens) \
-            / self.config.queue_aging_tokens_per_s
+        """``srpt``'s key (lowest goes first): arrival + its uncomputed tokens' time, by the
+        measured ``seconds_per_token`` (until measured, 1 / ``queue_aging_tokens_per_s``)."""
+        per_token = self.seconds_per_token or 1.0 / self.config.queue_aging_tokens_per_s
+        return request.arrival_time + (request.num_tokens - request.num_computed_tokens) * per_token
 
     def _lowest_waiting_key(self) -> float:
         """The lowest ``srpt`` key of a waiting request that could start now (not one held

@@ -185,3 +185,12 @@ def test_under_srpt_a_long_prompts_chunks_yield_the_step_budget_to_a_short_promp
         assert ("short" in scheduled) is short_first, policy
         assert scheduled.get("short", scheduled.get("long")) == 8
         s.update_from_output(out, fake_sample(out))
+
+
+def test_srpt_ages_by_the_measured_time_a_prompt_needs():
+    for seconds_per_token, first in ((None, "long"), (0.02, "short")):
+        s = create_scheduler(max_num_batched_tokens=250, queue_policy="srpt")
+        s.seconds_per_token = seconds_per_token
+        s.add_request(request("long", 200, arrival=100.0))  # 0.2 s at 1 ms/token, 4 s at 20 ms
+        s.add_request(request("short", 8, arrival=102.0))  # 102.008 / 102.16
+        assert admitted(s)[0] == first, seconds_per_token
