@@ -27,6 +27,7 @@ def params_from_proto(p: worker_pb2.SamplingParams) -> SamplingParams:
         **{name: getattr(p, name) for name in _SHARED_FIELDS},
         seed=p.seed if p.HasField("seed") else None, stop_token_ids=tuple(p.stop_token_ids),
         logprobs=p.logprobs if p.HasField("logprobs") else None,
+        prompt_logprobs=p.prompt_logprobs if p.HasField("prompt_logprobs") else None,
         structured_output=StructuredOutput(format=so.format, spec=so.spec) if so else None,
         logit_bias=tuple(sorted(p.logit_bias.items())),
     )
@@ -38,6 +39,7 @@ def params_to_proto(p: SamplingParams) -> worker_pb2.SamplingParams:
     return worker_pb2.SamplingParams(
         **{name: getattr(p, name) for name in _SHARED_FIELDS},
         seed=p.seed, stop_token_ids=list(p.stop_token_ids), logprobs=p.logprobs,
+        prompt_logprobs=p.prompt_logprobs,
         structured_output=worker_pb2.StructuredOutput(format=so.format, spec=so.spec) if so else None,
         logit_bias=dict(p.logit_bias),
     )

@@ -31,6 +31,17 @@ from .scheduler import SchedulerOutput
 
 
 @dataclass
+class PromptLogprobsPlan:
+    """Where a step computes prompt logprobs: the logits of the token before each prompt token
+    of the step's chunks, for the requests that asked (``prompt_logprobs``)."""
+
+    indices: torch.Tensor  # [m] rows of the hidden states (the token before each target)
+    targets: torch.Tensor  # [m] int64: the prompt tokens whose logprob is asked
+    owners: list[tuple[int, int, int]]  # (index in out.scheduled, targets, its top-N), in order
+    num_top: int  # largest top-N asked for
+
+
+@dataclass
 class ModelInputs:
     """One step's flattened ragged batch (no padding), decode rows first."""
 
@@ -41,6 +52,7 @@ class ModelInputs:
     logits_indices: torch.Tensor  # [num_sampled] rows of the hidden states to sample from
     sampled_rows: list[int]  # batch rows that sample, aligned with logits_indices
     rows: np.ndarray  # [num_seqs] int64: each batch row's row in the InputBatch
+    prompt_logprobs: PromptLogprobsPlan | None = None
 
 
 def to_device(arrays: dict[str, np.ndarray], device: torch.device) -> dict[str, torch.Tensor]:
@@ -138,6 +150,7 @@ class InputBatch:
         self.min_tokens = resized(get("min_tokens"), (n,), np.int64)
         self.num_logprobs = resized(get("num_logprobs"), (n,), np.int64, -1)  # -1: none
         self.constrained = resized(get("constrained"), (n,), np.bool_)  # structured output
+        self.prompt_logprobs = resized(get("prompt_logprobs"), (n,), np.int64, -1)  # -1: none
         self.request_ids: list[str | None] = getattr(self, "request_ids", []) + [None] * (n - old)
         width = get("stop_ids").shape[1] if old else 1
         self.stop_ids = resized(get("stop_ids"), (n, width), np.int64, -1)  # EOS + stop ids
@@ -157,11 +170,12 @@ class InputBatch:
         if p.structured_output is not None:
             if self.matchers is None:
                 raise ValueError("structured_output: this engine has no tokenizer for grammars")
-            self.matchers.add(r.request_id, p.structured_output)
+            self.matchers.add(r.request_id, p.structured_output.format, p.structured_output.spec)
         row = self._free_rows.pop()
         self.row_of[r.request_id] = row
         self.request_ids[row] = r.request_id
         self.constrained[row] = p.structured_output is not None
+        self.prompt_logprobs[row] = -1 if p.prompt_logprobs is None else p.prompt_logprobs
         if p.logit_bias:
             ids, biases = zip(*p.logit_bias)
             self.logit_bias[row] = (np.array(ids, dtype=np.int64), np.array(biases, dtype=np.float32))
@@ -258,8 +272,33 @@ class InputBatch:
         attn = AttentionMetadata(t["slot_mapping"], t["block_tables"], t["seq_lens"],
                                  query_start_loc.tolist(), int(np.count_nonzero(num_new == 1)))
         attn.set_query_start_loc_tensor(t["query_start_loc"])
+        plan = None
+        if (self.prompt_logprobs[rows] >= 0).any():
+            plan = self._prompt_logprobs_plan(rows, order, computed, num_new, starts)
         return ModelInputs(t["input_ids"], t["positions"], attn, order.tolist(),
-                           t["logits_indices"], sampled.tolist(), rows)
+                           t["logits_indices"], sampled.tolist(), rows, plan)
+
+    def _prompt_logprobs_plan(self, rows: np.ndarray, order: np.ndarray, computed: np.ndarray,
+                              num_new: np.ndarray, starts: np.ndarray) -> PromptLogprobsPlan | None:
+        """Prompt token ``j`` (``j >= 1``) is scored by the logits at position ``j - 1``: for
+        each chunk of an asking request that has produced no output yet, the positions
+        ``[start, min(end, num_prompt - 1))``."""
+        indices, targets, owners = [], [], []
+        for b in np.flatnonzero((self.prompt_logprobs[rows] >= 0)
+                                & (self.num_tokens[rows] == self.num_prompt[rows])).tolist():
+            row, start = rows[b], int(computed[b])
+            end = min(start + int(num_new[b]), int(self.num_prompt[row]) - 1)
+            if end <= start:
+                continue
+            indices.append(np.arange(end - start) + starts[b])
+            targets.append(self.token_ids[row, start + 1:end + 1].astype(np.int64))
+            owners.append((int(order[b]), end - start, int(self.prompt_logprobs[row])))
+        if not owners:
+            return None
+        t = to_device({"indices": np.concatenate(indices), "targets": np.concatenate(targets)},
+                      self.device)
+        return PromptLogprobsPlan(t["indices"], t["targets"], owners,
+                                  int(self.prompt_logprobs[rows].max()))
 
     def sampling(self, rows: np.ndarray) -> SamplingBatch:
         """Sampling settings of ``rows`` (the sampled rows, in logits order), on the batch's

@@ -33,7 +33,8 @@ class SamplingParams(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
-    max_tokens: int = Field(default=256, gt=0)  # output tokens, first token included
+    max_tokens: int = Field(default=256, ge=0)  # output tokens, first token included; 0: score
+    # the prompt only (needs prompt_logprobs)
     min_tokens: int = Field(default=0, ge=0)  # EOS and stop tokens cannot end it earlier
     temperature: float = Field(default=1.0, ge=0.0)  # below SAMPLING_EPS: greedy
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)  # nucleus mass kept
@@ -54,6 +55,9 @@ class SamplingParams(BaseModel):
     # (token id, bias) added to the logits before sampling (OpenAI's logit_bias: -100 bans a
     # token, 100 all but forces it); ids are checked against the model by the engine
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # vLLM's prompt_logprobs: each prompt token's logprob (after the first) and the top-N
+    # alternatives at its position; prefix-cache hits are not used for such a request
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=20)
 
     @field_validator("stop")
     @classmethod
@@ -75,7 +79,7 @@ class SamplingParams(BaseModel):
         if v is not None:
             from .grammars import grammar_of
 
-            grammar_of(v)  # ValueError naming structured_output and why
+            grammar_of(v.format, v.spec)  # ValueError naming structured_output and why
         return v
 
     @field_validator("logit_bias")
@@ -90,6 +94,9 @@ class SamplingParams(BaseModel):
 
     @model_validator(mode="after")
     def _min_le_max(self) -> SamplingParams:
+        if self.max_tokens == 0 and self.prompt_logprobs is None:
+            raise ValueError("max_tokens: must be > 0 unless prompt_logprobs are asked for "
+                             "(scoring a prompt)")
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         return self

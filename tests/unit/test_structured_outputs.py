@@ -135,7 +135,7 @@ def test_bad_specs_are_refused_naming_the_field(so, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         SamplingParams(structured_output=so)
     with pytest.raises(ValueError, match=message):
-        grammar_of(so)
+        grammar_of(so.format, so.spec)
 
 
 @pytest.mark.parametrize("bias,message", [(((5, 101.0),), "within"), (((-1, 1.0),), ">= 0"),
@@ -157,10 +157,54 @@ def test_rows_without_grammars_skip_the_masks():
     assert ib.matchers is not None and not np.any(ib.constrained)
 
 
-def test_the_worker_proto_carries_both_fields():
+def test_the_worker_proto_carries_the_new_fields():
     from services.api.convert import params_from_proto, params_to_proto
 
     p = SamplingParams(structured_output=StructuredOutput(format="regex", spec="a+"),
-                       logit_bias=((1, 2.0), (3, -1.5)))
+                       logit_bias=((1, 2.0), (3, -1.5)), prompt_logprobs=3)
     assert params_from_proto(params_to_proto(p)) == p
     assert params_from_proto(params_to_proto(SamplingParams())) == SamplingParams()
+
+
+# -- prompt logprobs ----------------------------------------------------------------------------
+def test_prompt_logprobs_equal_transformers_log_softmax_in_float32():
+    """vLLM's prompt_logprobs (OpenAI's echo + logprobs): one logprob per prompt token after the
+    first, equal to transformers' log-softmax there; chunked over 3 steps; max_tokens 0 scores
+    the prompt without generating."""
+    from loadtest.hf_baseline import build_hf_model
+    from services.engine.loader import load_model
+    from services.engine.model_files import default_model_path
+    from tests.unit.test_engine import make_engine
+
+    engine = make_engine(max_num_batched_tokens=16)  # float32 oracle mode, chunks of 16
+    ids = prompt("Write a short poem about the sea.")[:40]
+    engine.add_request(engine.make_request("score", ids, SamplingParams(
+        max_tokens=0, prompt_logprobs=2)))
+    engine.add_request(engine.make_request("gen", ids, SamplingParams(
+        temperature=0, max_tokens=2, prompt_logprobs=0)))
+    outs: dict[str, list] = {}
+    while engine.has_work():
+        for o in engine.step():
+            outs.setdefault(o.request_id, []).append(o)
+    (score,) = outs["score"]
+    assert score.new_token_ids == [] and score.finish_reason == "length"
+    first_gen = outs["gen"][0]
+    assert len(first_gen.new_token_ids) == 1 and all(o.prompt_logprobs is None for o in outs["gen"][1:])
+    model = build_hf_model(*load_model(default_model_path()))
+    with torch.inference_mode():
+        ref = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
+    for got, top in ((score.prompt_logprobs, 2), (first_gen.prompt_logprobs, 0)):
+        assert len(got) == len(ids) and got[0] is None
+        for j in range(1, len(ids)):
+            lp = got[j]
+            assert lp.token_id == ids[j]
+            assert abs(lp.logprob - ref[j - 1, ids[j]].item()) < 1e-4, j
+            assert len(lp.top) == top
+            if top:
+                assert [t for t, _ in lp.top] == ref[j - 1].topk(top).indices.tolist()
+    assert engine.block_manager.num_free_blocks == 256
+
+
+def test_max_tokens_zero_needs_prompt_logprobs():
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingParams(max_tokens=0)
