@@ -88,6 +88,7 @@ class GrpcClient:
                 if msg.finish_reason:
                     record.finish_reason = msg.finish_reason
                     record.prompt_len = msg.usage.prompt_tokens or req.prompt_len
+                    record.cached_tokens = msg.usage.cached_tokens
             record.output_tokens = count
             record.error = _stream_error(count, record.finish_reason)
             record.success = not record.error
@@ -184,6 +185,8 @@ class OpenAIClient:
                 record.finish_reason = choice.get("finish_reason") or record.finish_reason
         record.prompt_len = (usage or {}).get("prompt_tokens") or req.prompt_len
         record.output_tokens = (usage or {}).get("completion_tokens") or chunks
+        record.cached_tokens = ((usage or {}).get("prompt_tokens_details") or {}).get(
+            "cached_tokens") or 0
         if not record.error and not done:
             record.error = "stream ended without [DONE]"
         record.success = not record.error and chunks > 0

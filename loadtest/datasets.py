@@ -5,16 +5,25 @@
   ``ignore_eos`` so the output length is exact (vLLM's ``--dataset-name random``).
 - ``sharegpt``: a ShareGPT-format JSON file (a list of ``{"conversations": [{"from", "value"},
   ...]}``); the first human turn is the prompt, the first reply's length the output length.
-- ``prefix``: ``num_prefixes`` shared system prompts of ``prefix_len`` tokens, each followed by a
-  unique random suffix (vLLM's ``prefix_repetition``: what a prefix cache and prefix-aware
-  routing are for).
+- ``prefix``: ``num_prefixes`` long shared documents (or system prompts) of ``prefix_len``
+  tokens x questions: each request is one document followed by a question of its own
+  (``input_len`` random tokens), the documents dealt in shuffled order (every document
+  ``ceil(n / num_prefixes)`` times; vLLM's ``prefix_repetition``): what a prefix cache and
+  prefix-aware routing are for.
+- ``multiturn``: conversations whose every turn resends the whole history (user turns of
+  ``input_len`` tokens, assistant replies of ``output_len``, ``num_turns`` turns each, as chat
+  messages); turn t of every conversation comes before turn t + 1 of any, the conversations in
+  shuffled order within a turn. The replies in the history are the dataset's own (fixed text,
+  not what the model said), so a turn's prompt extends the previous turn's prompt: a worker
+  that served the previous turn holds its prefix.
 - ``chat``: the built-in instruct prompts (``loadtest.chat_prompts``) as one user turn each,
   run to EOS or ``chat_max_tokens``.
 - ``long-mix``: ``chat`` plus, with probability ``long_fraction``, a long random prompt of
   ``long_input_range`` tokens (1.5k-4k by default): the interference study of disaggregation
   (DistServe section 2: a long prefill stalls colocated decode steps).
 
-Every request carries ``kind`` (``random``, ``sharegpt``, ``prefix``, ``chat``, ``long``) so the
+Every request carries ``kind`` (``random``, ``sharegpt``, ``prefix``, ``multiturn``, ``chat``,
+``long``) so the
 report can split figures per kind. A tokenizer is anything with ``encode(text) -> list[int]``,
 ``decode(ids) -> str``, ``apply_chat_template(messages) -> str`` and ``vocab_size``.
 """
@@ -29,7 +38,7 @@ from typing import Any, Protocol
 from loadtest.chat_prompts import CHAT_PROMPTS
 
 FIRST_NORMAL_TOKEN = 17  # ids 0-16 are control tokens in SmolLM2's vocabulary
-DATASETS = ("random", "sharegpt", "prefix", "chat", "long-mix")
+DATASETS = ("random", "sharegpt", "prefix", "multiturn", "chat", "long-mix")
 
 
 class TokenizerLike(Protocol):
@@ -66,8 +75,9 @@ class DatasetOptions:
     input_len: int = 128             # random/prefix: prompt (suffix) length
     output_len: int = 64             # random/prefix: output length
     range_ratio: float = 0.0         # random: lengths uniform in len * [1 - r, 1 + r]
-    prefix_len: int = 256            # prefix: shared system prompt length
-    num_prefixes: int = 4            # prefix: distinct shared prompts
+    prefix_len: int = 256            # prefix: shared document / system prompt length
+    num_prefixes: int = 4            # prefix: distinct shared documents
+    num_turns: int = 4               # multiturn: turns per conversation
     sharegpt_path: str = ""          # sharegpt: the JSON file
     sharegpt_output_len: int = 0     # sharegpt: > 0 overrides each reply's length
     chat_max_tokens: int = 128       # chat / long-mix: output cap (EOS ends earlier)
@@ -76,8 +86,8 @@ class DatasetOptions:
     long_output_len: int = 16        # long-mix: exact output length of a long prompt
 
     def __post_init__(self) -> None:
-        for name in ("input_len", "output_len", "prefix_len", "num_prefixes", "chat_max_tokens",
-                     "long_output_len"):
+        for name in ("input_len", "output_len", "prefix_len", "num_prefixes", "num_turns",
+                     "chat_max_tokens", "long_output_len"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if not 0.0 <= self.range_ratio < 1.0:
@@ -116,11 +126,35 @@ def random_dataset(n: int, tokenizer: TokenizerLike, opts: DatasetOptions) -> li
 def prefix_dataset(n: int, tokenizer: TokenizerLike, opts: DatasetOptions) -> list[SampleRequest]:
     rng = random.Random(opts.seed)
     prefixes = [random_text(rng, tokenizer, opts.prefix_len)[0] for _ in range(opts.num_prefixes)]
+    per_prefix = -(-n // opts.num_prefixes)
+    order = [d for d in range(opts.num_prefixes) for _ in range(per_prefix)]
+    rng.shuffle(order)
     out = []
-    for i in range(n):
+    for d in order[:n]:
         suffix, _ = random_text(rng, tokenizer, opts.input_len)
-        text = prefixes[i % opts.num_prefixes] + "\n" + suffix  # a break: no merge across
+        text = prefixes[d] + "\n" + suffix  # a break: no merge across
         out.append(SampleRequest(text, len(tokenizer.encode(text)), opts.output_len, True, "prefix"))
+    return out
+
+
+def multiturn_dataset(n: int, tokenizer: TokenizerLike, opts: DatasetOptions) -> list[SampleRequest]:
+    rng = random.Random(opts.seed)
+    conversations = [[] for _ in range(-(-n // opts.num_turns))]  # messages so far, each
+    out = []
+    for _turn in range(opts.num_turns):
+        order = list(range(len(conversations)))
+        rng.shuffle(order)
+        for c in order:
+            if len(out) == n:
+                return out
+            history = conversations[c]
+            history.append({"role": "user", "content": random_text(rng, tokenizer, opts.input_len)[0]})
+            messages = tuple(dict(m) for m in history)
+            text = tokenizer.apply_chat_template(list(messages))
+            out.append(SampleRequest(text, len(tokenizer.encode(text)), opts.output_len, True,
+                                     "multiturn", messages))
+            history.append({"role": "assistant",
+                            "content": random_text(rng, tokenizer, opts.output_len)[0]})
     return out
 
 
@@ -211,7 +245,7 @@ def build_dataset(name: str, n: int, tokenizer: TokenizerLike,
     if n <= 0:
         raise ValueError(f"num_prompts must be > 0, got {n}")
     builders = {"random": random_dataset, "sharegpt": sharegpt_dataset, "prefix": prefix_dataset,
-                "chat": chat_dataset, "long-mix": long_mix_dataset}
+                "multiturn": multiturn_dataset, "chat": chat_dataset, "long-mix": long_mix_dataset}
     if name not in builders:
         raise ValueError(f"dataset must be one of {', '.join(DATASETS)}, got {name!r}")
     return builders[name](n, tokenizer, opts)

@@ -34,6 +34,7 @@ class RequestRecord:
     finish_s: float = 0.0
     prompt_len: int = 0            # tokens; the server's usage when it reported one
     output_tokens: int = 0         # tokens; the server's usage when it reported one
+    cached_tokens: int = 0         # prompt tokens the server found in its prefix cache (usage)
     itl: list[float] = field(default_factory=list)  # seconds
     success: bool = False
     error: str = ""
@@ -130,6 +131,8 @@ def summarize(records: list[RequestRecord], duration_s: float, slos: dict[str, f
     result = {
         "duration": duration_s, "completed": len(done), "failed": len(records) - len(done),
         "total_input_tokens": input_tokens, "total_output_tokens": output_tokens,
+        "total_cached_tokens": (cached := sum(r.cached_tokens for r in done)),
+        "prefix_cache_hit_rate": cached / input_tokens if input_tokens else 0.0,
         "request_throughput": len(done) / duration_s,
         "request_goodput": good / duration_s,
         "output_throughput": output_tokens / duration_s,

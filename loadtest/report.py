@@ -74,6 +74,7 @@ def print_summary(result: dict, percentiles: list[float]) -> None:
             ("Benchmark duration (s)", result["duration"]),
             ("Total input tokens", result["total_input_tokens"]),
             ("Total generated tokens", result["total_output_tokens"]),
+            ("Prefix cache hit rate (cached / input)", result["prefix_cache_hit_rate"]),
             ("Request throughput (req/s)", result["request_throughput"]),
             ("Request goodput (req/s)", result["request_goodput"]),
             ("SLO attainment", result["slo_attainment"]),

@@ -54,7 +54,8 @@ def add_load_args(p: argparse.ArgumentParser) -> None:
     d.add_argument("--random-output-len", type=int, default=64)
     d.add_argument("--random-range-ratio", type=float, default=0.0)
     d.add_argument("--prefix-len", type=int, default=256)
-    d.add_argument("--num-prefixes", type=int, default=4)
+    d.add_argument("--num-prefixes", type=int, default=4, help="prefix: shared documents")
+    d.add_argument("--num-turns", type=int, default=4, help="multiturn: turns per conversation")
     d.add_argument("--sharegpt-path", default="")
     d.add_argument("--sharegpt-output-len", type=int, default=0)
     d.add_argument("--chat-max-tokens", type=int, default=128)
@@ -93,7 +94,7 @@ def dataset_options(args) -> DatasetOptions:
     return DatasetOptions(
         seed=args.seed, input_len=args.random_input_len, output_len=args.random_output_len,
         range_ratio=args.random_range_ratio, prefix_len=args.prefix_len,
-        num_prefixes=args.num_prefixes, sharegpt_path=args.sharegpt_path,
+        num_prefixes=args.num_prefixes, num_turns=args.num_turns, sharegpt_path=args.sharegpt_path,
         sharegpt_output_len=args.sharegpt_output_len, chat_max_tokens=args.chat_max_tokens,
         long_fraction=args.long_fraction, long_input_range=args.long_input_range,
         long_output_len=args.long_output_len)

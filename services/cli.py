@@ -158,6 +158,7 @@ def cmd_serve(args, loaded: LoadedSettings) -> int:
 def gateway_options(s):
     """The settings tree -> the gateway's ``GatewayOptions``."""
     from services.gateway.app import GatewayOptions
+    from services.gateway.router import RoutingOptions
     from services.gateway.validation import RequestLimits
 
     g = s.gateway
@@ -167,6 +168,8 @@ def gateway_options(s):
         RequestLimits(g.max_request_bytes, g.max_messages, g.max_tokens_cap, g.max_n),
         g.tokenize_threads, g.http_port or None,
         internal_secret=s.internal_secret(), drain_s=g.drain_s, metrics_port=g.metrics_port,
+        routing=RoutingOptions(g.routing.value, g.kv_overlap_score_weight, g.router_temperature,
+                               g.kv_events, g.pd_threshold_tokens),
         **exposure_options(s))
 
 
@@ -195,7 +198,7 @@ def worker_options(s, role: str):
         drain_s=w.prefill_drain_s if role == "prefill" else w.decode_drain_s,  # unified: decode's
         internal_tls=InternalTls.from_settings(t.internal_tls_cert_file, t.internal_tls_key_file,
                                                t.internal_tls_ca_file, t.internal_tls_server_name),
-        metrics_port=w.metrics_port)
+        metrics_port=w.metrics_port, publish_kv_events=w.publish_kv_events)
 
 
 def cmd_up(args, loaded: LoadedSettings) -> int:

@@ -72,7 +72,8 @@ async def serve_worker(opts: WorkerOptions, num_threads: int) -> None:
     log.info("%s engine warmed up in %.2fs", opts.role, warm_up_s)
     runtime = WorkerRuntime(opts, engine)
     runtime.metrics = WorkerMetrics(served_model_name(opts.engine.model), opts.role,
-                                    runtime.worker_id, engine, lambda: runtime.reservations)
+                                    runtime.worker_id, engine, lambda: runtime.reservations,
+                                    lambda: runtime)
     metrics = MetricsServer(runtime.metrics.registry, opts.host, opts.metrics_port)
     servicer, add, name = _servicer(runtime)
     full_name = worker_pb2.DESCRIPTOR.services_by_name[name].full_name
@@ -82,7 +83,7 @@ async def serve_worker(opts: WorkerOptions, num_threads: int) -> None:
     port = bind(server, opts.host, opts.port,
                 opts.internal_tls.server_credentials() if opts.internal_tls else None)
     await server.start()
-    runtime.start(f"{opts.advertise_host}:{port}")
+    runtime.start(f"{opts.advertise_host}:{port}", served_model_name(opts.engine.model))
     await mark_serving(health, [full_name])
     log.info("%s worker %s ready on %s:%d (Prometheus metrics on http://%s:%d/metrics)",
              opts.role, runtime.worker_id, opts.host, port, opts.host, metrics.port)
@@ -92,6 +93,7 @@ async def serve_worker(opts: WorkerOptions, num_threads: int) -> None:
         await health.enter_graceful_shutdown()  # NOT_SERVING for every service
         runtime.draining = True  # new requests: UNAVAILABLE (the gateway goes elsewhere)
         await runtime.heartbeater.stop()  # leave the registry: the gateway stops routing here
+        await runtime.stop_kv_events()  # "cleared": gateways forget this cache at once
         if not runtime.died.is_set():
             await drain_worker(runtime, servicer, opts.drain_s, signals.again)
     finally:
@@ -122,7 +124,8 @@ def _load_engine(opts: WorkerOptions):
     """``(engine, warm-up seconds)``: the role's engine, loaded and warmed up."""
     from services.engine.engine import LLMEngine
 
-    engine = LLMEngine(role_engine_config(opts), fault_injection=opts.fault_injection)
+    engine = LLMEngine(role_engine_config(opts), fault_injection=opts.fault_injection,
+                       kv_events=opts.publish_kv_events)
     return engine, engine.warm_up()
 
 

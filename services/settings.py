@@ -16,7 +16,8 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from services.engine.engine_config import EngineConfig
 from services.settings_choices import (  # noqa: F401 - re-exported: callers name them from here
-    Device, DType, KVFailurePolicy, KVTransportKind, Layout, LogFormat, LogLevel, Quantization)
+    Device, DType, KVFailurePolicy, KVTransportKind, Layout, LogFormat, LogLevel, Quantization,
+    QueuePolicy, Routing)
 
 
 def setting(default: Any = ..., *, help: str, env: str | None = None, flag: str | None = "",
@@ -55,6 +56,13 @@ ENGINE_HELP = {
                                     "of max_num_batched_tokens, others no cap)",
     "step_threads": "threads of each step: auto (timed while serving per step size, one or "
                     "all of worker.num_threads, whichever is faster) or all",
+    "queue_policy": "admission order of waiting requests: fcfs (arrival) or srpt (least work "
+                    "left first, aged: passed only by requests arriving before it would have "
+                    "finished alone, at the measured time per token)",
+    "max_step_ms": "a step with running streams computes only the prompt tokens that fit this "
+                   "many ms by the measured step cost, so inter-token gaps stay near it while "
+                   "prompts are prefilled (unset: no budget; for machines whose decode step is "
+                   "well under it, e.g. GPUs)",
     "enforce_eager": "on a GPU, launch every step's kernels from Python instead of replaying "
                      "decode steps from CUDA graphs (vLLM's --enforce-eager)",
 }
@@ -63,14 +71,17 @@ ENGINE_NAMES = {"kv_cache_memory_gib": ("TANDEM_KV_CACHE_GIB", "--kv-cache-gib")
 
 class EngineSection(EngineConfig):
     """``EngineConfig`` with closed choices as enums. Every default is ``EngineConfig``'s except
-    precision and ``step_threads``: a served worker defaults to ``auto`` (the fastest exact-enough
-    combination this machine supports, logged at start; small steps on the thread count timed
-    fastest), the in-process engine to float32/none (the oracle mode) and every thread."""
+    precision, ``step_threads`` and the queue policy: a served worker defaults to ``auto``
+    (the fastest exact-enough combination this machine supports, logged at start; small steps
+    on the thread count timed fastest) and ``srpt`` admission; the in-process engine to
+    float32/none (the oracle mode), every thread and ``fcfs`` (what its benchmarks and tests
+    measure). No step budget by default (``max_step_ms``: docs/architecture.md says why)."""
 
     dtype: DType = DType.auto
     device: Device = Device(EngineConfig.model_fields["device"].default)
     quantization: Quantization = Quantization.auto
     step_threads: Literal["auto", "all"] = "auto"
+    queue_policy: QueuePolicy = QueuePolicy.srpt
 
     def engine_config(self) -> EngineConfig:
         """The plain ``EngineConfig`` the engine takes."""
@@ -103,6 +114,9 @@ class WorkerSection(BaseModel):
         50.0, help="decode and unified: seconds a worker told to stop (SIGTERM) lets running streams finish "
         "before migrating the rest to another decode worker; below the pod's termination grace "
         "period minus kv_lease_s", ge=0)
+    publish_kv_events: bool = setting(
+        True, help="publish what the prefix cache stores and evicts (KV events) to the Redis "
+        "stream kv_events:WORKER_ID, from which gateways route by cached prefix")
     fault_injection: bool = setting(
         False, env="TANDEM_TEST_FAULT_INJECTION", flag=None,
         help="TEST ONLY: prefill workers honour fault tags in request ids "
@@ -114,6 +128,25 @@ class GatewaySection(BaseModel):
     model_config = _SECTION
     port: int = setting(50051, help="gateway gRPC port", env="TANDEM_PORT", flag="--port",
                         ge=0, le=65535)
+    routing: Routing = setting(
+        Routing.kv, help="how workers are picked: random (in random order), load (least loaded: "
+        "prompt tokens queued for prefill and running sequences), kv (lowest cost: kv_overlap_score_weight x prompt "
+        "blocks the worker would compute + its load; Dynamo's KV router)")
+    kv_overlap_score_weight: float = setting(
+        1.0, help="routing kv: weight of the prompt blocks a worker would compute against its "
+        "load (0: pure load balancing; higher favours prefix-cache hits, TTFT)", ge=0)
+    router_temperature: float = setting(
+        0.0, help="routing kv/load: 0 picks the lowest cost (ties at random); higher samples "
+        "workers by softmax of their normalised costs", ge=0)
+    kv_events: bool = setting(
+        True, help="routing kv: build the prefix index from the workers' KV events (Redis "
+        "streams); off, or for a worker without events: predict caches from this gateway's "
+        "own routing (approximate mode)")
+    pd_threshold_tokens: int = setting(
+        256, help="disaggregated: a prompt whose part not cached on the chosen decode worker is "
+        "at most this many tokens, or that would wait longer in the prefill queue than the "
+        "decode worker takes to compute it, is prefilled there (no prefill worker, no KV "
+        "transfer); 0: every prompt goes through a prefill worker", ge=0)
     kv_failure_policy: KVFailurePolicy = setting(
         KVFailurePolicy.recompute, help="when a prompt's KV transfer fails or times out, the "
         "decode worker computes the prompt itself (recompute) or the request fails (fail)")

@@ -42,6 +42,21 @@ class KVFailurePolicy(str, Enum):
     fail = "fail"
 
 
+class Routing(str, Enum):
+    """How the gateway picks workers: in random order, by load alone, or by cost (the prompt
+    blocks a worker would compute, weighted, plus its load: KV-aware)."""
+    random = "random"
+    load = "load"
+    kv = "kv"
+
+
+class QueuePolicy(str, Enum):
+    """Admission order of a worker's waiting requests: arrival, or least work left first with
+    aging (shortest remaining processing time; no request starves)."""
+    fcfs = "fcfs"
+    srpt = "srpt"
+
+
 class Layout(str, Enum):
     """Workers `tandem up` starts: auto (chosen for the machine's cores, logged), prefill and
     decode workers with KV transfer (disaggregated), or workers that do both (unified)."""

@@ -26,6 +26,7 @@ from services.engine.request import Request, RequestStatus
 from services.kv_transfer import KVTransport, create_transport
 from services.rpc import RequestFailed, ResourceExhausted, Unavailable
 from services.state.client import redis_client
+from services.state.kv_events import KVEventPublisher
 from services.state.registry import Heartbeater, WorkerInfo, WorkerRegistry
 
 log = logging.getLogger(__name__)
@@ -52,6 +53,7 @@ class WorkerOptions:
     internal_secret: str | None = None  # services.auth: proven on gRPC and KV ports; None: open
     internal_tls: InternalTls | None = None  # services.auth: mutual TLS on the gRPC port; None: off
     metrics_port: int = 0  # Prometheus /metrics on host:metrics_port (0: a free port)
+    publish_kv_events: bool = True  # prefix cache stored/removed/cleared to Redis (state/kv_events.py)
 
 
 class WorkerRuntime:
@@ -74,22 +76,42 @@ class WorkerRuntime:
         self.redis = redis_client(options.redis_url)
         self.registry = WorkerRegistry(self.redis, options.heartbeat_s)
         self.heartbeater = Heartbeater(self.registry, self.info)
+        self.kv_publisher: KVEventPublisher | None = None  # with engine.kv_events, once started
+        self.transport: KVTransport | None = None  # once create_transport made it
 
-    def start(self, endpoint: str) -> None:
+    def start(self, endpoint: str, model_name: str = "") -> None:
+        """Start the engine thread, heartbeats and (when the engine records them) KV events
+        named for ``model_name`` (the served model's name, in the stream's header)."""
         self.endpoint = endpoint
         self.engine_loop.start()
         self.heartbeater.start()
+        if self.engine.kv_events is not None:
+            bm = self.engine.block_manager
+            self.kv_publisher = KVEventPublisher(
+                self.redis, self.worker_id, model_name, bm.block_size, self.engine.kv_events,
+                bm.cached_hashes, self.registry.ttl_s)
+            self.kv_publisher.start()
+
+    async def stop_kv_events(self) -> None:
+        """Publish "cleared" and stop publishing KV events (drain, engine death, shutdown):
+        gateways stop expecting this cache at once."""
+        if self.kv_publisher is not None:
+            publisher, self.kv_publisher = self.kv_publisher, None
+            await publisher.stop(clear=True)
 
     def create_transport(self, port: int) -> KVTransport:
         """The ``options.kv_transport`` backend over this engine's KV cache, listening on
         ``port`` (0: ephemeral; see ``services.kv_transfer.create_transport``)."""
         opts = self.options
-        return create_transport(opts.kv_transport, self.engine.kv_cache, self.engine.layout,
-                                host=opts.host, port=port, advertise_host=opts.advertise_host,
-                                secret=opts.internal_secret, require_grants=True)
+        self.transport = create_transport(
+            opts.kv_transport, self.engine.kv_cache, self.engine.layout, host=opts.host,
+            port=port, advertise_host=opts.advertise_host, secret=opts.internal_secret,
+            require_grants=True)
+        return self.transport
 
     async def stop(self) -> None:
         """Stop the engine thread and close Redis (stop ``heartbeater`` first to deregister)."""
+        await self.stop_kv_events()
         self.engine_loop.stop()
         await self.redis.aclose()
 

@@ -96,20 +96,22 @@ class DecodeRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., local_prefill: _Optional[bool] = ..., kv_failure_policy: _Optional[_Union[KVFailurePolicy, str]] = ...) -> None: ...
 
 class KVReservation(_message.Message):
-    __slots__ = ("worker_id", "transport", "transport_metadata", "block_ids", "lease_s", "write_token")
+    __slots__ = ("worker_id", "transport", "transport_metadata", "block_ids", "lease_s", "write_token", "num_cached_blocks")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_METADATA_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     LEASE_S_FIELD_NUMBER: _ClassVar[int]
     WRITE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     transport: str
     transport_metadata: bytes
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     lease_s: float
     write_token: bytes
-    def __init__(self, worker_id: _Optional[str] = ..., transport: _Optional[str] = ..., transport_metadata: _Optional[bytes] = ..., block_ids: _Optional[_Iterable[int]] = ..., lease_s: _Optional[float] = ..., write_token: _Optional[bytes] = ...) -> None: ...
+    num_cached_blocks: int
+    def __init__(self, worker_id: _Optional[str] = ..., transport: _Optional[str] = ..., transport_metadata: _Optional[bytes] = ..., block_ids: _Optional[_Iterable[int]] = ..., lease_s: _Optional[float] = ..., write_token: _Optional[bytes] = ..., num_cached_blocks: _Optional[int] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
     __slots__ = ("reservation", "token_ids", "finish_reason", "num_output_tokens", "logprobs", "kv_recomputed", "num_cached_tokens", "prompt_logprobs")
@@ -180,7 +182,7 @@ class GetLoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("worker_id", "role", "free_kv_blocks", "total_kv_blocks", "num_running", "num_waiting", "requests", "max_num_queued", "max_used_kv_blocks", "closed_reservations")
+    __slots__ = ("worker_id", "role", "free_kv_blocks", "total_kv_blocks", "num_running", "num_waiting", "requests", "max_num_queued", "max_used_kv_blocks", "closed_reservations", "num_prefill_tokens", "block_size", "prefill_seconds_per_token")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     FREE_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -191,6 +193,9 @@ class WorkerLoad(_message.Message):
     MAX_NUM_QUEUED_FIELD_NUMBER: _ClassVar[int]
     MAX_USED_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     CLOSED_RESERVATIONS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_SECONDS_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     free_kv_blocks: int
@@ -201,7 +206,10 @@ class WorkerLoad(_message.Message):
     max_num_queued: int
     max_used_kv_blocks: int
     closed_reservations: _containers.RepeatedCompositeFieldContainer[ClosedReservation]
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., free_kv_blocks: _Optional[int] = ..., total_kv_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., requests: _Optional[_Iterable[_Union[RequestLoad, _Mapping]]] = ..., max_num_queued: _Optional[int] = ..., max_used_kv_blocks: _Optional[int] = ..., closed_reservations: _Optional[_Iterable[_Union[ClosedReservation, _Mapping]]] = ...) -> None: ...
+    num_prefill_tokens: int
+    block_size: int
+    prefill_seconds_per_token: float
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., free_kv_blocks: _Optional[int] = ..., total_kv_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., requests: _Optional[_Iterable[_Union[RequestLoad, _Mapping]]] = ..., max_num_queued: _Optional[int] = ..., max_used_kv_blocks: _Optional[int] = ..., closed_reservations: _Optional[_Iterable[_Union[ClosedReservation, _Mapping]]] = ..., num_prefill_tokens: _Optional[int] = ..., block_size: _Optional[int] = ..., prefill_seconds_per_token: _Optional[float] = ...) -> None: ...
 
 class RequestLoad(_message.Message):
     __slots__ = ("request_id", "stage", "num_prompt_tokens", "num_computed_tokens", "num_kv_blocks")

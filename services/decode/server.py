@@ -89,6 +89,18 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             functools.partial(self.transport.stop_renewals, token))
         return token, outcome
 
+    def _reservation(self, req) -> tuple[worker_pb2.KVReservation, asyncio.Future]:
+        """Open the reservation of ``req`` (blocks reserved by the engine): the prefix its
+        prefix cache held is pinned, so only the blocks after it are granted to the writer."""
+        num_cached = req.num_cached_tokens // self.rt.engine.block_manager.block_size
+        writable = list(req.block_table[num_cached:])
+        token, outcome = self._open_reservation(req.request_id, writable)
+        return worker_pb2.KVReservation(
+            worker_id=self.rt.worker_id, transport=self.rt.options.kv_transport,
+            transport_metadata=self.transport.metadata(), block_ids=writable,
+            lease_s=self.rt.options.kv_lease_s, write_token=token,
+            num_cached_blocks=num_cached), outcome
+
     async def Decode(self, request: worker_pb2.DecodeRequest, context):
         rid = request.request_id
         params = params_from_proto(request.sampling_params)
@@ -114,12 +126,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 raise ResourceExhausted(f"decode worker {self.rt.worker_id}: not enough free KV "
                                         f"blocks for {len(prompt)} prompt tokens")
             if not request.local_prefill:
-                token, outcome = self._open_reservation(rid, list(req.block_table))
-                yield worker_pb2.DecodeResponse(reservation=worker_pb2.KVReservation(
-                    worker_id=self.rt.worker_id, transport=self.rt.options.kv_transport,
-                    transport_metadata=self.transport.metadata(),
-                    block_ids=list(req.block_table), lease_s=self.rt.options.kv_lease_s,
-                    write_token=token))
+                reservation, outcome = self._reservation(req)
+                yield worker_pb2.DecodeResponse(reservation=reservation)
                 kv = await trace.kv_wait(outcome, request.kv_failure_policy != FAIL)
                 await self._start(rid, kv, request.kv_failure_policy, queue)
                 recomputed = "" if kv.kind == "landed" else f"{kv.kind}: {kv.why}"

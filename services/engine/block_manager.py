@@ -5,8 +5,9 @@ PagedAttention (Kwon et al., SOSP 2023, section 4.2): KV lives in blocks of ``bl
 allocated on demand, so a sequence wastes at most the unused slots of its last block; section
 4.4 shares blocks between sequences by reference count. The prefix cache follows vLLM v1's
 KV cache manager (and nano-vllm's ``block_manager.py``): every full block is keyed by a hash
-chained over the blocks before it, ``h = hash((parent_h, block_tokens))``, so one dict lookup per
-block finds the longest cached prefix of a prompt.
+chained over the blocks before it, ``h = hash((parent_h, block_tokens))``
+(``kv_events.block_hash``, the key KV events name blocks by), so one dict lookup per block finds
+the longest cached prefix of a prompt.
 
 NOTE: a hash can collide (Python's int hash is easy to invert), so a hit is accepted only when
 the block holds exactly these tokens *and* its recorded parent is the cache entry matched for
@@ -18,9 +19,10 @@ from __future__ import annotations
 from collections import OrderedDict
 from itertools import count
 
+from .kv_events import ROOT_HASH as _ROOT_HASH
+from .kv_events import KVEventLog, block_hash
 from .request import Request
 
-_ROOT_HASH = 0  # parent hash of a sequence's first block
 _ROOT = 0  # parent serial of a sequence's first block (real serials start at 1)
 _DEAD = -1  # serial of a chain that could not be registered (hash taken by other tokens)
 
@@ -50,9 +52,13 @@ class BlockManager:
     first, LRU), one that is not goes to the head (it holds nothing worth keeping). A prefix hit
     on a free cached block takes it out of the free list by key. Every operation is O(1) per
     block; a lookup is O(tokens looked up). Free blocks include cached ones: they are evictable.
+
+    ``events``: where a block entering the prefix cache (stored) or leaving it (removed) is
+    recorded, by its chained hash (``kv_events.py``); None records nothing.
     """
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int,
+                 events: KVEventLog | None = None) -> None:
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(f"num_blocks ({num_blocks}) and block_size ({block_size}) must be > 0")
         self.num_blocks = num_blocks
@@ -63,6 +69,7 @@ class BlockManager:
         # request (by identity) -> (full blocks registered, hash of the last, its entry's serial)
         self._chains: dict[Request, tuple[int, int, int]] = {}
         self._serials = count(1)
+        self.events = events
         self.max_used_blocks = 0  # high-water mark of num_used_blocks (taken at each allocation)
 
     @property
@@ -77,6 +84,19 @@ class BlockManager:
     def num_cached_blocks(self) -> int:
         """Blocks in the prefix cache, in use or free."""
         return len(self._cache)
+
+    def cached_prefix_blocks(self, hashes: list[int]) -> int:
+        """How many leading ``hashes`` (a prompt's chained block hashes) are in the cache: an
+        estimate of ``get_computed_blocks`` without its token checks (for ordering only)."""
+        n = 0
+        while n < len(hashes) and hashes[n] in self._cache:
+            n += 1
+        return n
+
+    def cached_hashes(self) -> list[int]:
+        """The chained hash of every block in the prefix cache. Safe from another thread while
+        the engine runs: copying a dict of int keys holds the GIL throughout."""
+        return list(self._cache)
 
     def blocks_needed(self, num_tokens: int) -> int:
         """Blocks that hold ``num_tokens`` tokens (ceiling division)."""
@@ -98,7 +118,7 @@ class BlockManager:
             return hits
         for i in range((request.num_tokens - 1) // bs):
             tokens = tuple(request.token_slice(i * bs, (i + 1) * bs))
-            h = hash((parent_hash, tokens))
+            h = block_hash(parent_hash, tokens)
             block_id = self._cache.get(h)
             if block_id is None:
                 break
@@ -122,7 +142,7 @@ class BlockManager:
             return
         for i in range(done, num_full):
             tokens = tuple(request.token_slice(i * bs, (i + 1) * bs))
-            h = hash((parent_hash, tokens))
+            h = block_hash(parent_hash, tokens)
             if parent_serial != _DEAD:
                 block = self.blocks[request.block_table[i]]
                 parent_serial = self._register(block, h, tokens, parent_serial)
@@ -136,6 +156,8 @@ class BlockManager:
             block.hash, block.token_ids, block.parent_serial = h, tokens, parent_serial
             block.serial = next(self._serials)
             self._cache[h] = block.block_id
+            if self.events is not None:
+                self.events.stored(h)
             return block.serial
         cached = self.blocks[cached_id]
         if cached.token_ids == tokens and cached.parent_serial == parent_serial:
@@ -177,6 +199,8 @@ class BlockManager:
         if block.hash is not None:
             if self._cache.get(block.hash) == block_id:
                 del self._cache[block.hash]
+                if self.events is not None:
+                    self.events.removed(block.hash)
             block.hash, block.token_ids, block.serial = None, (), _ROOT
         block.ref_count = 1
         return block_id

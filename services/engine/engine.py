@@ -31,6 +31,7 @@ from .engine_config import EngineConfig  # noqa: F401 - re-exported: callers nam
 from .faults import EngineFaults
 from .grammars import Matchers
 from .kv_alloc import zeroed_kv_cache
+from .kv_events import KVEventLog
 from .metrics import EngineMetrics
 from .model_runner import ModelRunner, StepResult
 from .outputs import EngineDeadError, RequestOutput
@@ -40,6 +41,7 @@ from .request import Request, RequestStatus
 from .sampler import TokenLogprobs
 from .sampling_params import SamplingParams
 from .scheduler import SchedulerConfig, SchedulerOutput
+from .step_cost import StepCostModel
 from .step_threads import StepThreads
 from .tokenizer import Tokenizer
 
@@ -53,10 +55,12 @@ class LLMEngine:
 
     ``weights``: ``(ModelConfig, state_dict)`` already loaded (else read from ``config.model``).
     ``fault_injection``: TEST ONLY, honour the fault tags of ``faults.py`` in request ids.
+    ``kv_events``: record what the prefix cache stores and evicts in ``self.kv_events`` (a
+    ``KVEventLog`` someone must drain; None without it).
     """
 
     def __init__(self, config: EngineConfig | None = None, *, weights=None,
-                 fault_injection: bool = False) -> None:
+                 fault_injection: bool = False, kv_events: bool = False) -> None:
         self.config = config = config or EngineConfig()
         t0 = time.perf_counter()
         by_utilization = (torch.device(config.device).type == "cuda"
@@ -86,13 +90,15 @@ class LLMEngine:
         kv_shape = (self.layout.num_layers, 2, num_blocks, config.block_size,
                     self.layout.num_kv_heads, self.layout.head_dim)
         self.kv_cache = zeroed_kv_cache(kv_shape, dtype, config.device)  # zero pages on first touch
-        self.block_manager = BlockManager(num_blocks, config.block_size)
+        self.kv_events = KVEventLog() if kv_events else None
+        self.block_manager = BlockManager(num_blocks, config.block_size, self.kv_events)
         self.scheduler = create_scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
                             config.scheduling_policy, config.enable_prefix_caching,
-                            config.long_prefill_token_threshold or 0),
+                            config.long_prefill_token_threshold or 0, config.queue_policy),
             self.block_manager,
         )
+        self.step_cost = StepCostModel()  # seconds per step, learned (time budget, heartbeat)
         threads = StepThreads(config.step_threads if config.device == "cpu" else "all",
                               torch.get_num_threads())  # CPU threads matter on CPU only
         matchers = Matchers(lambda: Tokenizer.load(config.model).backend.to_str(),
@@ -125,6 +131,7 @@ class LLMEngine:
             self.step()
         s.num_preemptions, s.prefix_cache_queries, s.prefix_cache_hits = counters
         self.metrics = EngineMetrics(max_model_len=self.max_model_len)
+        self.step_cost = StepCostModel()  # first calls cost more than serving steps do
         return time.perf_counter() - t0
 
     # -- requests ----------------------------------------------------------------------------
@@ -191,11 +198,14 @@ class LLMEngine:
         """Decode role: a reservation's KV will not arrive (failed or timed-out transfer), and no
         write into its blocks is in flight any more; compute the prompt here instead, in the
         blocks already reserved (``num_computed_tokens`` stays 0, so the scheduler schedules the
-        whole prompt and samples the first token). False unless the request is waiting for KV."""
+        whole prompt after the prefix it found cached here, and samples the first token). False
+        unless the request is waiting for KV."""
         request = self.scheduler.requests.get(request_id)
         if request is None or request.status != RequestStatus.WAITING_FOR_KV:
             return False
         request.status = RequestStatus.WAITING
+        # the prefix found in this worker's cache at reservation is pinned and holds its KV
+        request.num_computed_tokens = max(request.num_cached_tokens, 0)
         self.scheduler.add_request(request)
         return True
 
@@ -224,6 +234,11 @@ class LLMEngine:
         evicted and their blocks freed (unless held) before this returns; requests the step
         failed alone come first, with ``error`` set. Raises ``EngineDeadError`` (or what the
         scheduler raised) when the engine cannot continue; see the module docstring."""
+        t0 = time.perf_counter()
+        self.scheduler.seconds_per_token = self.step_cost.seconds_per_token or None
+        if self.config.max_step_ms:
+            self.scheduler.step_token_budget = self.step_cost.token_budget(
+                self.config.max_step_ms / 1000)
         out = self.metrics.timed("schedule", self.scheduler.schedule)
         if not out.scheduled:
             self.runner.input_batch.remove(out.finished_req_ids)
@@ -233,6 +248,7 @@ class LLMEngine:
             self._faults.after_execute(out)
         outputs = self.metrics.timed("postprocess", self._update, out, result)
         self.metrics.record_step(out, self.scheduler, outputs)
+        self.step_cost.observe(out.total_num_scheduled_tokens, time.perf_counter() - t0)
         return failed + outputs
 
     def _run_model(self, out: SchedulerOutput):
@@ -293,9 +309,14 @@ class LLMEngine:
                 o.prompt_logprobs = self._prompt_logprobs.pop(o.request_id)
         return outputs
 
-    def load(self) -> dict[str, int]:
-        """Load figures for the worker registry."""
+    def load(self) -> dict[str, int | float]:
+        """Load figures for the worker registry (plain reads: safe from another thread):
+        KV blocks, requests running and waiting, uncomputed prompt tokens queued or
+        prefilling, the block size, and the measured seconds per scheduled token (0.0: not
+        known yet)."""
         bm, s = self.block_manager, self.scheduler
         return {"free_kv_blocks": bm.num_free_blocks, "total_kv_blocks": bm.num_blocks,
-                "num_running": len(s.running), "num_waiting": s.num_waiting}
+                "num_running": len(s.running), "num_waiting": s.num_waiting,
+                "num_prefill_tokens": s.num_prefill_tokens, "block_size": bm.block_size,
+                "prefill_seconds_per_token": self.step_cost.seconds_per_token}
 

@@ -39,5 +39,11 @@ class EngineConfig(BaseModel):
     # threads of a step: "all" (torch's thread count, every step) or "auto" (timed while
     # serving per step size, one thread or all: see step_threads.py)
     step_threads: Literal["auto", "all"] = "all"
+    # admission order of waiting requests (scheduler.py): "fcfs", or "srpt" (least work left
+    # first, aged so that none starves)
+    queue_policy: Literal["fcfs", "srpt"] = "fcfs"
+    # a step that carries running streams computes only as many prompt tokens as fit this
+    # many milliseconds by the measured step cost (step_cost.py); None: no time budget
+    max_step_ms: float | None = Field(default=None, gt=0)
     # CUDA: run decode steps eagerly instead of replaying CUDA graphs (cuda_graphs.py)
     enforce_eager: bool = False

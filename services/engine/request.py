@@ -59,6 +59,9 @@ class Request:
     # static batching: a row that keeps a finished member's slot computing until the batch
     # drains (greedy, its tokens discarded); never in ``Scheduler.requests``, never output
     is_padding: bool = False
+    # chained hashes of the prompt's full blocks a prefix cache could hit (computed once, on
+    # demand, by the scheduler: kv_events.prompt_block_hashes)
+    block_hashes: list[int] | None = field(default=None, repr=False)
 
     @property
     def all_token_ids(self) -> list[int]:

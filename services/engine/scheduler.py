@@ -9,10 +9,28 @@ running request cannot get a block, the newest running request is preempted (its
 its tokens recomputed later, mostly from the prefix cache), so the scheduler never deadlocks on
 KV memory; no request is admitted in a step that preempted (vLLM v1).
 
+A waiting request whose next uncached block a running request is computing right now waits
+until that block is cached (SGLang's scheduler likewise keeps two prompts from computing one
+prefix twice); it is passed over, not blocking the queue.
+
 With ``long_prefill_token_threshold`` T > 0, a prompt chunk is capped at T tokens in a step
 where other requests wait behind it, so a short prompt queued behind a long one is admitted in
 the same step instead of after the long prompt's last chunk (vLLM's
 ``long_prefill_token_threshold``; vLLM caps always, this caps only when someone waits).
+
+Waiting order (``queue_policy``): ``fcfs`` admits in arrival order (the head blocks the rest);
+``srpt`` admits the waiting request with the least work left first, aged so that none starves:
+its key is ``arrival + remaining_tokens x seconds_per_token`` (shortest remaining processing
+time, Schrage 1968, with linear aging; the engine measures seconds per token, 1 /
+``queue_aging_tokens_per_s`` until it has), lowest first. A request that arrived at t needing
+S seconds alone is therefore admitted before any request that arrives after ``t + S``: its wait
+is bounded by its own service time plus the time to serve what arrived before then.
+
+Time-budgeted steps: with ``step_token_budget`` B set (the engine sets it each step from the
+measured step cost and ``max_step_ms``), a step that carries decode rows schedules at most B
+tokens in all, prompt chunks getting what the rows leave (at least one block), so a running
+stream's inter-token gap stays near the budget while prompts are computed beside it
+(Sarathi-Serve's stall-free batching; ``step_cost.py``).
 
 ``policy="static"`` is the subclass ``StaticScheduler`` (``static_batch.py``, the padded
 static-batching baseline); ``create_scheduler`` (``policy.py``) picks the class from the config.
@@ -25,10 +43,13 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from .block_manager import BlockManager
+from .kv_events import prompt_block_hashes
 from .outputs import RequestOutput
 from .request import Request, RequestStatus
 
 POLICIES = ("continuous", "static")
+QUEUE_POLICIES = ("fcfs", "srpt")
+QUEUE_AGING_TOKENS_PER_S = 1000.0  # srpt: prefill speed assumed until the engine measures it
 
 
 @dataclass(frozen=True)
@@ -42,6 +63,9 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True
     # tokens one prompt chunk may take in a step while other requests wait; 0: no cap
     long_prefill_token_threshold: int = 0
+    # order of admission: "fcfs" (arrival) or "srpt" (least work left first, aged; see above)
+    queue_policy: str = "fcfs"
+    queue_aging_tokens_per_s: float = QUEUE_AGING_TOKENS_PER_S
 
 
 @dataclass
@@ -85,6 +109,11 @@ class Scheduler:
         if config.long_prefill_token_threshold < 0:
             raise ValueError("long_prefill_token_threshold: must be >= 0, got "
                              f"{config.long_prefill_token_threshold}")
+        if config.queue_policy not in QUEUE_POLICIES:
+            raise ValueError(f"queue_policy: {config.queue_policy!r} is not one of {QUEUE_POLICIES}")
+        if not config.queue_aging_tokens_per_s > 0:
+            raise ValueError("queue_aging_tokens_per_s: must be > 0, got "
+                             f"{config.queue_aging_tokens_per_s}")
         capacity = block_manager.num_blocks * block_manager.block_size
         self.config = dataclasses.replace(config, max_model_len=min(config.max_model_len, capacity))
         self.block_manager = block_manager
@@ -95,6 +124,12 @@ class Scheduler:
         self.num_preemptions = 0
         self.prefix_cache_queries = 0  # tokens
         self.prefix_cache_hits = 0  # tokens
+        # most tokens a step with decode rows schedules (None: no limit); set by the engine
+        self.step_token_budget: int | None = None
+        # measured seconds one scheduled token costs (None: not known); set by the engine
+        self.seconds_per_token: float | None = None
+        self._prefill_left = config.max_num_batched_tokens  # prompt tokens left this step
+        self._yielded: list[Request] = []  # prompt chunks passed over for waiting requests
 
     # -- admission ---------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -104,10 +139,19 @@ class Scheduler:
     def reserve(self, request: Request) -> bool:
         """Decode role: allocate blocks for the prompt, whose KV another worker will write.
 
-        Returns False (nothing allocated) when too few blocks are free.
+        The longest prefix of the prompt already in this worker's prefix cache is pinned
+        (shared, ref-counted) instead: its tokens are ``request.num_cached_tokens`` and only
+        the blocks after them are for the writer (``block_table[num_cached_tokens //
+        block_size:]``). Returns False (nothing allocated) when too few blocks are free.
         """
-        if not self.block_manager.allocate_slots(request, request.num_prompt_tokens):
+        hits = self.prefix_hit(request)
+        cached = len(hits) * self.block_manager.block_size
+        if not self.block_manager.allocate_slots(request, request.num_prompt_tokens - cached, hits):
             return False
+        if self.config.enable_prefix_caching:
+            self.prefix_cache_queries += request.num_prompt_tokens
+            self.prefix_cache_hits += cached
+        request.num_cached_tokens = cached
         request.status = RequestStatus.WAITING_FOR_KV
         self.requests[request.request_id] = request
         return True
@@ -153,9 +197,29 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(finished_req_ids=self.finished_req_ids)
         self.finished_req_ids = set()
+        self._prefill_left = self._prefill_budget()
+        self._yielded = []
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
         self._schedule_new(out, budget)
+        self._schedule_yielded(out)
         return out
+
+    def _prefill_budget(self) -> int:
+        """Prompt tokens this step may compute: what ``step_token_budget`` leaves after the
+        decode rows (at least one block), or no limit without rows or budget."""
+        budget = self.step_token_budget
+        if budget is None:
+            return self.config.max_num_batched_tokens
+        rows = sum(1 for r in self.running if r.num_computed_tokens >= r.num_prompt_tokens)
+        if not rows:
+            return self.config.max_num_batched_tokens
+        return max(self.block_manager.block_size, budget - rows)
+
+    def _order_waiting(self) -> None:
+        """``srpt``: put the waiting request with the lowest aged key first (module docstring)."""
+        if self.config.queue_policy != "srpt" or len(self.waiting) < 2:
+            return
+        self.waiting = deque(sorted(self.waiting, key=self._key))
 
     def _schedule_new(self, out: SchedulerOutput, budget: int) -> None:
         """Spend the budget left after the running requests (no admission after a preemption)."""
@@ -163,18 +227,35 @@ class Scheduler:
             self._schedule_waiting(out, budget)
 
     def _chunk(self, remaining: int, budget: int, others_waiting: bool) -> int:
-        """Tokens to compute for a request with ``remaining`` uncomputed tokens."""
+        """Tokens to compute for a request with ``remaining`` uncomputed tokens (a prompt
+        chunk counts against this step's prefill budget; a decode row's one token does not)."""
         num_new = min(remaining, budget)
         cap = self.config.long_prefill_token_threshold
-        return min(num_new, cap) if cap and others_waiting else num_new
+        if cap and others_waiting:
+            num_new = min(num_new, cap)
+        if remaining > 1:
+            num_new = min(num_new, self._prefill_left)
+            self._prefill_left -= num_new
+        return num_new
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
-        """Schedule running requests in order; returns the token budget left."""
-        i = 0
+        """Schedule running requests in order; returns the token budget left. Under ``srpt`` a
+        prompt still prefilling whose key is above an admissible waiting request's yields: it
+        gets what the waiting ones leave (``_schedule_yielded``), so a long prompt's chunks do
+        not hold every short prompt behind them."""
+        i, first_waiting = 0, self._lowest_waiting_key()
         while i < len(self.running) and budget > 0:
             request = self.running[i]
+            if (request.num_computed_tokens < request.num_prompt_tokens
+                    and self._key(request) > first_waiting):
+                self._yielded.append(request)
+                i += 1
+                continue
             num_new = self._chunk(request.num_tokens - request.num_computed_tokens, budget,
                                   bool(self.waiting))
+            if num_new == 0:  # a prompt chunk over this step's time budget: next step
+                i += 1
+                continue
             if not self._allocate_or_preempt(request, num_new, out):
                 continue  # ``request`` itself was preempted: running[i] is now another request
             out.scheduled.append(request)
@@ -184,19 +265,92 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        """Admit waiting requests in arrival order (the head blocks the rest: FCFS)."""
+        """Admit waiting requests in ``queue_policy`` order (the head blocks the rest), passing
+        over those whose next uncached block another request is computing now."""
         bs = self.block_manager.block_size
+        self._order_waiting()
+        pending, deferred = self._blocks_in_progress(), []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             hits = self.prefix_hit(request)
+            if self._waits_for(request, hits, pending):
+                deferred.append(self.waiting.popleft())
+                continue
             num_new = self._chunk(request.num_tokens - request.num_computed_tokens - len(hits) * bs,
                                   budget, len(self.waiting) > 1)
-            if not self.block_manager.allocate_slots(request, num_new, hits):
+            if num_new == 0 or not self.block_manager.allocate_slots(request, num_new, hits):
                 break
             self.start_running(request, hits)
             out.scheduled.append(request)
             out.num_scheduled_tokens[request.request_id] = num_new
             budget -= num_new
+            if self.config.enable_prefix_caching:
+                pending.update(self._hashes(request)[len(hits):])
+        self.waiting.extendleft(reversed(deferred))
+
+    # -- prompts that share a prefix being computed ------------------------------------------
+    # A request admitted while another computes the same prefix would compute it a second
+    # time (neither's blocks are in the cache yet); held back until those blocks are cached,
+    # it finds them there. It waits at most as long as the computing request's prefill.
+
+    def _hashes(self, request: Request) -> list[int]:
+        if request.block_hashes is None:
+            request.block_hashes = prompt_block_hashes(request.prompt_token_ids,
+                                                       self.block_manager.block_size)
+        return request.block_hashes
+
+    def _blocks_in_progress(self) -> set[int]:
+        """Hashes of the prompt blocks that running requests have yet to compute."""
+        if not self.config.enable_prefix_caching:
+            return set()
+        bs = self.block_manager.block_size
+        return {h for r in self.running if r.num_computed_tokens < r.num_prompt_tokens
+                for h in self._hashes(r)[r.num_computed_tokens // bs:]}
+
+    def _waits_for(self, request: Request, hits: list[int], pending: set[int]) -> bool:
+        """Whether ``request`` (nothing computed yet) should wait: the block after its cached
+        prefix is one a running request is computing."""
+        if not pending or request.num_computed_tokens:
+            return False
+        hashes = self._hashes(request)
+        return len(hits) < len(hashes) and hashes[len(hits)] in pending
+
+    def _schedule_yielded(self, out: SchedulerOutput) -> None:
+        """The prompt chunks that yielded to waiting requests, from the budget those left
+        (no preemption: what this step scheduled stays scheduled)."""
+        budget = self.config.max_num_batched_tokens - out.total_num_scheduled_tokens
+        for request in self._yielded:
+            if budget <= 0:
+                break
+            num_new = self._chunk(request.num_tokens - request.num_computed_tokens, budget,
+                                  bool(self.waiting))
+            if num_new == 0 or not self.block_manager.allocate_slots(request, num_new):
+                continue
+            out.scheduled.append(request)
+            out.num_scheduled_tokens[request.request_id] = num_new
+            budget -= num_new
+
+    def _key(self, request: Request) -> float:
+        """``srpt``'s key (lowest goes first): arrival + its uncomputed tokens' time, by the
+        measured ``seconds_per_token`` (until measured, 1 / ``queue_aging_tokens_per_s``)."""
+        per_token = self.seconds_per_token or 1.0 / self.config.queue_aging_tokens_per_s
+        return request.arrival_time + (request.num_tokens - request.num_computed_tokens) * per_token
+
+    def _lowest_waiting_key(self) -> float:
+        """The lowest ``srpt`` key of a waiting request that could start now (not one held
+        back for a prefix in progress); infinity under ``fcfs`` or with none."""
+        if self.config.queue_policy != "srpt" or not self.waiting:
+            return float("inf")
+        pending = self._blocks_in_progress()
+        keys = [self._key(r) for r in self.waiting if not pending or r.num_computed_tokens
+                or not self._waits_for(r, self._cached_prefix(r), pending)]
+        return min(keys, default=float("inf"))
+
+    def _cached_prefix(self, request: Request) -> list[int]:
+        """A stand-in for ``prefix_hit`` by the memoised hashes: as many entries as leading
+        blocks of the prompt the cache holds (cheap: no token hashing)."""
+        cached = self.block_manager.cached_prefix_blocks(self._hashes(request))
+        return [0] * cached
 
     def _allocate_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
         """Allocate for ``request``, preempting the newest running requests while needed."""
@@ -279,6 +433,14 @@ class Scheduler:
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        """Prompt tokens not computed yet of the requests queued or prefilling here (a
+        worker's queued prefill work; plain reads, safe from another thread)."""
+        pending = list(self.waiting) + list(self.running)
+        return sum(max(r.num_prompt_tokens - r.num_computed_tokens, 0) for r in pending
+                   if r.status != RequestStatus.WAITING_FOR_KV)
 
     @property
     def num_waiting(self) -> int:

@@ -13,6 +13,7 @@ from services.gateway.access import Access, ApiKeyInterceptor
 from services.gateway.health import ReadinessMonitor
 from services.gateway.model_card import load_model_header
 from services.gateway.pipeline import GatewayCore
+from services.gateway.router import RoutingOptions
 from services.gateway.routing import WorkerPool
 from services.gateway.server import SERVICE_NAME, GatewayServicer, add_gateway_to_server
 from services.gateway.tls import CertReloader, TlsFiles, grpc_server_credentials
@@ -48,6 +49,7 @@ class GatewayOptions:
     tls: TlsFiles | None = None  # TLS on the gRPC and HTTP listeners (None: plaintext)
     internal_tls: InternalTls | None = None  # mutual TLS to the workers (None: plaintext)
     metrics_port: int = 0  # Prometheus /metrics while http_port is None (0: a free port)
+    routing: RoutingOptions = field(default_factory=RoutingOptions)  # gateway.routing & co.
 
 
 async def run_gateway(opts: GatewayOptions, until: Awaitable,
@@ -66,7 +68,9 @@ async def run_gateway(opts: GatewayOptions, until: Awaitable,
         tokenizer, model, RequestStateStore(redis),
         WorkerPool(registry, opts.heartbeat_s, opts.rpc_timeout_s, opts.internal_secret,
                    opts.internal_tls), opts.rpc_timeout_s,
-        opts.kv_failure_policy, opts.max_inflight, opts.limits, opts.tokenize_threads)
+        opts.kv_failure_policy, opts.max_inflight, opts.limits, opts.tokenize_threads,
+        opts.routing)
+    core.router.start()
     ceiling = max(TRANSPORT_CEILING_BYTES, 4 * opts.limits.max_request_bytes)
     server, health = create_server([SERVICE_NAME], options=[("grpc.max_receive_message_length", ceiling)],
                                    first=[ApiKeyInterceptor(opts.access)])

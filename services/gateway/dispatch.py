@@ -14,9 +14,14 @@ the prompt to a prefill worker P with D's reservation as destination, relay D's 
 - Every prefill queue full: RESOURCE_EXHAUSTED; D is told the reservation was never used and
   frees it at once (``reservation_unused``), as on every cancel before the prefill was sent.
 
-- A *unified* worker (``services/unified``) was chosen: its Decode stream has ``local_prefill``
-  and no prefill hop follows; its first message is the first token. Lost before it: try the
-  next worker; lost after: migrate, as above.
+- A *unified* worker (``services/unified``) was chosen, or the router decided that the decode
+  worker computes the prompt itself (conditional disaggregation, ``router.py``): the Decode
+  stream has ``local_prefill`` and no prefill hop follows; its first message is the first
+  token. Lost before it: try the next worker; lost after: migrate, as above.
+
+Which workers, in which order: ``Router`` (``gateway.routing``). A decode worker that already
+holds a prefix of the prompt pins it in its reservation (``KVReservation.num_cached_blocks``) and
+the prefill worker writes only the blocks after it.
 """
 from __future__ import annotations
 
@@ -32,7 +37,9 @@ import grpc
 
 from services.api import worker_pb2, worker_pb2_grpc
 from services.gateway.resume import only_new, resumed_params
+from services.gateway.router import Route, Router, Ticket
 from services.gateway.routing import WorkerPool
+from services.gateway.scoring import FALLBACK
 from services.observability.tracing import NO_TRACE
 from services.rpc import ResourceExhausted, Unavailable
 from services.state.registry import WorkerInfo
@@ -71,12 +78,14 @@ class Job:
 class _Attempt:
     worker_request_id: str
     decode: WorkerInfo | None = None
+    local: bool = False  # the decode (or unified) worker computes the prompt itself
     call: object = None  # the Decode stream
     reservation: worker_pb2.KVReservation | None = None
-    first: worker_pb2.DecodeResponse | None = None  # unified: the first token, read while choosing
+    first: worker_pb2.DecodeResponse | None = None  # local: the first token, read while choosing
     reserved_at: float = 0.0  # monotonic time the Decode request was sent (lease start bound)
     prefill: asyncio.Task | None = None
     maybe_written: bool = False  # some prefill worker may write into the reservation
+    ticket: Ticket | None = None  # the decode worker's load from this request (Router)
 
 
 class Dispatcher:
@@ -84,9 +93,11 @@ class Dispatcher:
     whole request) across retries and migrations. Raises ResourceExhausted, Unavailable,
     ValueError; CancelledError when aborted."""
 
-    def __init__(self, pool: WorkerPool, rpc_timeout_s: float, kv_failure_policy: str,
+    def __init__(self, pool: WorkerPool, router: Router, rpc_timeout_s: float,
+                 kv_failure_policy: str,
                  on_worker_lost: Callable[[bool], None] = lambda had_tokens: None) -> None:
         self.pool = pool
+        self.router = router
         self.on_worker_lost = on_worker_lost  # (tokens already sent: a migration, else a retry)
         self.rpc_timeout_s = rpc_timeout_s
         self.policy = {"recompute": worker_pb2.KV_FAILURE_POLICY_RECOMPUTE,
@@ -108,6 +119,7 @@ class Dispatcher:
                             return
             except WorkerLost as exc:
                 self.pool.lost(exc.worker, str(exc))
+                self.router.lost(exc.worker.worker_id, self.pool.suspect_s)
                 job.trace.event("migration" if generated else "retry", reason=str(exc),
                                 **{"tandem.num_generated_tokens": len(generated)})
                 if n + 1 < MAX_ATTEMPTS:  # another attempt follows
@@ -120,11 +132,16 @@ class Dispatcher:
         att = _Attempt(job.request_id if n == 0 else f"{job.request_id}~{n}")
         try:
             with job.trace.child("kv_reservation", **{"tandem.attempt": n}) as span:
-                await self._reserve(job, att, prompt, params, resumed=n > 0)
-                span.set(**{"tandem.decode_worker": att.decode.worker_id,
-                            "tandem.kv_reservation.blocks":
-                                len(att.reservation.block_ids) if att.reservation else 0})
-            if att.reservation is not None:  # else a unified worker computes the prompt itself
+                route = await self._reserve(job, att, prompt, params, resumed=n > 0)
+                attributes = {"tandem.decode_worker": att.decode.worker_id,
+                              "tandem.kv_reservation.blocks":
+                                  len(att.reservation.block_ids) if att.reservation else 0,
+                              "tandem.kv_reservation.cached_blocks":
+                                  att.reservation.num_cached_blocks if att.reservation else 0,
+                              **route.attributes}
+                span.set(**attributes)
+                job.trace.annotate(**attributes)
+            if att.reservation is not None:  # else the decode worker computes the prompt itself
                 att.prefill = job.track(asyncio.ensure_future(
                     self._prefill(job, att, prompt, params, resumed=n > 0)))
             async with aclosing(self._relay(job, att)) as msgs:
@@ -134,23 +151,24 @@ class Dispatcher:
             self._release(att)
 
     async def _reserve(self, job: Job, att: _Attempt, prompt: list[int],
-                       params: worker_pb2.SamplingParams, resumed: bool) -> None:
-        """Open a Decode stream on the least loaded decode or unified worker with room for the
-        prompt: a decode worker's first message is its reservation, a unified worker's is the
-        first token (``att.first``)."""
+                       params: worker_pb2.SamplingParams, resumed: bool) -> Route:
+        """Open a Decode stream on the best decode or unified worker (``Router``) with room for
+        the prompt: a decode worker's first message is its reservation, unless it computes the
+        prompt itself (unified, or conditional disaggregation): then the first token
+        (``att.first``). Returns the route taken."""
         workers = await self.pool.live_any(("decode", "unified"))
-        workers.sort(key=lambda w: (-w.free_kv_blocks, w.num_running + w.num_waiting))
+        routes = self.router.rank_decode(prompt, workers, await self._live_prefill(workers))
         lost = 0
-        for w in workers:
-            unified = w.role == "unified"
-            if unified:  # the prefill starts now, on this worker
+        for i, route in enumerate(routes):
+            w, local = route.worker, route.local_prefill or route.worker.role == "unified"
+            if local:  # the prefill starts now, on this worker
                 job.on_dispatch(w.worker_id, w.worker_id, resumed)
             att.decode, att.reserved_at = w, time.monotonic()  # cancelled from here: freed unused
             att.call = call = job.track(worker_pb2_grpc.DecodeWorkerStub(
                 self.pool.channel(w.endpoint)).Decode(worker_pb2.DecodeRequest(
                     request_id=att.worker_request_id, prompt_token_ids=prompt,
                     sampling_params=params, kv_failure_policy=self.policy,
-                    local_prefill=unified), timeout=self.rpc_timeout_s,
+                    local_prefill=local), timeout=self.rpc_timeout_s,
                 metadata=job.trace.metadata()))
             try:
                 first = await call.read()
@@ -160,34 +178,57 @@ class Dispatcher:
                     continue
                 if exc.code() in LOST:
                     self.pool.lost(w, f"{exc.code().name}: {exc.details()}")
+                    self.router.lost(w.worker_id, self.pool.suspect_s)
                     lost += 1
                     continue
                 raise _status_error(w, exc) from exc
-            if unified and first is not grpc.aio.EOF:
+            if i > 0:
+                route.reason = FALLBACK
+            att.local = local
+            if local and first is not grpc.aio.EOF:
                 att.first = first
-                return
+                att.ticket = self.router.routed(route, prompt, computes=True)
+                att.ticket.prefilled()
+                return route
             if first is grpc.aio.EOF or not first.HasField("reservation"):
                 raise Unavailable(f"{w.role} worker {w.worker_id} answered with no "
-                                  f"{'token' if unified else 'reservation'}")
+                                  f"{'token' if local else 'reservation'}")
             att.reservation = first.reservation
-            return
-        if lost == len(workers):
+            att.ticket = self.router.routed(route, prompt, computes=False)
+            return route
+        if lost == len(routes):
             raise Unavailable("no decode or unified worker could be reached")
         raise ResourceExhausted("no decode or unified worker has room for this request; "
                                 "retry later")
 
+    async def _live_prefill(self, decode: list[WorkerInfo]) -> list[WorkerInfo]:
+        """The live prefill workers ([] when there is none, or only unified workers serve)."""
+        if all(w.role == "unified" for w in decode):
+            return []
+        try:
+            return await self.pool.live("prefill")
+        except Unavailable:
+            return []
+
     async def _prefill(self, job: Job, att: _Attempt, prompt: list[int],
                        params: worker_pb2.SamplingParams, resumed: bool) -> worker_pb2.PrefillResponse:
-        """Send the prompt to the least loaded prefill worker whose queue has room; its answer."""
+        """Send the prompt to the best prefill worker (``Router``: its own cache and load)
+        whose queue has room; its answer."""
         workers = await self.pool.live("prefill")
-        workers.sort(key=lambda w: w.num_waiting + w.num_running)
-        for w in workers:
+        for i, route in enumerate(self.router.rank_prefill(prompt, workers)):
+            w = route.worker
             lease_left = att.reservation.lease_s - (time.monotonic() - att.reserved_at)
             dest = worker_pb2.KVReservation()
             dest.CopyFrom(att.reservation)
             dest.lease_s = lease_left
             att.maybe_written = True
             job.on_dispatch(att.decode.worker_id, w.worker_id, resumed)
+            if i > 0:
+                route.reason = FALLBACK
+            ticket = self.router.routed(route, prompt, computes=True)
+            job.trace.annotate(**{"tandem.prefill_worker": w.worker_id,
+                                  "tandem.routing.prefill_reason": route.reason,
+                                  "tandem.routing.prefill_overlap_blocks": route.overlap_blocks})
             stub = worker_pb2_grpc.PrefillWorkerStub(self.pool.channel(w.endpoint))
             try:
                 result = await stub.Prefill(worker_pb2.PrefillRequest(
@@ -205,6 +246,8 @@ class Dispatcher:
                 if code in (grpc.StatusCode.ABORTED, grpc.StatusCode.DEADLINE_EXCEEDED):
                     raise _HandoffFailed(details) from exc
                 raise _status_error(w, exc) from exc
+            finally:
+                ticket.ended()
             job.on_prefilled(result)
             return result
         raise ResourceExhausted("every prefill worker's queue is full; retry later")
@@ -213,7 +256,7 @@ class Dispatcher:
         """Yield the decode stream's messages; watch the prefill until it ends."""
         prefill, read, got_tokens = att.prefill, None, False
         prefilled: worker_pb2.PrefillResponse | None = None  # the prefill worker's answer
-        if att.first is not None:  # unified: read while choosing the worker
+        if att.first is not None:  # local prefill: read while choosing the worker
             got_tokens = True
             yield att.first
             if att.first.finish_reason:
@@ -239,6 +282,7 @@ class Dispatcher:
                     if prefilled is not None:
                         msg.prompt_logprobs.extend(prefilled.prompt_logprobs)
                 got_tokens = True
+                att.ticket.prefilled()
                 if msg.kv_recomputed:  # the decode worker computed the prompt itself
                     kind, _, why = msg.kv_recomputed.partition(": ")
                     if kind == "expired":  # (a failed transfer is an event already: _prefill)
@@ -250,11 +294,13 @@ class Dispatcher:
 
     def _release(self, att: _Attempt) -> None:
         """Cancel what the attempt still runs; free a reservation no prefill worker writes to."""
+        if att.ticket is not None:
+            att.ticket.ended()
         if att.prefill is not None and not att.prefill.done():
             att.prefill.cancel()  # the prefill worker tells D when nothing more will be written
         if att.call is not None:
             att.call.cancel()  # no-op once finished; otherwise D frees, or quarantines its blocks
-        if att.decode is not None and not att.maybe_written and att.decode.role != "unified":
+        if att.decode is not None and not att.maybe_written and not att.local:
             stub = worker_pb2_grpc.DecodeWorkerStub(self.pool.channel(att.decode.endpoint))
             task = asyncio.ensure_future(stub.Abort(worker_pb2.WorkerAbortRequest(
                 request_id=att.worker_request_id, reservation_unused=True), timeout=ABORT_TIMEOUT_S))

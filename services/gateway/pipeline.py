@@ -36,6 +36,7 @@ from services.gateway import validation
 from services.gateway.dispatch import Dispatcher, Job
 from services.gateway.model_card import ModelCard
 from services.gateway.records import RequestRecord, redis_call
+from services.gateway.router import Router, RoutingOptions
 from services.gateway.routing import WorkerPool
 from services.gateway.validation import RequestLimits
 from services.observability import tracing
@@ -62,13 +63,14 @@ class GatewayCore:
     """The gateway's request pipeline, independent of the wire protocol.
 
     ``tokenize_threads`` threads render chat templates and tokenize; ``max_inflight`` bounds the
-    requests admitted at once (RESOURCE_EXHAUSTED beyond); ``limits`` bounds one request.
+    requests admitted at once (RESOURCE_EXHAUSTED beyond); ``limits`` bounds one request;
+    ``routing`` picks the workers (``router.py``; its KV event follower runs from ``start``).
     """
 
     def __init__(self, tokenizer: Tokenizer, model: ModelCard, store: RequestStateStore,
                  pool: WorkerPool, rpc_timeout_s: float, kv_failure_policy: str = "recompute",
                  max_inflight: int = 1024, limits: RequestLimits = RequestLimits(),
-                 tokenize_threads: int = 2) -> None:
+                 tokenize_threads: int = 2, routing: RoutingOptions = RoutingOptions()) -> None:
         self.tokenizer = tokenizer
         self.model = model
         self.store = store
@@ -77,7 +79,9 @@ class GatewayCore:
         self.limits = limits
         self._inflight: dict[str, RequestRecord] = {}
         self.metrics = GatewayMetrics(model.name, lambda: len(self._inflight))
-        self.dispatcher = Dispatcher(pool, rpc_timeout_s, kv_failure_policy, self.metrics.worker_lost)
+        self.router = Router(routing, pool.registry, model.name, self.metrics)
+        self.dispatcher = Dispatcher(pool, self.router, rpc_timeout_s, kv_failure_policy,
+                                     self.metrics.worker_lost)
         self._tokenize = ThreadPoolExecutor(tokenize_threads, thread_name_prefix="tokenize")
         self._closing: set[asyncio.Task] = set()  # requests recording their outcome
         self.draining = False  # stopping (services/drain.py): new requests get UNAVAILABLE
@@ -89,6 +93,7 @@ class GatewayCore:
 
     async def close(self) -> None:
         self._tokenize.shutdown(wait=False, cancel_futures=True)
+        await self.router.stop()
         await self.pool.close()
 
     async def generate(self, request: gateway_pb2.GenerateRequest, carrier=None,

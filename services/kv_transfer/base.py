@@ -93,6 +93,9 @@ class KVTransport(ABC):
         self.num_blocks = shape[2]
         self.secret, self.require_grants = secret, require_grants
         self.grants = WriteGrants()
+        # receiver: payload bytes of admitted writes that landed in the cache (a counter)
+        self.bytes_received = 0
+        self._received_lock = threading.Lock()
         self._handler: NotificationHandler | None = None
         self._handler_lock = threading.Lock()  # NOTE: held while a handler runs: one at a time
 
@@ -285,6 +288,11 @@ class KVTransport(ABC):
                     grant.on_lost(reason)
         except Exception:  # noqa: BLE001 - a transport thread must survive its callbacks
             logger.exception("KV write-lost callback failed")
+
+    def _received(self, num_bytes: int) -> None:
+        """An admitted write's ``num_bytes`` payload bytes landed (any receiving thread)."""
+        with self._received_lock:
+            self.bytes_received += num_bytes
 
     def _renew(self, peer: str, token: bytes) -> dict:
         """A sender's lease renewal for ``token``: the answer (``lease_s`` left, or refusal)."""

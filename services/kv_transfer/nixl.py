@@ -275,6 +275,7 @@ class NixlKVTransport(KVTransport):
         if problem:
             self._answer(sender, tag, {"ok": False, "error": problem})
         else:
+            self._received(len(remote_ids) * 2 * self.layout.num_layers * self.layout.block_bytes)
             self._inbox.put((sender, tag, grant, notification))
 
     def _peer_gone(self, name: str) -> None:

@@ -296,4 +296,5 @@ class TcpKVTransport(KVTransport):
         except BaseException as exc:
             self._write_lost(grant, f"the KV write broke off at the receiver ({exc!r})")
             raise
+        self._received(payload_bytes)
         send_frame(sock, self._deliver(grant, bytes(notification)), deadline)

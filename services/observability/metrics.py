@@ -45,6 +45,12 @@ KV_TRANSFER_BYTES_BUCKETS = tuple(float(4**k * 1024) for k in range(14))
 KV_FAILURE_REASONS = ("transfer_error", "lease")  # a write failed / the lease ran out first
 STATUS_CODES = ("OK", "INVALID_ARGUMENT", "RESOURCE_EXHAUSTED", "UNAVAILABLE", "CANCELLED",
                 "ABORTED", "DEADLINE_EXCEEDED", "INTERNAL")
+# why the gateway sent a request where it did (services/gateway/scoring.py: REASONS)
+ROUTING_REASONS = ("kv_overlap", "load", "threshold", "queue", "fallback", "random")
+INDEX_MODES = ("events", "approximate")  # how the prefix index knows a worker's cache
+# KV event lag: publisher's drain to the gateway applying the batch (seconds)
+KV_EVENT_LAG_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+                          5.0, 10.0)
 
 
 def _gauge(name: str, doc: str, labels: list[str], value: float) -> GaugeMetricFamily:
@@ -77,11 +83,14 @@ class EngineCollector(Collector):
     """Snapshots one engine's statistics at scrape time (called on the scraping thread).
 
     ``engine``: an ``LLMEngine`` (duck-typed: ``metrics``, ``scheduler``, ``block_manager``);
-    ``reservations``: returns the decode role's ``Reservations`` or None."""
+    ``reservations``: returns the decode role's ``Reservations`` or None; ``runtime``: returns
+    the ``WorkerRuntime`` (its KV transport and event publisher) or None."""
 
     def __init__(self, labels: list[str], engine: Any,
-                 reservations: Callable[[], Any] = lambda: None) -> None:
+                 reservations: Callable[[], Any] = lambda: None,
+                 runtime: Callable[[], Any] = lambda: None) -> None:
         self.labels, self.engine, self.reservations = labels, engine, reservations
+        self.runtime = runtime
 
     def collect(self) -> Iterable:
         e, lb = self.engine, self.labels
@@ -110,6 +119,16 @@ class EngineCollector(Collector):
         yield success
         for name, h in stats.histograms().items():
             yield histogram_family(name, name.replace("_", " ") + " (per request).", lb, h)
+        runtime = self.runtime()
+        transport = getattr(runtime, "transport", None)
+        if transport is not None:
+            yield _counter("kv_received_bytes", "KV payload bytes written into this worker's "
+                           "cache by other workers (receiver side, as read off the wire).", lb,
+                           transport.bytes_received)
+        publisher = getattr(runtime, "kv_publisher", None)
+        if publisher is not None:
+            yield _counter("kv_events_published", "KV events (stored, removed, cleared) this "
+                           "worker published.", lb, publisher.num_events)
         reservations = self.reservations()
         if reservations is not None:
             yield _gauge("kv_reservations_active", "Open KV reservations (blocks reserved for a "
@@ -123,10 +142,11 @@ class WorkerMetrics:
     figures its servicers observe. Serve it with ``serve_metrics``."""
 
     def __init__(self, model_name: str, role: str, worker_id: str, engine: Any,
-                 reservations: Callable[[], Any] = lambda: None) -> None:
+                 reservations: Callable[[], Any] = lambda: None,
+                 runtime: Callable[[], Any] = lambda: None) -> None:
         self.labels = [model_name, role, worker_id]
         self.registry = CollectorRegistry(auto_describe=True)
-        self.registry.register(EngineCollector(self.labels, engine, reservations))
+        self.registry.register(EngineCollector(self.labels, engine, reservations, runtime))
         kw = {"labelnames": LABELS, "registry": self.registry}
         self.kv_transfer_seconds = Histogram(
             PREFIX + "kv_transfer_seconds", "Duration of one prompt's KV write (prefill side).",
@@ -172,6 +192,22 @@ class GatewayMetrics:
                                 "worker after theirs failed mid-stream.", **kw).labels(*self.labels)
         self.prefill_retries = Counter(PREFIX + "prefill_retries", "Prefills retried on another "
                                        "worker before the first token.", **kw).labels(*self.labels)
+        decisions = Counter(PREFIX + "routing_decisions", "Workers chosen for a request, by "
+                            "reason (kv_overlap, load, threshold and queue: prefilled on the "
+                            "decode worker, fallback, random).", labelnames=(*LABELS, "reason"),
+                            registry=self.registry)
+        self.routing_decisions = {r: decisions.labels(*self.labels, r) for r in ROUTING_REASONS}
+        self.kv_index_blocks = Gauge(PREFIX + "kv_index_blocks", "Entries of the gateway's "
+                                     "prefix index (block hashes per worker, confirmed by KV "
+                                     "events or predicted).", **kw).labels(*self.labels)
+        workers = Gauge(PREFIX + "kv_index_workers", "Workers in the prefix index by mode: "
+                        "events (read from their KV event stream) or approximate (predicted "
+                        "from routing).", labelnames=(*LABELS, "mode"), registry=self.registry)
+        self.kv_index_workers = {m: workers.labels(*self.labels, m) for m in INDEX_MODES}
+        self.kv_event_lag = Histogram(
+            PREFIX + "kv_event_lag_seconds", "Publisher's drain of a KV event batch to this "
+            "gateway applying it (wall clocks of two processes).", buckets=KV_EVENT_LAG_BUCKETS_S,
+            **kw).labels(*self.labels)
 
     def request_ended(self, code: str, e2e_s: float | None = None) -> None:
         """A request ended with gRPC status ``code``; ``e2e_s`` when it finished."""

@@ -128,6 +128,10 @@ class RequestTrace:
     def event(self, name: str, **attributes) -> None:
         self.span.add_event(name, attributes=attributes)
 
+    def annotate(self, **attributes) -> None:
+        """Set attributes on the request span (the routing decision: workers, overlap, cost)."""
+        self.span.set_attributes(attributes)
+
     def first_token(self) -> None:
         if self.first_token_at is None:
             self.first_token_at = time.monotonic()

@@ -125,10 +125,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         keeper = asyncio.ensure_future(self._keep_lease(dest, lease))
         try:
             prompt = list(request.prompt_token_ids)
-            n_blocks = self.rt.engine.block_manager.blocks_needed(len(prompt))
-            if len(dest.block_ids) != n_blocks:
-                raise ValueError(f"destination.block_ids: {len(dest.block_ids)} blocks for "
-                                 f"{len(prompt)} prompt tokens, expected {n_blocks}")
+            first, n_blocks = self._blocks_to_write(len(prompt), dest)
             await asyncio.sleep(faults.queue_delay_s)
             held = True  # set first: cancelled once added, it is freed; refused, nothing is found
             req = await self.rt.call(commands.AddRequest(rid, prompt, params, hold_kv=True))
@@ -140,7 +137,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
                                "first_token_id": out.new_token_ids[0],
                                "logprobs": out.logprobs[0].to_dict() if out.logprobs else None})
             write = asyncio.ensure_future(asyncio.to_thread(
-                self._write, dest, req.block_table[:n_blocks], note.encode(), lease.deadline,
+                self._write, dest, req.block_table[first:first + n_blocks], note.encode(),
+                lease.deadline,
                 faults))
             await asyncio.shield(write)
             t_done = time.monotonic()
@@ -170,6 +168,18 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             compute_time_s=t_first - req.first_scheduled_time, transfer_time_s=t_done - t_first,
             num_cached_tokens=max(req.num_cached_tokens, 0),
             prompt_logprobs=prompt_logprobs_to_proto(out.prompt_logprobs))
+
+    def _blocks_to_write(self, num_tokens: int, dest: worker_pb2.KVReservation) -> tuple[int, int]:
+        """(first, count) of the prompt's blocks to write: those after the prefix the
+        destination holds already. Raises ValueError naming ``destination.block_ids`` when
+        they are not exactly as many as its block ids (or none)."""
+        first = dest.num_cached_blocks
+        n_blocks = self.rt.engine.block_manager.blocks_needed(num_tokens) - first
+        if n_blocks < 1 or len(dest.block_ids) != n_blocks:
+            raise ValueError(f"destination.block_ids: {len(dest.block_ids)} blocks for "
+                             f"{num_tokens} prompt tokens after {first} cached blocks, "
+                             f"expected {max(n_blocks, 1)}")
+        return first, n_blocks
 
     def _count_transfer(self, seconds: float, num_blocks: int, failure: str | None) -> None:
         """Metrics of one handoff: its write's duration and bytes, or why it did not land."""

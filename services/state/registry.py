@@ -48,10 +48,18 @@ class WorkerInfo:
     total_kv_blocks: int = 0
     num_running: int = 0          # sequences in the running batch
     num_waiting: int = 0          # sequences queued for admission
+    num_prefill_tokens: int = 0   # uncomputed prompt tokens of requests queued or prefilling
+    block_size: int = 0           # tokens per KV block (0: not reported)
+    prefill_seconds_per_token: float = 0.0  # measured step cost per token (0: not known yet)
     last_heartbeat: float = 0.0   # unix seconds, stamped by WorkerRegistry.heartbeat()
 
+    @property
+    def used_kv_blocks(self) -> int:
+        return max(self.total_kv_blocks - self.free_kv_blocks, 0)
 
-_INT_FIELDS = ("free_kv_blocks", "total_kv_blocks", "num_running", "num_waiting")
+
+_INT_FIELDS = ("free_kv_blocks", "total_kv_blocks", "num_running", "num_waiting",
+               "num_prefill_tokens", "block_size")
 
 
 class WorkerRegistry:
@@ -238,6 +246,7 @@ def _decode(raw: dict[bytes | str, bytes | str]) -> WorkerInfo:
         worker_id=fields["worker_id"], endpoint=fields["endpoint"],
         role=fields["role"],  # type: ignore[arg-type]  # written from a checked Role
         last_heartbeat=float(fields.get("last_heartbeat", 0.0)),
+        prefill_seconds_per_token=float(fields.get("prefill_seconds_per_token", 0.0)),
         **{name: int(fields.get(name, 0)) for name in _INT_FIELDS})
 
 

@@ -35,11 +35,15 @@ def test_defaults() -> Iterator[None]:
     """Stacks and `tandem up` runs here serve no HTTP unless a test asks (``--http-port``):
     the default port 8000 would collide between stacks run in parallel. And they run in the
     oracle mode (float32, dense weights: token-exact against transformers' greedy output) unless
-    a test asks for a precision with ``--dtype``/``--quantization`` (flags beat the environment)."""
+    a test asks for a precision with ``--dtype``/``--quantization`` (flags beat the environment).
+    Disaggregated stacks send every prompt through their prefill worker (conditional
+    disaggregation off: what the handoff, fault and tracing tests exercise) unless a test asks
+    with ``--pd-threshold-tokens`` (``test_routing.py`` does)."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("TANDEM_HTTP_PORT", "0")
         mp.setenv("TANDEM_DTYPE", "float32")
         mp.setenv("TANDEM_QUANTIZATION", "none")
+        mp.setenv("TANDEM_PD_THRESHOLD_TOKENS", "0")
         yield
 
 

@@ -122,7 +122,7 @@ def test_lru_evicts_least_recently_freed_and_tail_blocks_first():
 
 
 def test_collision_with_other_tokens_is_no_hit(monkeypatch):
-    monkeypatch.setattr(bm_module, "hash", lambda key: 42, raising=False)  # everything collides
+    monkeypatch.setattr(bm_module, "block_hash", lambda parent, tokens: 42)  # everything collides
     bm = BlockManager(8, BS)
     computed(bm, [1] * 4 + [2] * 4 + [0])
     assert bm.num_cached_blocks == 1  # the 2nd block's key was taken: its chain stops
@@ -132,7 +132,7 @@ def test_collision_with_other_tokens_is_no_hit(monkeypatch):
 
 def test_collision_on_the_parent_is_no_hit(monkeypatch):
     # the hash ignores the parent: block tokens alone pick the entry
-    monkeypatch.setattr(bm_module, "hash", lambda key: builtins.hash(key[1]), raising=False)
+    monkeypatch.setattr(bm_module, "block_hash", lambda parent, tokens: builtins.hash(tokens))
     bm = BlockManager(8, BS)
     x, y, z = [1] * 4, [2] * 4, [3] * 4
     a = computed(bm, x + y + [0], "a")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections import Counter
 
 import pytest
 
@@ -47,14 +48,34 @@ def test_datasets_are_seeded():
         "random", 10, TOK, DatasetOptions(seed=5, input_len=30, range_ratio=0.3))
 
 
-def test_prefix_dataset_shares_num_prefixes_system_prompts():
+def test_prefix_dataset_deals_documents_times_questions_shuffled():
     opts = DatasetOptions(prefix_len=40, input_len=10, num_prefixes=3, output_len=8)
     reqs = build_dataset("prefix", 9, TOK, opts)
     prefixes = [" ".join(r.prompt.split()[:40]) for r in reqs]
-    assert len(set(prefixes)) == 3
-    assert prefixes[0] == prefixes[3] == prefixes[6]
-    assert len({r.prompt for r in reqs}) == 9  # the suffixes differ
-    assert all(r.prompt_len == 50 for r in reqs)
+    assert sorted(Counter(prefixes).values()) == [3, 3, 3]  # 3 documents x 3 questions
+    assert prefixes != sorted(prefixes, key=prefixes.index)  # not grouped: shuffled
+    assert len({r.prompt for r in reqs}) == 9  # the questions differ
+    assert all(r.prompt_len == 50 and r.kind == "prefix" for r in reqs)
+    assert len(build_dataset("prefix", 7, TOK, opts)) == 7
+
+
+def test_multiturn_dataset_resends_the_history_every_turn():
+    opts = DatasetOptions(input_len=5, output_len=4, num_turns=3)
+    reqs = build_dataset("multiturn", 6, TOK, opts)  # 2 conversations x 3 turns
+    assert [len(r.messages) for r in reqs] == [1, 1, 3, 3, 5, 5]
+    assert all(r.kind == "multiturn" and r.ignore_eos and r.output_len == 4 for r in reqs)
+    by_first = {}
+    for r in reqs:
+        by_first.setdefault(r.messages[0]["content"], []).append(r)
+    assert len(by_first) == 2
+    for turns in by_first.values():
+        for earlier, later in zip(turns, turns[1:]):
+            assert later.messages[:len(earlier.messages)] == earlier.messages
+            assert later.prompt.startswith(earlier.prompt[:-len("<assistant>")])
+            assert later.messages[len(earlier.messages)]["role"] == "assistant"
+    assert reqs[4].prompt == TOK.apply_chat_template(list(reqs[4].messages))
+    with pytest.raises(ValueError, match="num_turns"):
+        DatasetOptions(num_turns=0)
 
 
 def test_chat_dataset_sends_the_built_in_prompts_as_one_user_turn_to_eos():

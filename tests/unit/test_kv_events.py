@@ -1,0 +1,200 @@
+"""KV events (issue 26): the block manager records stored/removed by the prefix cache's own
+chained hashes; the gateway computes the same hashes from token ids; a publisher carries them
+over a real Redis stream to a reader, whose index then equals the worker's cache (snapshot
+first, compaction, a restart's new epoch, a stream that expired)."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import redis.asyncio as aioredis
+
+from services.engine.block_manager import BlockManager
+from services.engine.kv_events import (REMOVED, STORED, KVEventLog, block_hash,
+                                       prompt_block_hashes)
+from services.engine.request import Request
+from services.engine.sampling_params import SamplingParams
+from services.gateway.kv_index import EVENTS, PrefixIndex
+from services.state import kv_events as stream
+from services.state.kv_events import KVEventPublisher, KVEventReader, encode_events
+
+BS = 4
+
+
+def computed(bm: BlockManager, tokens: list[int], rid: str = "r") -> Request:
+    r = Request(rid, list(tokens), SamplingParams(max_tokens=1))
+    hits = bm.get_computed_blocks(r)
+    assert bm.allocate_slots(r, r.num_tokens - len(hits) * BS, hits)
+    r.num_computed_tokens = r.num_tokens
+    bm.cache_full_blocks(r)
+    return r
+
+
+def test_block_manager_records_stored_and_removed_by_the_cache_keys():
+    log = KVEventLog()
+    bm = BlockManager(4, BS, log)
+    a = computed(bm, [1] * 4 + [2] * 4 + [3])  # 3 blocks, 2 full
+    h = prompt_block_hashes([1] * 4 + [2] * 4 + [3], BS)
+    assert log.drain() == [(STORED, h[0]), (STORED, h[1])]
+    assert sorted(bm.cached_hashes()) == sorted(h)
+    bm.free(a)
+    computed(bm, [7] * 4 + [8] * 4 + [9] * 4 + [0], "b")  # 4 blocks: evicts both cached ones
+    events = log.drain()
+    assert sorted(h for kind, h in events if kind == REMOVED) == sorted(h)
+    assert [kind for kind, _ in events].count(STORED) == 3
+    assert len(log) == 0
+
+
+def test_the_gateways_hashes_are_the_caches_own():
+    tokens = list(range(40))
+    bm = BlockManager(16, BS)
+    computed(bm, tokens)
+    # all 10 full blocks are cached; a prompt of these 40 tokens can hit the first 9
+    assert set(bm.cached_hashes()) == set(prompt_block_hashes(tokens + [0], BS))
+    hits = bm.get_computed_blocks(Request("q", tokens, SamplingParams(max_tokens=1)))
+    assert [bm.blocks[b].hash for b in hits] == prompt_block_hashes(tokens, BS)
+    assert prompt_block_hashes(tokens, BS)[1] == block_hash(block_hash(0, (0, 1, 2, 3)),
+                                                            (4, 5, 6, 7))
+    assert len(prompt_block_hashes(tokens, BS)) == 9  # (40 - 1) // 4: the last token computes
+    assert prompt_block_hashes(tokens, BS, max_blocks=3) == prompt_block_hashes(tokens, BS)[:3]
+    with pytest.raises(ValueError, match="block_size"):
+        prompt_block_hashes(tokens, 0)
+
+
+def test_events_group_by_kind_in_order():
+    assert encode_events([(STORED, 1), (STORED, 2), (REMOVED, 3), (STORED, 4)]) == [
+        ["stored", [1, 2]], ["removed", [3]], ["stored", [4]]]
+
+
+class _Cache:
+    """A prefix cache stand-in: the set of hashes a publisher snapshots."""
+
+    def __init__(self) -> None:
+        self.log, self.hashes = KVEventLog(), set()
+
+    def store(self, *hs: int) -> None:
+        for h in hs:
+            self.hashes.add(h)
+            self.log.stored(h)
+
+    def remove(self, *hs: int) -> None:
+        for h in hs:
+            self.hashes.discard(h)
+            self.log.removed(h)
+
+    def publisher(self, client, worker_id="w", ttl_s=30.0) -> KVEventPublisher:
+        return KVEventPublisher(client, worker_id, "m", BS, self.log,
+                                lambda: list(self.hashes), ttl_s)
+
+
+async def follow(reader: KVEventReader, index: PrefixIndex, workers=("w",)) -> list:
+    batches = await reader.read(list(workers))
+    for b in batches:
+        index.apply(b.worker_id, b.epoch, b.seq, b.events)
+    return batches
+
+
+async def held(index: PrefixIndex, worker_id: str = "w") -> set[int]:
+    w = index._workers.get(worker_id)
+    return set(w.confirmed) if w else set()
+
+
+async def test_a_reader_rebuilds_the_workers_cache_from_its_stream(redis_url):
+    client = aioredis.Redis.from_url(redis_url)
+    try:
+        cache = _Cache()
+        cache.store(1, 2, 3)
+        pub = cache.publisher(client)
+        await pub.flush()  # the first entry: a snapshot
+        cache.store(4)
+        cache.remove(2)
+        await pub.flush()
+        reader, index = KVEventReader(client, block_ms=50), PrefixIndex()
+        batches = await follow(reader, index)
+        assert [b.seq for b in batches] == [0, 1] and batches[0].starts_snapshot
+        assert (batches[0].model, batches[0].block_size) == ("m", BS)
+        assert await held(index) == {1, 3, 4} == cache.hashes
+        assert index.modes() == {"w": EVENTS}
+        assert await follow(reader, index) == []  # nothing new: blocked 50 ms
+        late = PrefixIndex()  # a gateway that starts now replays from the start
+        await follow(KVEventReader(client, block_ms=50), late)
+        assert await held(late) == cache.hashes
+        await pub.stop(clear=True)  # drain / shutdown: "cleared"
+        await follow(reader, index)
+        assert await held(index) == set()
+    finally:
+        await client.aclose()
+
+
+async def test_compaction_trims_the_stream_to_a_snapshot(redis_url, monkeypatch):
+    monkeypatch.setattr(stream, "COMPACT_MIN_EVENTS", 3)
+    client = aioredis.Redis.from_url(redis_url)
+    try:
+        cache = _Cache()
+        pub = cache.publisher(client)
+        await pub.flush()
+        for h in range(10, 30):
+            cache.store(h)
+            cache.remove(h - 1) if h > 10 else None
+            await pub.flush()
+        entries = await client.xrange(stream.stream_key("w"))
+        assert len(entries) < 10  # trimmed at each snapshot
+        late = PrefixIndex()
+        await follow(KVEventReader(client, block_ms=50), late)
+        assert await held(late) == cache.hashes == {29}
+    finally:
+        await client.aclose()
+
+
+async def test_a_restarted_worker_starts_empty_in_every_reader(redis_url):
+    client = aioredis.Redis.from_url(redis_url)
+    try:
+        cache = _Cache()
+        cache.store(1, 2)
+        pub = cache.publisher(client)
+        await pub.flush()
+        reader, index = KVEventReader(client, block_ms=50), PrefixIndex()
+        await follow(reader, index)
+        assert await held(index) == {1, 2}
+        fresh = _Cache()  # same worker id, new process: a new epoch's snapshot, empty
+        await fresh.publisher(client).flush()
+        await follow(reader, index)
+        assert await held(index) == set()
+        assert len(await client.xrange(stream.stream_key("w"))) == 1  # the old epoch trimmed
+    finally:
+        await client.aclose()
+
+
+async def test_the_stream_expires_with_its_worker_and_comes_back_as_a_snapshot(redis_url):
+    client = aioredis.Redis.from_url(redis_url)
+    try:
+        cache = _Cache()
+        cache.store(1)
+        pub = cache.publisher(client, ttl_s=0.2)
+        await pub.flush()
+        assert await client.exists(stream.stream_key("w"))
+        await asyncio.sleep(0.4)  # a killed worker publishes no more: its stream goes
+        assert not await client.exists(stream.stream_key("w"))
+        cache.store(2)
+        await pub.flush()  # recreated without history: the next entry is a snapshot
+        cache.store(3)
+        await pub.flush()
+        index = PrefixIndex()
+        await follow(KVEventReader(client, block_ms=50), index)
+        assert await held(index) == {1, 2, 3}
+    finally:
+        await client.aclose()
+
+
+async def test_a_bad_entry_is_skipped(redis_url):
+    client = aioredis.Redis.from_url(redis_url)
+    try:
+        await client.xadd(stream.stream_key("w"), {"events": "not json"})
+        cache = _Cache()
+        cache.store(5)
+        await cache.publisher(client).flush()
+        index = PrefixIndex()
+        batches = await follow(KVEventReader(client, block_ms=50), index)
+        assert len(batches) == 1 and await held(index) == {5}
+    finally:
+        await client.aclose()
