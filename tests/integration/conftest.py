@@ -79,10 +79,13 @@ class HttpStack:
 
 
 @contextlib.contextmanager
-def http_stack_with(redis_url: str, gateway_args: list[str]) -> Iterator[HttpStack]:
-    """``start_stack`` with HTTP on a free port and ``gateway_args``; stopped after the block."""
+def http_stack_with(redis_url: str | None, gateway_args: list[str],
+                    worker_args: list[str] = ()) -> Iterator[HttpStack]:
+    """``start_stack`` with HTTP on a free port, ``gateway_args`` and ``worker_args`` (beside
+    ``WORKER_ARGS``); stopped after the block."""
     port = free_port()
-    s = start_stack(WORKER_ARGS, redis_url, gateway_args=["--http-port", str(port), *gateway_args])
+    s = start_stack([*WORKER_ARGS, *worker_args], redis_url,
+                    gateway_args=["--http-port", str(port), *gateway_args])
     try:
         yield HttpStack(s, port)
     finally:
