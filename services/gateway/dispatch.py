@@ -164,6 +164,7 @@ class Dispatcher:
             if local:  # the prefill starts now, on this worker
                 job.on_dispatch(w.worker_id, w.worker_id, resumed)
             att.decode, att.reserved_at = w, time.monotonic()  # cancelled from here: freed unused
+            sent_at = time.time()  # the worker's heartbeats may count it from here
             att.call = call = job.track(worker_pb2_grpc.DecodeWorkerStub(
                 self.pool.channel(w.endpoint)).Decode(worker_pb2.DecodeRequest(
                     request_id=att.worker_request_id, prompt_token_ids=prompt,
@@ -187,14 +188,14 @@ class Dispatcher:
             att.local = local
             if local and first is not grpc.aio.EOF:
                 att.first = first
-                att.ticket = self.router.routed(route, prompt, computes=True)
+                att.ticket = self.router.routed(route, prompt, computes=True, sent_at=sent_at)
                 att.ticket.prefilled()
                 return route
             if first is grpc.aio.EOF or not first.HasField("reservation"):
                 raise Unavailable(f"{w.role} worker {w.worker_id} answered with no "
                                   f"{'token' if local else 'reservation'}")
             att.reservation = first.reservation
-            att.ticket = self.router.routed(route, prompt, computes=False)
+            att.ticket = self.router.routed(route, prompt, computes=False, sent_at=sent_at)
             return route
         if lost == len(routes):
             raise Unavailable("no decode or unified worker could be reached")
@@ -225,7 +226,7 @@ class Dispatcher:
             job.on_dispatch(att.decode.worker_id, w.worker_id, resumed)
             if i > 0:
                 route.reason = FALLBACK
-            ticket = self.router.routed(route, prompt, computes=True)
+            ticket = self.router.routed(route, prompt, computes=True, sent_at=time.time())
             job.trace.annotate(**{"tandem.prefill_worker": w.worker_id,
                                   "tandem.routing.prefill_reason": route.reason,
                                   "tandem.routing.prefill_overlap_blocks": route.overlap_blocks})

@@ -214,10 +214,12 @@ class Router:
                                  w.free_kv_blocks, w.block_size or 16, w.prefill_seconds_per_token)
 
     # -- what was decided ----------------------------------------------------------------------
-    def routed(self, route: Route, prompt: list[int], computes: bool) -> Ticket:
+    def routed(self, route: Route, prompt: list[int], computes: bool, sent_at: float) -> Ticket:
         """``route`` serves ``prompt`` (counted by reason); the worker will hold its blocks
-        (a prediction in the index) and, with ``computes``, compute the part it lacks. The
-        caller marks the returned ticket ``prefilled`` and ``ended``."""
+        (a prediction in the index) and, with ``computes``, compute the part it lacks.
+        ``sent_at``: unix time the request was sent (a heartbeat after it may count it, even
+        though the worker's answer, and this call, came later). The caller marks the returned
+        ticket ``prefilled`` and ``ended``."""
         if self.metrics is not None:
             self.metrics.routing_decisions[route.reason].inc()
         w = route.worker
@@ -225,7 +227,7 @@ class Router:
                   w.role, w.worker_id, route.reason, route.overlap_blocks * (w.block_size or 16),
                   len(prompt), route.cost, ", prefilled there" if route.local_prefill else "")
         tokens = len(prompt) - route.overlap_blocks * (w.block_size or 16) if computes else 0
-        ticket = Ticket(time.time(), max(tokens, 0))
+        ticket = Ticket(sent_at, max(tokens, 0))
         self._sent.setdefault(w.worker_id, []).append(ticket)
         if self.options.mode == "kv" and w.block_size > 0:
             self.index.predict(w.worker_id, prompt_block_hashes(prompt, w.block_size),

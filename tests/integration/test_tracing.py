@@ -142,7 +142,8 @@ def test_one_streamed_request_is_one_trace_across_every_service(ts):
     assert reservation.attributes["tandem.kv_reservation.blocks"] == blocks
     assert wait.attributes["tandem.kv_wait.outcome"] == "landed"
     # the routing decision: workers, why, what they held, the cost (issue 26)
-    assert (a["tandem.decode_worker"], a["tandem.prefill_worker"]) == ("decode-0", "prefill-0")
+    assert a["tandem.decode_worker"] in ("decode-0", "decode-1")  # a tie: either may win
+    assert a["tandem.prefill_worker"] == "prefill-0"
     assert a["tandem.routing.reason"] in ("kv_overlap", "load") and a["tandem.routing.cost"] >= 0
     assert a["tandem.routing.local_prefill"] is False
     assert a["tandem.kv_reservation.cached_blocks"] == 0  # nothing of it on the decode worker yet

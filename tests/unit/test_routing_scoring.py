@@ -200,7 +200,7 @@ def test_router_learns_from_its_own_decisions_without_events():
     prompt = list(range(10 * BS))
     workers = [worker(w) for w in ("w0", "w1", "w2", "w3")]
     first = r.rank_decode(prompt, workers, [])[0]
-    r.routed(first, prompt, computes=True)
+    r.routed(first, prompt, computes=True, sent_at=time.time())
     later = [worker(w, last_heartbeat=time.time() + 1) for w in ("w0", "w1", "w2", "w3")]
     again = r.rank_decode(prompt + [7, 8, 9], later, [])[0]  # the first prompt computed since
     assert again.worker.worker_id == first.worker.worker_id
@@ -212,7 +212,7 @@ def test_router_counts_work_it_sent_since_the_last_heartbeat():
     r = router(mode="load")
     a, b = worker("a", last_heartbeat=0.0), worker("b", last_heartbeat=0.0)
     first = r.rank_decode(list(range(64)), [a, b], [])[0]
-    r.routed(first, list(range(64)), computes=True)
+    r.routed(first, list(range(64)), computes=True, sent_at=time.time())
     second = r.rank_decode(list(range(64)), [a, b], [])[0]
     assert second.worker.worker_id != first.worker.worker_id
 
@@ -272,7 +272,8 @@ def test_routing_options_refuse_bad_values():
 
 def test_router_corrects_a_heartbeat_for_its_own_requests_sent_or_done_since():
     r = router(mode="load")
-    ticket = r.routed(Route(worker("a"), scoring.LOAD), list(range(160)), computes=True)
+    ticket = r.routed(Route(worker("a"), scoring.LOAD), list(range(160)), computes=True,
+                      sent_at=time.time())
     before = worker("a", last_heartbeat=ticket.at - 1)  # taken before the request was sent
     c = r._candidate(before, 0)
     assert (c.queued_prefill_tokens, c.num_running) == (160, 1)
