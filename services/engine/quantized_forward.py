@@ -180,3 +180,15 @@ class _Buffers:
         """x, h, qkv, q, a, o, gate_up, act, down, out: the C functions' order."""
         return tuple(b.data_ptr() for b in (self.x, self.h, self.qkv, self.q, self.a, self.o,
                                             self.gate_up, self.act, self.down, self.out))
+
+
+def unsupported_reason(cfg) -> str | None:
+    """Why ``QuantizedForward`` cannot run a model of ``cfg`` (``config.ModelConfig``), or None:
+    it computes Llama's layer (pre-norm, SwiGLU, full attention at ``head_dim ** -0.5``, no
+    bias, no soft-capping, plain embeddings), which Llama, Mistral without a window and Phi-3
+    without one are."""
+    if cfg.architecture not in ("llama", "mistral", "phi3"):
+        return f"the fused C forward pass does not compute {cfg.architecture}'s layers"
+    if cfg.sliding_window is not None:
+        return "the fused C forward pass has no sliding-window attention"
+    return None
