@@ -88,7 +88,8 @@ class LLMEngine:
         self.scheduler = create_scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
                             config.scheduling_policy, config.enable_prefix_caching,
-                            config.long_prefill_token_threshold or 0),
+                            config.long_prefill_token_threshold or 0,
+                            model_config.uniform_sliding_window),
             self.block_manager,
         )
         threads = StepThreads(config.step_threads if config.device == "cpu" else "all",
