@@ -5,13 +5,14 @@ RMSNorm of q and k, no attention soft-capping, five local sliding-window layers 
 with the configured scaling), local ones ``rope_local_base_freq`` (1e4) unscaled.
 
 llama.cpp's ``gemma3`` GGUF: norm weights plus one (q/k norms too), the local rope base fixed at
-10000, the pattern 6 unless ``gemma3.attention.sliding_window_pattern`` says otherwise.
+10000, the pattern 6 unless ``gemma3.attention.sliding_window_pattern`` gives a period or one
+flag per layer.
 """
 from __future__ import annotations
 
 from typing import Any
 
-from ..config import SLIDING_ATTENTION, ModelConfig
+from ..config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
 from ..model import GemmaRMSNorm, QKNormAttention, RotaryEmbedding
 from .base import Architecture, Metadata, check_hf, gguf_common, hf_common, hf_layer_types
 from .gemma2 import Gemma2ForCausalLM, GemmaDecoderLayer, alternating, gguf_scalar, norm_offset
@@ -64,15 +65,20 @@ def config_from_hf(raw: dict[str, Any]) -> ModelConfig:
 
 def config_from_gguf(meta: Metadata, tensors: dict[str, Any]) -> ModelConfig:
     common = gguf_common(meta, "gemma3", tensors)
+    layers = common["num_hidden_layers"]
     pattern = meta("gemma3.attention.sliding_window_pattern", 6)
-    if not isinstance(pattern, int):
-        raise ValueError("unsupported gemma3.attention.sliding_window_pattern given per layer")
+    if isinstance(pattern, int):  # llama.cpp: an int period, or one bool per layer (sliding)
+        types = tuple(alternating(pattern)(i) for i in range(layers))
+    elif len(pattern) == layers:
+        types = tuple(SLIDING_ATTENTION if p else FULL_ATTENTION for p in pattern)
+    else:
+        raise ValueError(f"gemma3.attention.sliding_window_pattern: {len(pattern)} entries for "
+                         f"{layers} layers")
     return ModelConfig(
         **common, architecture="gemma3_text", hidden_act="gelu_pytorch_tanh",
         rope_local_theta=10000.0, query_pre_attn_scalar=gguf_scalar(common, num_layers_27b=62),
         final_logit_softcapping=meta("gemma3.final_logit_softcapping"),
-        sliding_window=meta("gemma3.attention.sliding_window", 4096),
-        layer_types=tuple(alternating(pattern)(i) for i in range(common["num_hidden_layers"])))
+        sliding_window=meta("gemma3.attention.sliding_window", 4096), layer_types=types)
 
 
 ARCHITECTURE = Architecture("gemma3_text", Gemma3ForCausalLM, config_from_hf, "gemma3",
