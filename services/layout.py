@@ -26,6 +26,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from services.engine.cpus import available_cpus
 from services.settings import Layout, UpSection
 
 
@@ -54,12 +55,9 @@ class WorkerLayout:
 
 
 def usable_cores() -> int:
-    """CPU cores this process may run on (its affinity mask: what a container or taskset
-    grants, not the machine's total)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
+    """CPU cores this process may keep busy: its affinity mask (what a container or taskset
+    grants, not the machine's total) capped by its cgroup CPU quota (``engine.cpus``)."""
+    return available_cpus()
 
 
 def visible_gpus(env: dict[str, str] | None = None) -> list[str]:

@@ -53,7 +53,7 @@ ENGINE_HELP = {
     "long_prefill_token_threshold": "most prompt tokens one request computes per step while "
                                     "others wait (0: no cap; default: prefill workers a quarter "
                                     "of max_num_batched_tokens, others no cap)",
-    "step_threads": "threads of a step of at most 8 tokens: auto (timed while serving, one or "
+    "step_threads": "threads of each step: auto (timed while serving per step size, one or "
                     "all of worker.num_threads, whichever is faster) or all",
     "enforce_eager": "on a GPU, launch every step's kernels from Python instead of replaying "
                      "decode steps from CUDA graphs (vLLM's --enforce-eager)",
@@ -132,7 +132,7 @@ class GatewaySection(BaseModel):
     max_tokens_cap: int | None = setting(
         None, help="most output tokens one request may ask for (max_tokens; unset: the "
         "model's context)", gt=0)
-    max_n: int = setting(16, help="most choices (n) one HTTP request may ask for", gt=0)
+    max_n: int = setting(16, help="most choices one HTTP request may ask for (n, times the prompts of a completions batch)", gt=0)
     tokenize_threads: int = setting(
         2, help="threads that render chat templates and tokenize, off the event loop", gt=0)
     drain_s: float = setting(

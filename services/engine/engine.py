@@ -29,9 +29,10 @@ from .config import KVCacheLayout, ModelConfig
 from .cuda_graphs import CUDAGraphRunner
 from .engine_config import EngineConfig  # noqa: F401 - re-exported: callers name it from here
 from .faults import EngineFaults
+from .grammars import Matchers
 from .kv_alloc import zeroed_kv_cache
 from .metrics import EngineMetrics
-from .model_runner import ModelRunner
+from .model_runner import ModelRunner, StepResult
 from .outputs import EngineDeadError, RequestOutput
 from .policy import create_scheduler
 from .quantized import build_model, resident_weight_bytes
@@ -40,6 +41,7 @@ from .sampler import TokenLogprobs
 from .sampling_params import SamplingParams
 from .scheduler import SchedulerConfig, SchedulerOutput
 from .step_threads import StepThreads
+from .tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -94,14 +96,17 @@ class LLMEngine:
         )
         threads = StepThreads(config.step_threads if config.device == "cpu" else "all",
                               torch.get_num_threads())  # CPU threads matter on CPU only
+        matchers = Matchers(lambda: Tokenizer.load(config.model).backend.to_str(),
+                            model_config.vocab_size, model_config.eos_token_id)
         self.runner = ModelRunner(model, self.kv_cache, config.block_size,
-                                  self.scheduler.config.max_model_len, threads)
+                                  self.scheduler.config.max_model_len, threads, matchers)
         if self.kv_cache.is_cuda and not config.enforce_eager:
             self.runner.graphs = CUDAGraphRunner(
                 model, self.kv_cache, config.max_num_seqs,
                 self.block_manager.blocks_needed(self.scheduler.config.max_model_len))
         self.metrics = EngineMetrics(max_model_len=self.max_model_len)
         self._faults = EngineFaults() if fault_injection else None
+        self._prompt_logprobs: dict[str, list] = {}  # request id -> prompt logprobs so far
         self._steps_lost_all = 0  # failed steps in a row whose every request failed alone
         log.info("engine ready in %.1fs: %d KV blocks of %d tokens, max_model_len %d",
                  time.perf_counter() - t0, num_blocks, config.block_size, self.max_model_len)
@@ -155,6 +160,9 @@ class LLMEngine:
         bad = [t for t in params.stop_token_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"stop_token_ids: {bad[:5]} outside the vocabulary [0, {vocab})")
+        bad = [t for t, _ in params.logit_bias if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"logit_bias: token ids {bad[:5]} outside the vocabulary [0, {vocab})")
 
     def add_request(self, request: Request) -> None:
         """Queue a request. Raises ``ValueError`` naming a field the model cannot serve."""
@@ -196,6 +204,7 @@ class LLMEngine:
         """Finish a request in any state and free its blocks. False if unknown."""
         if self._faults is not None:
             self._faults.forget(request_id)
+        self._prompt_logprobs.pop(request_id, None)
         request = self.scheduler.requests.get(request_id)
         if not self.scheduler.abort(request_id):
             return False
@@ -220,10 +229,10 @@ class LLMEngine:
         if not out.scheduled:
             self.runner.input_batch.remove(out.finished_req_ids)
             return []
-        sampled, logprobs, failed = self._execute(out)
+        result, failed = self._execute(out)
         if self._faults is not None:
             self._faults.after_execute(out)
-        outputs = self.metrics.timed("postprocess", self._update, out, sampled, logprobs)
+        outputs = self.metrics.timed("postprocess", self._update, out, result)
         self.metrics.record_step(out, self.scheduler, outputs)
         return failed + outputs
 
@@ -232,27 +241,29 @@ class LLMEngine:
             self._faults.before_execute(out)
         return self.runner.execute(out, self.metrics.timed)
 
-    def _execute(self, out: SchedulerOutput):
-        """``runner.execute``, or on failure each request alone: (tokens, logprobs, failed)."""
+    def _execute(self, out: SchedulerOutput) -> tuple[StepResult, list[RequestOutput]]:
+        """``runner.execute``, or on failure each request alone: (its result, the failed)."""
         try:
-            sampled, logprobs = self._run_model(out)
+            result = self._run_model(out)
         except Exception as exc:  # noqa: BLE001 - attributed below, or re-raised as the engine's
             return self._execute_alone(out, exc)
         self._steps_lost_all = 0
-        return sampled, logprobs, []
+        return result, []
 
     def _execute_alone(self, out: SchedulerOutput, exc: Exception):
         n = len(out.scheduled)
         log.warning("engine step of %d requests failed (%s: %s); running each alone",
                     n, type(exc).__name__, exc)
-        sampled: list[int | None] = [None] * n
-        logprobs: list[TokenLogprobs | None] = [None] * n
+        result = StepResult([None] * n, [None] * n, {})
         failed: list[RequestOutput] = []
         for i, request in enumerate(out.scheduled):
             alone = SchedulerOutput([request], {request.request_id:
                                                 out.num_scheduled_tokens[request.request_id]})
             try:
-                (sampled[i],), (logprobs[i],) = self._run_model(alone)
+                one = self._run_model(alone)
+                result.sampled[i], result.logprobs[i] = one.sampled[0], one.logprobs[0]
+                if 0 in one.prompt_logprobs:
+                    result.prompt_logprobs[i] = one.prompt_logprobs[0]
             except Exception as cause:  # noqa: BLE001 - this request's own failure
                 if request.is_padding:
                     raise EngineDeadError(f"a static batch's padding row failed: {cause}") from cause
@@ -261,7 +272,7 @@ class LLMEngine:
         if len(failed) == n and (n > 1 or self._steps_lost_all >= MAX_STEPS_LOST_ALL):
             raise EngineDeadError(f"engine step failed for every request, alone too: "
                                   f"{type(exc).__name__}: {exc}") from exc
-        return sampled, logprobs, failed
+        return result, failed
 
     def _fail(self, request: Request, cause: Exception) -> RequestOutput:
         """Abort ``request`` (blocks freed) because running it raises ``cause``."""
@@ -271,13 +282,16 @@ class LLMEngine:
         return RequestOutput(request.request_id, [], "abort", request.num_prompt_tokens,
                              len(request.output_token_ids), error=error)
 
-    def _update(self, out: SchedulerOutput, sampled: list[int | None],
-                logprobs: list[TokenLogprobs | None]) -> list[RequestOutput]:
-        outputs = self.scheduler.update_from_output(out, sampled)
-        by_id = {r.request_id: lp for r, lp in zip(out.scheduled, logprobs) if lp is not None}
+    def _update(self, out: SchedulerOutput, result: StepResult) -> list[RequestOutput]:
+        for i, chunk in result.prompt_logprobs.items():  # [None]: the first token has none
+            self._prompt_logprobs.setdefault(out.scheduled[i].request_id, [None]).extend(chunk)
+        outputs = self.scheduler.update_from_output(out, result.sampled)
+        by_id = {r.request_id: lp for r, lp in zip(out.scheduled, result.logprobs) if lp is not None}
         for o in outputs:
             if o.request_id in by_id:
                 o.logprobs = [by_id[o.request_id]]
+            if o.request_id in self._prompt_logprobs:  # the request's first output: its prompt is done
+                o.prompt_logprobs = self._prompt_logprobs.pop(o.request_id)
         return outputs
 
     def load(self) -> dict[str, int]:

@@ -36,8 +36,8 @@ class EngineConfig(BaseModel):
     # tokens one prompt chunk may take per step while others wait (scheduler.py); 0: no cap;
     # None: the role's default (a prefill worker caps, see services/serve.py; otherwise none)
     long_prefill_token_threshold: int | None = Field(default=None, ge=0)
-    # threads of a small step: "all" (torch's thread count, every step) or "auto" (timed while
-    # serving, one thread or all: see step_threads.py)
+    # threads of a step: "all" (torch's thread count, every step) or "auto" (timed while
+    # serving per step size, one thread or all: see step_threads.py)
     step_threads: Literal["auto", "all"] = "all"
     # CUDA: run decode steps eagerly instead of replaying CUDA graphs (cuda_graphs.py)
     enforce_eager: bool = False

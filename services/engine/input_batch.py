@@ -24,9 +24,21 @@ import numpy as np
 import torch
 
 from .attention import AttentionMetadata
+from .grammars import Matchers
 from .request import Request
 from .sampler import Penalties, RandomDraws, SamplingBatch, uniforms
 from .scheduler import SchedulerOutput
+
+
+@dataclass
+class PromptLogprobsPlan:
+    """Where a step computes prompt logprobs: the logits of the token before each prompt token
+    of the step's chunks, for the requests that asked (``prompt_logprobs``)."""
+
+    indices: torch.Tensor  # [m] rows of the hidden states (the token before each target)
+    targets: torch.Tensor  # [m] int64: the prompt tokens whose logprob is asked
+    owners: list[tuple[int, int, int]]  # (index in out.scheduled, targets, its top-N), in order
+    num_top: int  # largest top-N asked for
 
 
 @dataclass
@@ -40,6 +52,7 @@ class ModelInputs:
     logits_indices: torch.Tensor  # [num_sampled] rows of the hidden states to sample from
     sampled_rows: list[int]  # batch rows that sample, aligned with logits_indices
     rows: np.ndarray  # [num_seqs] int64: each batch row's row in the InputBatch
+    prompt_logprobs: PromptLogprobsPlan | None = None
 
 
 def to_device(arrays: dict[str, np.ndarray], device: torch.device) -> dict[str, torch.Tensor]:
@@ -87,13 +100,17 @@ class InputBatch:
     ``max_model_len``: tokens a row holds; ``block_size``: tokens per KV block;
     ``vocab_size``: the model's, for checking stop token ids (an id outside it raises
     ``IndexError`` when its request is scheduled, so that request fails alone); ``device``:
-    where the step's tensors go (``to_device``).
+    where the step's tensors go (``to_device``); ``matchers``: the grammar matchers of
+    structured outputs (None: a request that asks for one fails alone).
     """
 
     def __init__(self, max_model_len: int, block_size: int, vocab_size: int,
-                 device: torch.device | str = "cpu", capacity: int = 16) -> None:
+                 device: torch.device | str = "cpu", capacity: int = 16,
+                 matchers: Matchers | None = None) -> None:
         self.max_model_len, self.block_size, self.vocab_size = max_model_len, block_size, vocab_size
         self.device = torch.device(device)
+        self.matchers = matchers
+        self.logit_bias: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # row -> (ids, biases)
         self.max_blocks = -(-max_model_len // block_size)
         self.row_of: dict[str, int] = {}
         self._free_rows: list[int] = []
@@ -132,6 +149,9 @@ class InputBatch:
         self.prior_outputs = resized(get("prior_outputs"), (n,), np.int64)
         self.min_tokens = resized(get("min_tokens"), (n,), np.int64)
         self.num_logprobs = resized(get("num_logprobs"), (n,), np.int64, -1)  # -1: none
+        self.constrained = resized(get("constrained"), (n,), np.bool_)  # structured output
+        self.prompt_logprobs = resized(get("prompt_logprobs"), (n,), np.int64, -1)  # -1: none
+        self.request_ids: list[str | None] = getattr(self, "request_ids", []) + [None] * (n - old)
         width = get("stop_ids").shape[1] if old else 1
         self.stop_ids = resized(get("stop_ids"), (n, width), np.int64, -1)  # EOS + stop ids
         self._tables.extend([None] * (n - old))
@@ -139,12 +159,26 @@ class InputBatch:
         self._capacity = n
 
     def add(self, r: Request) -> int:
-        """Give ``r`` a row and copy in its tokens and settings."""
+        """Give ``r`` a row and copy in its tokens and settings. Raises ``IndexError`` naming
+        ``stop_token_ids`` or ``logit_bias`` for a token id outside the vocabulary."""
+        p = r.sampling_params
+        for field, ids in (("stop_token_ids", p.stop_token_ids), ("logit_bias", [t for t, _ in p.logit_bias])):
+            if any(not 0 <= t < self.vocab_size for t in ids):
+                raise IndexError(f"{field}: an id is outside the vocabulary [0, {self.vocab_size})")
         if not self._free_rows:
             self._grow(2 * self._capacity)
+        if p.structured_output is not None:
+            if self.matchers is None:
+                raise ValueError("structured_output: this engine has no tokenizer for grammars")
+            self.matchers.add(r.request_id, p.structured_output.format, p.structured_output.spec)
         row = self._free_rows.pop()
         self.row_of[r.request_id] = row
-        p = r.sampling_params
+        self.request_ids[row] = r.request_id
+        self.constrained[row] = p.structured_output is not None
+        self.prompt_logprobs[row] = -1 if p.prompt_logprobs is None else p.prompt_logprobs
+        if p.logit_bias:
+            ids, biases = zip(*p.logit_bias)
+            self.logit_bias[row] = (np.array(ids, dtype=np.int64), np.array(biases, dtype=np.float32))
         tokens = r.all_token_ids
         self.token_ids[row, :len(tokens)] = tokens
         self.num_tokens[row] = len(tokens)
@@ -178,6 +212,11 @@ class InputBatch:
             row = self.row_of.pop(request_id, None)
             if row is not None:
                 self._tables[row] = None
+                self.logit_bias.pop(row, None)
+                if self.constrained[row]:
+                    self.matchers.remove(request_id)
+                self.constrained[row] = False
+                self.request_ids[row] = None
                 self._free_rows.append(row)
 
     def _sync(self, r: Request, row: int) -> None:
@@ -198,7 +237,7 @@ class InputBatch:
     # -- one step ----------------------------------------------------------------------------
     def prepare(self, out: SchedulerOutput) -> ModelInputs:
         """The model's inputs for ``out``, on the batch's device. Rows are added for requests
-        seen for the first time; stop token ids outside the vocabulary raise ``IndexError``."""
+        seen for the first time (``add``: its errors propagate)."""
         self.remove(out.finished_req_ids)
         reqs, sched = out.scheduled, out.num_scheduled_tokens
         n = len(reqs)
@@ -211,8 +250,6 @@ class InputBatch:
             if (r.num_tokens != self.num_tokens[row] or r.block_table is not self._tables[row]
                     or len(r.block_table) != self.num_blocks[row]):
                 self._sync(r, row)
-        if (self.stop_ids[rows] >= self.vocab_size).any():
-            raise IndexError(f"stop_token_ids: an id is outside the vocabulary [0, {self.vocab_size})")
         # decode rows (one token) first: they take the batched decode attention path
         order = np.argsort(num_new != 1, kind="stable")
         rows, num_new, computed = rows[order], num_new[order], computed[order]
@@ -235,8 +272,33 @@ class InputBatch:
         attn = AttentionMetadata(t["slot_mapping"], t["block_tables"], t["seq_lens"],
                                  query_start_loc.tolist(), int(np.count_nonzero(num_new == 1)))
         attn.set_query_start_loc_tensor(t["query_start_loc"])
+        plan = None
+        if (self.prompt_logprobs[rows] >= 0).any():
+            plan = self._prompt_logprobs_plan(rows, order, computed, num_new, starts)
         return ModelInputs(t["input_ids"], t["positions"], attn, order.tolist(),
-                           t["logits_indices"], sampled.tolist(), rows)
+                           t["logits_indices"], sampled.tolist(), rows, plan)
+
+    def _prompt_logprobs_plan(self, rows: np.ndarray, order: np.ndarray, computed: np.ndarray,
+                              num_new: np.ndarray, starts: np.ndarray) -> PromptLogprobsPlan | None:
+        """Prompt token ``j`` (``j >= 1``) is scored by the logits at position ``j - 1``: for
+        each chunk of an asking request that has produced no output yet, the positions
+        ``[start, min(end, num_prompt - 1))``."""
+        indices, targets, owners = [], [], []
+        for b in np.flatnonzero((self.prompt_logprobs[rows] >= 0)
+                                & (self.num_tokens[rows] == self.num_prompt[rows])).tolist():
+            row, start = rows[b], int(computed[b])
+            end = min(start + int(num_new[b]), int(self.num_prompt[row]) - 1)
+            if end <= start:
+                continue
+            indices.append(np.arange(end - start) + starts[b])
+            targets.append(self.token_ids[row, start + 1:end + 1].astype(np.int64))
+            owners.append((int(order[b]), end - start, int(self.prompt_logprobs[row])))
+        if not owners:
+            return None
+        t = to_device({"indices": np.concatenate(indices), "targets": np.concatenate(targets)},
+                      self.device)
+        return PromptLogprobsPlan(t["indices"], t["targets"], owners,
+                                  int(self.prompt_logprobs[rows].max()))
 
     def sampling(self, rows: np.ndarray) -> SamplingBatch:
         """Sampling settings of ``rows`` (the sampled rows, in logits order), on the batch's
@@ -252,6 +314,14 @@ class InputBatch:
         num_logprobs = self.num_logprobs[rows]
         if (num_logprobs >= 0).any():
             a["logprob_rows"] = np.flatnonzero(num_logprobs >= 0)
+        if self.constrained[rows].any():
+            self._grammar_arrays(rows, a)
+        biased = [(i, self.logit_bias[row]) for i, row in enumerate(rows.tolist())
+                  if row in self.logit_bias]
+        if biased:
+            a["bias_rows"] = np.concatenate([np.full(len(ids), i) for i, (ids, _) in biased])
+            a["bias_ids"] = np.concatenate([ids for _, (ids, _) in biased])
+            a["bias_values"] = np.concatenate([b for _, (_, b) in biased])
         if self.has_penalties[rows].any():
             self._penalty_arrays(rows, a)
         random = np.flatnonzero(self.temperature[rows] > 0)
@@ -267,6 +337,8 @@ class InputBatch:
                                 t["repetition"], t["history"], t["output_from"])
             if "penalty_rows" in t else None,
             suppress=(t["suppress_rows"], t["suppress_ids"]) if below.size else None,
+            allowed=(t["allowed_rows"], t["allowed_bitmask"]) if "allowed_rows" in t else None,
+            logit_bias=(t["bias_rows"], t["bias_ids"], t["bias_values"]) if biased else None,
             logprob_rows=t.get("logprob_rows"),
             max_num_logprobs=int(num_logprobs.max()) if "logprob_rows" in t else None)
 
@@ -281,6 +353,18 @@ class InputBatch:
         if filtered.any():
             a["filter_rows"] = np.flatnonzero(filtered)
 
+    def _grammar_arrays(self, rows: np.ndarray, a: dict[str, np.ndarray]) -> None:
+        """Each constrained row's allowed next tokens: its matcher first catches up with the
+        output tokens it has not seen (sampled here last step, or handed over: a remote
+        prefill's first token, a migrated request's earlier output)."""
+        which = np.flatnonzero(self.constrained[rows])
+        bitmask = np.zeros((which.size, self.matchers.words), dtype=np.int32)
+        for k, row in enumerate(rows[which].tolist()):
+            request_id = self.request_ids[row]
+            self.matchers.advance(request_id, self.token_ids[row, self.output_from[row]:self.num_tokens[row]])
+            self.matchers.fill(request_id, bitmask[k])
+        a["allowed_rows"], a["allowed_bitmask"] = which, bitmask
+
     def _penalty_arrays(self, rows: np.ndarray, a: dict[str, np.ndarray]) -> None:
         which = np.flatnonzero(self.has_penalties[rows])
         r = rows[which]
@@ -293,11 +377,13 @@ class InputBatch:
 
     def plain_greedy(self, rows: np.ndarray) -> bool:
         """Whether every row of ``rows`` takes the argmax of its raw logits: greedy, no
-        penalties, no logprobs asked, and past ``min_tokens`` (nothing masked)."""
+        penalties, logit bias or structured output, no logprobs asked, and past ``min_tokens``
+        (nothing masked)."""
         num_out = self.num_tokens[rows] - self.num_prompt[rows]
         return bool((self.temperature[rows] == 0).all() and not self.has_penalties[rows].any()
-                    and (self.num_logprobs[rows] < 0).all()
-                    and (num_out >= self.min_tokens[rows]).all())
+                    and (self.num_logprobs[rows] < 0).all() and not self.constrained[rows].any()
+                    and (num_out >= self.min_tokens[rows]).all()
+                    and not any(row in self.logit_bias for row in rows.tolist()))
 
     def record_sampled(self, rows: np.ndarray, token_ids: list[int]) -> None:
         """Append each row's sampled token (the scheduler appends the same to its request)."""

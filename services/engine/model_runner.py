@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -19,25 +20,40 @@ import torch
 from kernels.decode_ops import argmax_rows
 
 from .cuda_graphs import CUDAGraphRunner
-from .input_batch import InputBatch, ModelInputs
+from .grammars import Matchers
+from .input_batch import InputBatch, ModelInputs, PromptLogprobsPlan
 from .model import LlamaForCausalLM
-from .sampler import TokenLogprobs, sample
+from .sampler import SamplerOutput, TokenLogprobs, sample
 from .scheduler import SchedulerOutput
 from .step_threads import StepThreads
 
 __all__ = ["ModelInputs", "ModelRunner"]
 
 
+PROMPT_LOGPROBS_SLICE = 256  # prompt positions whose logits exist at once
+
+
 def _untimed(phase: str, fn: Callable, *args):
     return fn(*args)
 
 
+@dataclass
+class StepResult:
+    """What ``ModelRunner.execute`` returns, aligned with ``SchedulerOutput.scheduled``."""
+
+    sampled: list[int | None]  # the sampled token (None: a prompt chunk that is not the last)
+    logprobs: list[TokenLogprobs | None]  # where the request asked for logprobs
+    prompt_logprobs: dict[int, list[TokenLogprobs]]  # index -> this step's prompt logprobs
+
+
 class ModelRunner:
     """Owns the model, the KV cache tensor and the persistent batch; ``execute`` runs one engine
-    step's batch. ``max_model_len``: the engine's (tokens a request may hold)."""
+    step's batch. ``max_model_len``: the engine's (tokens a request may hold); ``matchers``:
+    structured outputs' grammar matchers (``grammars.Matchers``)."""
 
     def __init__(self, model: LlamaForCausalLM, kv_cache: torch.Tensor, block_size: int,
-                 max_model_len: int, step_threads: StepThreads | None = None) -> None:
+                 max_model_len: int, step_threads: StepThreads | None = None,
+                 matchers: Matchers | None = None) -> None:
         self.model = model
         # threads of each step (step_threads.py); default: torch's, every step
         self.step_threads = step_threads or StepThreads("all", torch.get_num_threads())
@@ -45,29 +61,35 @@ class ModelRunner:
         self.block_size = block_size
         self.device = kv_cache.device
         self.input_batch = InputBatch(max_model_len, block_size, model.config.vocab_size,
-                                      kv_cache.device)
+                                      kv_cache.device, matchers=matchers)
         self.num_host_reads = 0  # device-to-host copies of sampled tokens (one per step)
         self.graphs: CUDAGraphRunner | None = None  # decode steps from CUDA graphs (engine sets)
 
     @torch.inference_mode()
-    def forward(self, inputs: ModelInputs) -> torch.Tensor:
+    def forward(self, inputs: ModelInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run the model; returns logits ``[num_sampled, vocab]`` float32 on the model's device
-        (possibly 0 rows)."""
+        (possibly 0 rows), and the hidden states ``[m, hidden]`` the step's prompt logprobs
+        are computed from (None: nobody asked)."""
         hidden = self.graphs.run(inputs) if self.graphs is not None else None
         if hidden is None:  # not a decode step that a graph holds: eager
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.attn)
-        return self.model.compute_logits(hidden[inputs.logits_indices])
+        plan = inputs.prompt_logprobs
+        return (self.model.compute_logits(hidden[inputs.logits_indices]),
+                hidden[plan.indices] if plan is not None else None)
 
     @torch.inference_mode()
-    def sample(self, out: SchedulerOutput, inputs: ModelInputs, logits: torch.Tensor,
-               ) -> tuple[list[int | None], list[TokenLogprobs | None]]:
+    def sample(self, out: SchedulerOutput, inputs: ModelInputs,
+               forwarded: tuple[torch.Tensor, torch.Tensor | None]) -> StepResult:
         """A token id per ``out.scheduled`` entry (None: a prompt chunk that is not the last),
-        and its logprobs where the request asked for them."""
+        its logprobs where the request asked for them, and the step's prompt logprobs."""
+        logits, prompt_hidden = forwarded
         n = len(out.scheduled)
         sampled: list[int | None] = [None] * n
         logprobs: list[TokenLogprobs | None] = [None] * n
+        prompt = ({} if prompt_hidden is None
+                  else self._prompt_logprobs(inputs.prompt_logprobs, prompt_hidden))
         if not inputs.sampled_rows:
-            return sampled, logprobs
+            return StepResult(sampled, logprobs, prompt)
         batch = self.input_batch
         rows = inputs.rows[inputs.sampled_rows]
         positions = [inputs.order[row] for row in inputs.sampled_rows]  # in out.scheduled
@@ -86,14 +108,35 @@ class ModelRunner:
             for j, k in enumerate(asked):
                 logprobs[positions[k]] = TokenLogprobs.from_rows(
                     token_ids[k], ids_host[j], lps_host[j], int(batch.num_logprobs[rows[k]]))
-        return sampled, logprobs
+        return StepResult(sampled, logprobs, prompt)
+
+    def _prompt_logprobs(self, plan: PromptLogprobsPlan, hidden: torch.Tensor,
+                         ) -> dict[int, list[TokenLogprobs]]:
+        """Each asking request's prompt logprobs of this step (index in ``out.scheduled`` ->
+        one per target, in position order), ``PROMPT_LOGPROBS_SLICE`` rows of logits at a time
+        (a 2,048-token chunk's would be 400 MB at once)."""
+        parts = []
+        for lo in range(0, hidden.shape[0], PROMPT_LOGPROBS_SLICE):
+            lp = torch.log_softmax(self.model.compute_logits(hidden[lo:lo + PROMPT_LOGPROBS_SLICE]), -1)
+            targets = plan.targets[lo:lo + PROMPT_LOGPROBS_SLICE]
+            top_lp, top_ids = lp.topk(plan.num_top, dim=-1)
+            parts.append(SamplerOutput(targets, lp.gather(1, targets.unsqueeze(1)).squeeze(1),
+                                       top_ids, top_lp))
+        chosen, top_ids, lps = SamplerOutput(*(torch.cat(x) for x in zip(
+            *((p.token_ids, p.logprobs, p.top_ids, p.top_logprobs) for p in parts)))).to_host()
+        self.num_host_reads += 1
+        result, k = {}, 0
+        for index, count, num_top in plan.owners:
+            result[index] = [TokenLogprobs.from_rows(chosen[k + i], top_ids[k + i], lps[k + i],
+                                                     num_top) for i in range(count)]
+            k += count
+        return result
 
     def _to_host_list(self, t: torch.Tensor) -> list[int]:
         self.num_host_reads += 1
         return t.tolist()
 
-    def execute(self, out: SchedulerOutput, timed: Callable = _untimed,
-                ) -> tuple[list[int | None], list[TokenLogprobs | None]]:
+    def execute(self, out: SchedulerOutput, timed: Callable = _untimed) -> StepResult:
         """One step's model work: ``prepare_inputs`` -> ``forward`` -> ``sample``; returns what
         ``sample`` does. ``timed(phase, fn, *args)`` runs each phase (the engine times them).
         ``forward`` and ``sample`` run on ``step_threads.choose(num_tokens)`` threads."""
@@ -104,8 +147,8 @@ class ModelRunner:
             torch.set_num_threads(threads)  # the CPU kernels read it per call
         started = time.perf_counter()
         try:
-            logits = timed("forward", self.forward, inputs)
-            result = timed("sample", self.sample, out, inputs, logits)
+            forwarded = timed("forward", self.forward, inputs)
+            result = timed("sample", self.sample, out, inputs, forwarded)
         finally:
             if threads != every:
                 torch.set_num_threads(every)

@@ -18,6 +18,9 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     logprobs: list | None = None  # per new token, when the request asked for logprobs
+    # with the first output (or the finish of a scored prompt): per prompt token, None for the
+    # first, else its TokenLogprobs, when the request asked for prompt_logprobs
+    prompt_logprobs: list | None = None
     error: str | None = None  # why the engine failed this request (its cause, one line)
 
 

@@ -1,8 +1,8 @@
 """Token sampling for a batch, on the logits' device, vectorised over rows: no Python loop over
 the batch or the vocabulary, and no per-request generator state.
 
-Order, as in vLLM's sampler: logprobs of the raw logits; ``min_tokens`` masking of EOS and stop
-tokens; repetition (CTRL, Keskar et al. 2019: divide positive / multiply negative logits of
+Order, as in vLLM's sampler: logprobs of the raw logits; structured outputs' token masks
+(``grammars.py``) and ``logit_bias``; ``min_tokens`` masking of EOS and stop tokens; repetition (CTRL, Keskar et al. 2019: divide positive / multiply negative logits of
 tokens seen in prompt or output), frequency and presence penalties (OpenAI's definitions);
 greedy rows take the argmax here; then temperature, min-p (Nguyen et al. 2024), top-k and
 top-p (Holtzman et al. 2020).
@@ -81,6 +81,9 @@ class SamplingBatch:
     random: RandomDraws | None  # None: every row is greedy
     penalties: Penalties | None
     suppress: tuple[torch.Tensor, torch.Tensor] | None  # (rows, token ids) [k] int64 -> -inf
+    # structured outputs: (rows [g] int64, bitmask [g, ceil(vocab / 32)] int32, 1 = allowed)
+    allowed: tuple[torch.Tensor, torch.Tensor] | None
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # (rows, ids, biases) [b]
     logprob_rows: torch.Tensor | None  # [l] int64: rows that asked for logprobs
     max_num_logprobs: int | None  # largest top-N asked for; None: nobody asked
 
@@ -140,8 +143,14 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     the logits' device. Each stage runs on the rows it concerns only. Raises ``IndexError``
     for a suppressed token id outside the vocabulary (CPU; the engine checks ids first)."""
     raw = logits
-    if batch.suppress is not None or batch.penalties is not None:
+    if any(x is not None for x in (batch.suppress, batch.penalties, batch.allowed, batch.logit_bias)):
         logits = logits.clone()
+    if batch.allowed is not None:
+        rows, bitmask = batch.allowed
+        logits[rows] = apply_token_bitmask(logits[rows], bitmask)
+    if batch.logit_bias is not None:
+        rows, ids, biases = batch.logit_bias
+        logits.index_put_((rows, ids), biases, accumulate=True)
     if batch.suppress is not None:
         rows, ids = batch.suppress
         logits[rows, ids] = float("-inf")
@@ -158,6 +167,15 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         out.logprobs = lp.gather(1, chosen.unsqueeze(1)).squeeze(1)
         out.top_logprobs, out.top_ids = lp.topk(batch.max_num_logprobs, dim=-1)
     return out
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """``logits`` (``[g, vocab]``) with every token whose bit is 0 in ``bitmask`` (``[g,
+    ceil(vocab / 32)]`` int32, token ``i`` at bit ``i % 32`` of word ``i // 32``) set to -inf."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    bits = (bitmask.unsqueeze(-1) >> shifts) & 1
+    allowed = bits.reshape(bitmask.shape[0], -1)[:, :logits.shape[1]].bool()
+    return logits.masked_fill(~allowed, float("-inf"))
 
 
 def _sample_random(logits: torch.Tensor, r: RandomDraws) -> torch.Tensor:

@@ -5,7 +5,21 @@ from __future__ import annotations
 # a tiny temperature overflows them to inf, and the softmax of inf is nan
 SAMPLING_EPS = 1e-5
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+
+class StructuredOutput(BaseModel):
+    """A constraint on the whole output (vLLM's ``structured_outputs``, OpenAI's
+    ``response_format``): ``format`` ``json`` (``spec``: a JSON schema; ``{"type": "object"}``
+    for any object), ``regex`` (Rust regex syntax), ``choice`` (a JSON list of strings) or
+    ``grammar`` (Lark, or llama.cpp's GBNF). Compiled and checked by ``grammars.grammar_of``."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    format: Literal["json", "regex", "choice", "grammar"]
+    spec: str
 
 
 class SamplingParams(BaseModel):
@@ -19,7 +33,8 @@ class SamplingParams(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
-    max_tokens: int = Field(default=256, gt=0)  # output tokens, first token included
+    max_tokens: int = Field(default=256, ge=0)  # output tokens, first token included; 0: score
+    # the prompt only (needs prompt_logprobs)
     min_tokens: int = Field(default=0, ge=0)  # EOS and stop tokens cannot end it earlier
     temperature: float = Field(default=1.0, ge=0.0)  # below SAMPLING_EPS: greedy
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)  # nucleus mass kept
@@ -36,6 +51,13 @@ class SamplingParams(BaseModel):
     # a resumed request (migration): the prompt's last N tokens are output tokens of an earlier
     # attempt, so the seed's draws and the frequency/presence penalties continue after them
     num_prior_output_tokens: int = Field(default=0, ge=0)
+    structured_output: StructuredOutput | None = None  # every output token keeps it valid
+    # (token id, bias) added to the logits before sampling (OpenAI's logit_bias: -100 bans a
+    # token, 100 all but forces it); ids are checked against the model by the engine
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    # vLLM's prompt_logprobs: each prompt token's logprob (after the first) and the top-N
+    # alternatives at its position; prefix-cache hits are not used for such a request
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=20)
 
     @field_validator("stop")
     @classmethod
@@ -51,8 +73,30 @@ class SamplingParams(BaseModel):
             raise ValueError("seed must be in [0, 2**63)")
         return v
 
+    @field_validator("structured_output")
+    @classmethod
+    def _compiles(cls, v: StructuredOutput | None) -> StructuredOutput | None:
+        if v is not None:
+            from .grammars import grammar_of
+
+            grammar_of(v.format, v.spec)  # ValueError naming structured_output and why
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_range(cls, v: tuple[tuple[int, float], ...]) -> tuple[tuple[int, float], ...]:
+        ids = [token for token, _ in v]
+        if any(token < 0 for token in ids) or len(set(ids)) != len(ids):
+            raise ValueError("logit_bias: token ids must be distinct and >= 0")
+        if any(not -100.0 <= bias <= 100.0 for _, bias in v):
+            raise ValueError("logit_bias: biases must be within [-100, 100]")
+        return v
+
     @model_validator(mode="after")
     def _min_le_max(self) -> SamplingParams:
+        if self.max_tokens == 0 and self.prompt_logprobs is None:
+            raise ValueError("max_tokens: must be > 0 unless prompt_logprobs are asked for "
+                             "(scoring a prompt)")
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         return self

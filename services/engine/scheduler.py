@@ -133,7 +133,8 @@ class Scheduler:
     def prefix_hit(self, request: Request) -> list[int]:
         """Cached blocks to start ``request`` from: [] unless caching is on and nothing of the
         request is computed yet (new or preempted; a decode-role request has its prompt KV)."""
-        if not self.config.enable_prefix_caching or request.num_computed_tokens:
+        if (not self.config.enable_prefix_caching or request.num_computed_tokens
+                or request.sampling_params.prompt_logprobs is not None):  # every logit needed
             return []
         return self.block_manager.get_computed_blocks(request)
 
@@ -244,6 +245,9 @@ class Scheduler:
             self.block_manager.free_blocks_outside_window(request, self.config.sliding_window)
 
     def _append_token(self, request: Request, token_id: int) -> RequestOutput:
+        if request.sampling_params.max_tokens == 0:  # a scored prompt: nothing to generate
+            self._finish(request, RequestStatus.FINISHED_LENGTH)
+            return RequestOutput(request.request_id, [], "length", request.num_prompt_tokens, 0)
         request.output_token_ids.append(token_id)
         status = request.check_stop(self.config.max_model_len)
         if status is not None:

@@ -1,28 +1,26 @@
-"""How many threads a small engine step runs on: measured while serving, not assumed.
+"""How many threads each engine step runs on: measured while serving, not assumed.
 
-A decode step of a few sequences reads every weight once whatever its batch (94 MB for the
-built-in Q4_1 model), in about 150 kernel calls that each split their work across the
-worker's OpenMP team: a fork and a join per call. When other processes share the cores
-(``tandem up`` on a small machine: the gateway, the client, the worker's own event loop), a
-team member that is preempted stalls the rest at the next join, so the served step costs more
-than in process and a second thread gains less. Measured on 2 AMD EPYC cores
-(docs/benchmarks.md, 2026-11-23, 20:00 sitting): 2 threads won at 1 and 4 streams (8.3 against
-10.6 ms a step at 1, 29 against 41 at 4), and auto's TPOT was 0.1-0.6 ms under "all"'s at 1
-stream and 4-5 ms under at 4 (one run each way, twice; what makes the gap at 4 was not
-profiled). With more load beside the worker, 1 thread can win outright; so the engine
-measures. (The 24 ms served TPOT on 2 threads first blamed on this was libgomp's throttled
-spin: ``services.serve.on_passing_thread``.)
+A step's kernels each split their work across the worker's OpenMP team: a fork and a join per
+call, ~150 calls a decode step of the built-in model. When other processes share the cores (a
+benchmark client, a sidecar, a noisy neighbour, the stack's own gateway), a team member that is
+preempted stalls the rest at every join until the scheduler runs it again, so a step on every
+thread can cost many times a step on one. Measured on 2 AMD EPYC cores with one busy-loop
+process beside the server (issue 27): 16 streams fell to 2-4% of their quiet tokens/s. Quiet,
+a second thread wins; beside a neighbour, one thread can win outright. So the engine measures,
+for every step size.
 
-``StepThreads("auto")``: steps of at most ``SMALL_STEP_TOKENS`` tokens are timed (wall clock,
-which is what TPOT sees) on one thread and on all, per size bucket, ``FIRST_SAMPLES`` times each
-in turn, and then run on the faster by an exponentially weighted mean; one small step in
-every ``EXPLORE_EVERY`` or more re-times the other choice, so a change in load is followed. The
+``StepThreads("auto")``: steps are timed (wall clock, which is what TPOT and TTFT see) on one
+thread and on all, per size bucket (1 | 2-3 | 4-7 | ... tokens), ``FIRST_SAMPLES`` times each in
+turn, and then run on the faster by an exponentially weighted mean; one step in every
+``EXPLORE_EVERY`` or more re-times the other choice, so a change in load is followed. The
 interval grows with the gap so that re-timing costs at most ``MAX_EXPLORE_COST`` of the step
-time (a choice twice as slow is re-timed every 100 steps, not 32: its p99 ITL showed it), up
-to ``MAX_EXPLORE_EVERY``. Larger steps (prefill chunks, big batches) use every thread.
-``"all"`` always uses every thread (the in-process default: figures that compare across runs). Outputs do not depend
-on the choice: every CPU kernel's result for a row is the same whatever its thread count
-(tests/kernels/test_quant_tiles.py, test_decode_fast_paths.py).
+time (a choice twice as slow is re-timed every 100 steps, not 32), up to ``MAX_EXPLORE_EVERY``.
+``"all"`` always uses every thread (the in-process default: figures that compare across runs).
+The worker's thread count itself is capped by the CPU it may use (``cpus.available_cpus``:
+affinity and cgroup quota). Outputs do not depend on the choice: every CPU kernel's result for
+a row is the same whatever its thread count (tests/kernels/test_quant_tiles.py,
+test_decode_fast_paths.py). (The 24 ms served TPOT on 2 threads once blamed on team joins was
+libgomp's throttled spin: ``services.serve.on_passing_thread``.)
 """
 from __future__ import annotations
 
@@ -31,7 +29,6 @@ import math
 
 log = logging.getLogger(__name__)
 
-SMALL_STEP_TOKENS = 8  # the weight-bound regime: the bytes read do not grow with the batch
 EXPLORE_EVERY = 32  # per bucket: at most one slower step in this many
 MAX_EXPLORE_COST = 0.01  # re-timing's share of the step time: (slow / fast - 1) / interval
 MAX_EXPLORE_EVERY = 256  # the longest interval: a change in load is seen within this many steps
@@ -58,9 +55,9 @@ class StepThreads:
 
     def choose(self, num_tokens: int) -> int:
         """Threads for a step of ``num_tokens`` tokens."""
-        if not self.options or num_tokens > SMALL_STEP_TOKENS:
+        if not self.options:
             return self.num_threads
-        bucket = num_tokens.bit_length()  # 1 | 2-3 | 4-7 | 8 tokens
+        bucket = num_tokens.bit_length()  # 1 | 2-3 | 4-7 | 8-15 | ... tokens
         timed = [self._timed.get((bucket, t), 0) for t in self.options]
         if min(timed) <= FIRST_SAMPLES:
             return self.options[timed.index(min(timed))]
@@ -69,7 +66,7 @@ class StepThreads:
         every = min(max(EXPLORE_EVERY, math.ceil(gap / MAX_EXPLORE_COST)), MAX_EXPLORE_EVERY)
         if bucket not in self._decided:
             self._decided.add(bucket)
-            lo, hi = 2 ** (bucket - 1), min(2 ** bucket - 1, SMALL_STEP_TOKENS)
+            lo, hi = 2 ** (bucket - 1), 2 ** bucket - 1
             log.info("steps of %s token(s) run on %d thread(s): %.1f ms against %.1f ms on %d "
                      "(re-timed every %d steps)", lo if lo == hi else f"{lo}-{hi}", fast,
                      self._ms[bucket, fast], self._ms[bucket, slow], slow, every)
@@ -77,7 +74,7 @@ class StepThreads:
 
     def record(self, num_tokens: int, threads: int, seconds: float) -> None:
         """The wall time of a step that ran ``num_tokens`` tokens on ``threads`` threads."""
-        if not self.options or num_tokens > SMALL_STEP_TOKENS:
+        if not self.options:
             return
         key, ms = (num_tokens.bit_length(), threads), seconds * 1e3
         n = self._timed[key] = self._timed.get(key, 0) + 1

@@ -15,6 +15,7 @@ def resumed_params(params: worker_pb2.SamplingParams, num_generated: int) -> wor
     resumed.max_tokens = params.max_tokens - num_generated
     resumed.min_tokens = max(params.min_tokens - num_generated, 0)
     resumed.num_prior_output_tokens = params.num_prior_output_tokens + num_generated
+    resumed.ClearField("prompt_logprobs")  # delivered with the first token, by the first attempt
     return resumed
 
 
