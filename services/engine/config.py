@@ -68,6 +68,10 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None  # attention scale is its -1/2 power (Gemma)
     attn_logit_softcapping: float | None = None  # scores -> cap * tanh(scores / cap) (Gemma 2)
     final_logit_softcapping: float | None = None  # the same on the logits (Gemma 2)
+    # every id that ends a sequence, eos_token_id first: config.json's and
+    # generation_config.json's eos lists (Llama 3's <|eot_id|>, Gemma's <end_of_turn>), a GGUF
+    # file's eos, eot and eom ids
+    eos_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.layer_types and len(self.layer_types) != self.num_hidden_layers:

@@ -8,6 +8,7 @@ layout, so the model code sees one format whatever the source. The architecture 
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Callable
@@ -157,7 +158,7 @@ def load_hf_dir(path: str | os.PathLike) -> tuple[ModelConfig, StateDict]:
     config_path = path / "config.json"
     if not config_path.is_file():
         raise FileNotFoundError(f"{config_path} not found: not a Hugging Face model directory")
-    arch, config = hf_config(json.loads(config_path.read_text()))
+    arch, config = hf_config(json.loads(config_path.read_text()), path)
     state_dict: StateDict = {}
     for file in _safetensors_files(path):
         with safe_open(file, framework="pt") as f:
@@ -171,11 +172,21 @@ def load_hf_dir(path: str | os.PathLike) -> tuple[ModelConfig, StateDict]:
     return config, state_dict
 
 
-def hf_config(raw: dict[str, Any]) -> tuple[Architecture, ModelConfig]:
-    """The architecture and config of a ``config.json`` dict. Raises ``ValueError`` naming an
-    unsupported ``model_type`` (with the supported list) or field."""
+def hf_config(raw: dict[str, Any], path: Path | None = None,
+              ) -> tuple[Architecture, ModelConfig]:
+    """The architecture and config of a ``config.json`` dict (of directory ``path``, whose
+    ``generation_config.json`` may list more end-of-sequence ids). Raises ``ValueError`` naming
+    an unsupported ``model_type`` (with the supported list) or field."""
     arch = models.by_model_type(raw.get("model_type"))
-    return arch, arch.config_from_hf(raw)
+    config = arch.config_from_hf(raw)
+    generation = path / "generation_config.json" if path is not None else None
+    if generation is not None and generation.is_file():
+        eos = json.loads(generation.read_text()).get("eos_token_id")
+        eos = eos if isinstance(eos, list) else [] if eos is None else [eos]
+        ids = tuple(dict.fromkeys([*config.eos_token_ids, *eos]))
+        config = dataclasses.replace(config, eos_token_id=ids[0] if ids else None,
+                                     eos_token_ids=ids)
+    return arch, config
 
 
 def _safetensors_files(path: Path) -> list[Path]:
@@ -217,7 +228,7 @@ def load_config(path: str | os.PathLike) -> ModelConfig:
         config_file = path / "config.json"
         if not config_file.is_file():
             raise FileNotFoundError(f"{config_file} does not exist")
-        return hf_config(json.loads(config_file.read_text()))[1]
+        return hf_config(json.loads(config_file.read_text()), path)[1]
     if not path.is_file():
         raise FileNotFoundError(f"model path {path} does not exist")
     from .gguf_file import GGUFFile  # NOTE: skips the vocabulary: ~100x faster than GGUFReader

@@ -174,3 +174,26 @@ def test_unsupported_architectures_are_refused_with_the_supported_list(tiny, tmp
     assert "'gpt_neox'" in str(err.value)
     for arch in ARCHS:
         assert arch in str(err.value)
+
+
+def test_generation_configs_end_of_sequence_ids_end_a_request(tiny, tmp_path):
+    """Llama 3 and Gemma instruct checkpoints end a turn with an id listed only in
+    generation_config.json (<|eot_id|>, <end_of_turn>): it ends the request, unless ignore_eos."""
+    import shutil
+
+    path, expected = tiny("llama")
+    shutil.copytree(path, tmp_path / "llama")
+    stop = expected[1][5]
+    (tmp_path / "llama" / "generation_config.json").write_text(
+        json.dumps({"eos_token_id": [2, stop]}))
+    engine = engine_for(tmp_path / "llama")
+    assert engine.model_config.eos_token_ids == (2, stop)
+    params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS)
+    engine.add_request(engine.make_request("eot", PROMPTS[1], params))
+    outputs = []
+    while engine.has_work():
+        outputs += engine.step()
+    tokens = [t for o in outputs for t in o.new_token_ids]
+    assert tokens == expected[1][:expected[1].index(stop) + 1]
+    assert outputs[-1].finish_reason == "stop"
+    assert run(engine, [PROMPTS[1]]) == expected[1:2]  # GREEDY ignores EOS

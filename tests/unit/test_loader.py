@@ -42,7 +42,7 @@ def test_gguf_config_is_smollm2(ours: tuple[ModelConfig, dict]) -> None:
         vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
         num_attention_heads=9, num_key_value_heads=3, head_dim=64, rope_theta=100000.0,
         rms_norm_eps=float(np.float32(1e-5)), max_position_embeddings=8192,
-        tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
+        tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, eos_token_ids=(2,),
     )
 
 
@@ -132,7 +132,7 @@ def test_tiny_gguf_config_and_unpermuted_weights(tmp_path: Path) -> None:
         vocab_size=5, hidden_size=8, intermediate_size=12, num_hidden_layers=1,
         num_attention_heads=2, num_key_value_heads=1, head_dim=6, rope_theta=10000.0,
         rms_norm_eps=float(np.float32(1e-5)), max_position_embeddings=32,
-        tie_word_embeddings=True, bos_token_id=3, eos_token_id=4,
+        tie_word_embeddings=True, bos_token_id=3, eos_token_id=4, eos_token_ids=(4,),
     )
     # Q/K went through llama.cpp's permute on the way in; the loader must undo it exactly.
     pairs = [("self_attn.q_proj", "attn_q"), ("self_attn.k_proj", "attn_k"), ("mlp.down_proj", "ffn_down")]
@@ -211,7 +211,7 @@ def test_hf_dir_matches_saved_model(tmp_path: Path, tie: bool, shard: bool) -> N
         vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=5000.0,
         rms_norm_eps=1e-6, max_position_embeddings=128, tie_word_embeddings=tie,
-        bos_token_id=1, eos_token_id=2,
+        bos_token_id=1, eos_token_id=2, eos_token_ids=(2, 3),
     )
     if tie:
         ref.pop("lm_head.weight")

@@ -52,8 +52,7 @@ def hf_common(raw: dict[str, Any], *, rope_params: dict[str, Any] | None = None,
         raise ValueError(f"config.json is missing required field(s) {', '.join(missing)}")
     num_heads = raw["num_attention_heads"]
     eos = raw.get("eos_token_id", defaults.get("eos_token_id"))
-    if isinstance(eos, list):
-        eos = eos[0] if eos else None  # NOTE: several stop ids; the first is the primary one.
+    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
 
     def get(key: str, fallback: Any) -> Any:
         value = raw.get(key)
@@ -74,7 +73,8 @@ def hf_common(raw: dict[str, Any], *, rope_params: dict[str, Any] | None = None,
         max_position_embeddings=get("max_position_embeddings", 2048),
         tie_word_embeddings=bool(get("tie_word_embeddings", False)),
         bos_token_id=raw.get("bos_token_id", defaults.get("bos_token_id")),
-        eos_token_id=eos,
+        eos_token_id=eos_ids[0] if eos_ids else None,  # NOTE: of several, the first is primary
+        eos_token_ids=eos_ids,
     )
 
 
@@ -148,6 +148,7 @@ def gguf_common(meta: Metadata, arch: str, tensors: dict[str, Any]) -> dict[str,
 
     hidden = required("embedding_length")
     num_heads = required("attention.head_count")
+    eos = meta("tokenizer.ggml.eos_token_id")
     vocab = meta(f"{arch}.vocab_size")
     if vocab is None:
         tokens = meta("tokenizer.ggml.tokens", [])
@@ -166,7 +167,10 @@ def gguf_common(meta: Metadata, arch: str, tensors: dict[str, Any]) -> dict[str,
         max_position_embeddings=required("context_length"),
         tie_word_embeddings="output.weight" not in tensors,
         bos_token_id=meta("tokenizer.ggml.bos_token_id"),
-        eos_token_id=meta("tokenizer.ggml.eos_token_id"),
+        eos_token_id=eos,
+        eos_token_ids=tuple(dict.fromkeys(i for i in (eos, *(meta(f"tokenizer.ggml.{k}_token_id")
+                                                           for k in ("eot", "eom")))
+                                          if i is not None)),
     )
 
 
