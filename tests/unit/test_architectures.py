@@ -21,6 +21,7 @@ import torch
 from scripts.tiny_checkpoints import ARCHITECTURES, hf_model, save_tiny, write_gguf
 from services.engine.engine import EngineConfig, LLMEngine
 from services.engine.loader import load_model
+from services.engine.quantized_forward import SERVED, QuantizedForward
 from services.engine.sampling_params import SamplingParams
 
 ARCHS = list(ARCHITECTURES)
@@ -106,6 +107,47 @@ def test_gguf_f32_matches_transformers(arch, tiny, tmp_path):
     assert config.tie_word_embeddings == load_model(path)[0].tie_word_embeddings
 
 
+FUSED = [a for a in ARCHS if a in SERVED]  # the fused C forward pass computes their layers
+
+
+@pytest.mark.skipif(not QuantizedForward.supports(torch.float32), reason="C kernels not built")
+@pytest.mark.parametrize("arch", FUSED)
+def test_gguf_f32_through_the_fused_c_path_matches_transformers(arch, tiny, tmp_path):
+    """float32 throughout, sums in the C kernels' order: Qwen2's bias, Qwen3's q/k norms, the
+    windows (Phi-3) in C; prefill chunks of 8 tokens, then decode steps in one C call."""
+    path, expected = tiny(arch)
+    if arch == "mistral":
+        expected = hf_greedy(hf_model(arch, sliding_window=None))
+    gguf = write_gguf(path, tmp_path / f"{arch}.gguf", "f32")
+    engine = engine_for(gguf, quantization="auto", max_num_batched_tokens=8)
+    assert engine.precision.quantization == "f32"
+    assert engine.runner.model.fused_forward is not None
+    assert run(engine) == expected
+
+
+@pytest.mark.skipif(not QuantizedForward.supports(torch.float32), reason="C kernels not built")
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "phi3"])
+def test_the_fused_c_path_is_batch_invariant(arch, tiny, tmp_path):
+    """A request's logprobs are the same bits alone and inside a batch, chunked differently."""
+    path, _ = tiny(arch)
+    gguf = write_gguf(path, tmp_path / f"{arch}.gguf", "q8_0")
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
+
+    def logprobs(engine, prompts):
+        for i, ids in enumerate(prompts):
+            engine.add_request(engine.make_request(f"p{i}", ids, params))
+        got = {}
+        while engine.has_work():
+            for o in engine.step():
+                got.setdefault(o.request_id, []).extend((lp.logprob, lp.top) for lp in o.logprobs)
+        return got["p0"]
+
+    alone = logprobs(engine_for(gguf, quantization="q8_0"), [PROMPTS[2]])
+    batched = logprobs(engine_for(gguf, quantization="q8_0", max_num_batched_tokens=7),
+                       [PROMPTS[2], PROMPTS[0], PROMPTS[1]])
+    assert alone == batched and len(alone) == 12
+
+
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_0"])
 @pytest.mark.parametrize("arch", ARCHS)
 def test_gguf_quantized_loads_and_runs(arch, fmt, tiny, tmp_path):
@@ -113,23 +155,24 @@ def test_gguf_quantized_loads_and_runs(arch, fmt, tiny, tmp_path):
     gguf = write_gguf(path, tmp_path / f"{arch}.{fmt}.gguf", fmt)
     engine = engine_for(gguf, quantization=fmt)
     assert engine.precision.quantization == fmt
-    # the fused C forward pass computes Llama's layer; the others run their own modules
-    assert (engine.runner.model.fused_forward is not None) == (arch in ("llama", "mistral"))
+    # the fused C forward pass where it computes the layers; Gemma runs its own modules
+    fused = QuantizedForward.supports(torch.float32) and arch in SERVED
+    assert (engine.runner.model.fused_forward is not None) == fused
     outputs = run(engine)
     assert [len(o) for o in outputs] == [NUM_TOKENS] * len(PROMPTS)
     assert engine.block_manager.num_free_blocks == 64
 
 
 def test_auto_quantization_falls_back_where_the_fused_path_does_not_serve(tiny, tmp_path, caplog):
-    path, _ = tiny("qwen2")
-    gguf = write_gguf(path, tmp_path / "qwen2.q8_0.gguf", "q8_0")
+    path, _ = tiny("gemma2")
+    gguf = write_gguf(path, tmp_path / "gemma2.q8_0.gguf", "q8_0")
     with caplog.at_level(logging.INFO, logger="services.engine.quantized"):
         engine = engine_for(gguf, quantization="auto")
     assert engine.precision.quantization == "none"
-    assert "does not compute qwen2's layers" in caplog.text
+    assert "does not compute gemma2's layers" in caplog.text
     assert [len(o) for o in run(engine)] == [NUM_TOKENS] * len(PROMPTS)
-    llama = write_gguf(tiny("llama")[0], tmp_path / "llama.q8_0.gguf", "q8_0")
-    assert engine_for(llama, quantization="auto").precision.quantization == "q8_0"
+    qwen3 = write_gguf(tiny("qwen3")[0], tmp_path / "qwen3.q8_0.gguf", "q8_0")
+    assert engine_for(qwen3, quantization="auto").precision.quantization == "q8_0"
 
 
 @pytest.mark.parametrize("arch", ["mistral", "phi3", "gemma2", "gemma3_text"])
