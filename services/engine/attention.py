@@ -78,8 +78,8 @@ def paged_attention(
     itself included) and ``softcap`` (scores capped by ``c * tanh(s / c)``) as in
     ``kernels.reference.paged_attention``. Returns ``[num_tokens, num_heads, head_dim]``.
     Triton on CUDA (metadata tensors must be on q's device); on CPU the C decode kernel for
-    the decode rows (the torch reference for a window or a softcap, which it does not take)
-    and the torch reference for prefill chunks.
+    the decode rows (the torch reference for a softcap, which it does not take) and the torch
+    reference for prefill chunks.
     """
     if q.is_cuda:
         return _triton_attention().paged_attention(
@@ -87,9 +87,10 @@ def paged_attention(
             meta.query_start_loc_tensor(q.device), meta.max_query_len, meta.num_decode_seqs,
             scale, sliding_window=sliding_window, softcap=softcap)
     out, nd = torch.empty_like(q), meta.num_decode_seqs
-    if sliding_window is None and softcap is None:
+    if softcap is None:
         cpu_attention.paged_decode_attention(q[:nd], k_cache, v_cache, meta.block_tables[:nd],
-                                             meta.seq_lens[:nd], scale, out=out[:nd])
+                                             meta.seq_lens[:nd], scale, out=out[:nd],
+                                             sliding_window=sliding_window)
     elif nd:
         out[:nd] = reference.paged_decode_attention(
             q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale,
