@@ -8,8 +8,9 @@ directory, quantization none) and from its GGUF file in ``--gguf-type`` with qua
 Per run: a batch of ``--batch`` greedy requests (``--prompt`` random tokens each) is prefilled,
 then ``--tokens`` decode steps are timed (CPU process time and wall time). Architectures
 alternate within each of ``--rounds`` rounds; the median round is reported: decode tokens/s,
-the parameter count, and tokens/s x parameters (equal across architectures when each costs
-what its size says). Prints a table and writes JSON (``--out``). Compare figures only within
+the parameters a token's forward pass multiplies (all but an untied embedding table, which is
+only looked up), and tokens/s x those parameters (equal across architectures when each costs
+what its size says; at tiny sizes per-step overheads dominate). Prints a table and writes JSON (``--out``). Compare figures only within
 one run.
 """
 from __future__ import annotations
@@ -51,11 +52,14 @@ def decode_rate(path: str, quantization: str, batch: int, prompt: int, tokens: i
     return done / wall, done / cpu, e.precision.quantization
 
 
-def num_parameters(path: Path) -> int:
+def active_parameters(path: Path) -> int:
+    """Parameters a token multiplies: all but the embedding table when the LM head is its own."""
     from services.engine.loader import load_model
 
-    _, state_dict = load_model(path)
-    return sum(t.numel() for t in state_dict.values())
+    config, state_dict = load_model(path)
+    total = sum(t.numel() for t in state_dict.values())
+    embedding = state_dict["model.embed_tokens.weight"].numel()
+    return total - (0 if config.tie_word_embeddings else embedding)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -82,7 +86,7 @@ def main(argv: list[str] | None = None) -> None:
         hf_dir = tmp / arch
         save_tiny(arch, hf_dir, **size)
         gguf = write_gguf(hf_dir, tmp / f"{arch}.{args.gguf_type}.gguf", args.gguf_type)
-        paths[arch] = {"none": str(hf_dir), "auto": str(gguf), "params": num_parameters(hf_dir)}
+        paths[arch] = {"none": str(hf_dir), "auto": str(gguf), "params": active_parameters(hf_dir)}
     runs: dict[tuple[str, str], list[tuple[float, float, str]]] = {}
     for r in range(args.rounds):
         for arch in archs:  # interleaved: every architecture once per round
