@@ -47,8 +47,7 @@ ARCHITECTURES: dict[str, tuple[str, str, dict[str, Any]]] = {
         sliding_window=WINDOW, query_pre_attn_scalar=16, attn_logit_softcapping=50.0,
         final_logit_softcapping=30.0)),
     "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
-        sliding_window=WINDOW, query_pre_attn_scalar=16,
-        layer_types=["sliding_attention", "full_attention"],
+        sliding_window=WINDOW, query_pre_attn_scalar=16, sliding_window_pattern=2,
         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                          "full_attention": {"rope_type": "linear", "factor": 2.0,
                                             "rope_theta": 100000.0}})),
