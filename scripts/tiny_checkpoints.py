@@ -53,9 +53,8 @@ ARCHITECTURES: dict[str, tuple[str, str, dict[str, Any]]] = {
                                             "rope_theta": 100000.0}})),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(
         tie_word_embeddings=False, sliding_window=WINDOW, original_max_position_embeddings=128,
-        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
-                         "short_factor": [1.0 + 0.1 * i for i in range(8)],
-                         "long_factor": [2.0 + 0.5 * i for i in range(8)]})),
+        # LongRoPE's factors (one per frequency) are added by hf_model
+        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0})),
 }
 
 
@@ -64,7 +63,14 @@ def hf_model(model_type: str, seed: int = 0, **overrides: Any):
     import transformers
 
     config_cls, model_cls, settings = ARCHITECTURES[model_type]
-    config = getattr(transformers, config_cls)(**{**COMMON, **settings, **overrides})
+    settings = {**COMMON, **settings, **overrides}
+    rope = settings.get("rope_parameters") or {}
+    if rope.get("rope_type") == "longrope":  # one factor per frequency
+        half = settings["head_dim"] // 2
+        settings["rope_parameters"] = {**rope,
+                                       "short_factor": [1.0 + 0.1 * i for i in range(half)],
+                                       "long_factor": [2.0 + 0.5 * i for i in range(half)]}
+    config = getattr(transformers, config_cls)(**settings)
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(config).float().eval()
     gemma = model_type.startswith("gemma")  # norms scale by (1 + w), embeddings by sqrt(hidden)
