@@ -2,7 +2,9 @@
 
 One step of the online softmax (Milakov & Gimelshein 2018; FlashAttention, Dao et al. 2022,
 Algorithm 1) over a tile of ``BLOCK_N`` keys read through a block table. Scores are in log2
-units (the caller folds ``log2(e)`` into ``qk_scale``) so the kernels use ``exp2``.
+units (the caller folds ``log2(e)`` into ``qk_scale``, or into ``cap_log2`` with a softcap) so
+the kernels use ``exp2``. With ``SOFTCAP`` (Gemma 2) a score ``s`` becomes ``c * tanh(s *
+scale / c)``: the caller passes ``qk_scale = scale / c`` and ``cap_log2 = c * log2(e)``.
 """
 from __future__ import annotations
 
@@ -24,9 +26,20 @@ def kv_tile_offsets(table_row, pos, end, kv_head, stride_b, stride_s, stride_h,
     return offsets, mask
 
 
+LOG2E = 1.4426950408889634
+
+
+def score_scales(scale: float, softcap: float | None) -> tuple[float, float]:
+    """``(qk_scale, cap_log2)`` for ``attend_tile`` from the softmax scale and softcap."""
+    if softcap:
+        return scale / softcap, softcap * LOG2E
+    return scale * LOG2E, 0.0
+
+
 @triton.jit
 def attend_tile(q, K_cache, V_cache, kv_offsets, kv_mask, score_mask, m_i, l_i, acc, qk_scale,
-                PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr):
+                cap_log2, PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+                SOFTCAP: tl.constexpr):
     """Fold one key tile into the running (max ``m_i [M]``, sum ``l_i [M]``, ``acc [M, D]``).
 
     q: ``[M, BLOCK_D]`` in the cache dtype; score_mask: ``[M, BLOCK_N]``, False where a query
@@ -37,7 +50,11 @@ def attend_tile(q, K_cache, V_cache, kv_offsets, kv_mask, score_mask, m_i, l_i, 
         s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision=PRECISION)
     else:
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-    s = tl.where(score_mask, s * qk_scale, float("-inf"))
+    s = s * qk_scale
+    if SOFTCAP:  # c * tanh(s / c); tanh(y) = sign(y) (1 - e) / (1 + e), e = exp(-2|y|)
+        e = tl.exp(-2.0 * tl.abs(s))
+        s = cap_log2 * tl.where(s >= 0, 1.0, -1.0) * (1.0 - e) / (1.0 + e)
+    s = tl.where(score_mask, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that have seen no key yet
     alpha = tl.exp2(m_i - m_safe)

@@ -17,29 +17,31 @@ import torch
 import triton
 import triton.language as tl
 
-from ._attention_tile import attend_tile, kv_tile_offsets
+from ._attention_tile import attend_tile, kv_tile_offsets, score_scales
 from ._launch import check_attention_args, dot_options, next_power_of_2, num_parallel_units
-
-LOG2E = 1.4426950408889634
 MIN_TOKENS_PER_SPLIT = 256  # a split shorter than this costs more to merge than it saves
 MAX_SPLITS = 32
 
 
 @triton.jit
 def _decode_split_kernel(
-    Q, K_cache, V_cache, Block_tables, Seq_lens, Out, Lse, qk_scale, num_splits,
-    stride_qs, stride_qh, stride_bt, stride_b, stride_s, stride_h,
+    Q, K_cache, V_cache, Block_tables, Seq_lens, Out, Lse, qk_scale, cap_log2, window,
+    num_splits, stride_qs, stride_qh, stride_bt, stride_b, stride_s, stride_h,
     stride_os, stride_oh, stride_ok, stride_ls, stride_lh,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-    PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr, SLIDING: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(Seq_lens + seq)
-    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    start = split * split_len
+    lo = 0
+    if SLIDING:  # the query (position seq_len - 1) sees the last ``window`` keys
+        lo = tl.maximum(seq_len - window, 0)
+    split_len = tl.cdiv(tl.cdiv(seq_len - lo, num_splits), BLOCK_N) * BLOCK_N
+    start = lo + split * split_len
     end = tl.minimum(start + split_len, seq_len)
 
     offs_g = tl.arange(0, BLOCK_G)
@@ -57,8 +59,8 @@ def _decode_split_kernel(
         kv_offsets, kv_mask = kv_tile_offsets(table_row, pos, end, kv_head, stride_b, stride_s,
                                               stride_h, BLOCK_SIZE, HEAD_DIM, BLOCK_D)
         m_i, l_i, acc = attend_tile(q, K_cache, V_cache, kv_offsets, kv_mask,
-                                    (pos < end)[None, :], m_i, l_i, acc, qk_scale,
-                                    PRECISION, UPCAST_DOT)
+                                    (pos < end)[None, :], m_i, l_i, acc, qk_scale, cap_log2,
+                                    PRECISION, UPCAST_DOT, SOFTCAP)
     l_safe = tl.where(l_i > 0, l_i, 1.0)  # an empty split: zero output, log-sum-exp -inf
     out = Out + seq * stride_os + heads[:, None] * stride_oh + split * stride_ok + offs_d[None, :]
     tl.store(out, (acc / l_safe[:, None]).to(Out.dtype.element_ty), mask=row_mask)
@@ -102,7 +104,8 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context: int,
 
 def paged_decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-    seq_lens: torch.Tensor, scale: float, *, num_splits: int | None = None,
+    seq_lens: torch.Tensor, scale: float, *, sliding_window: int | None = None,
+    softcap: float | None = None, num_splits: int | None = None,
     block_n: int | None = None, out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its paged K/V.
@@ -110,8 +113,10 @@ def paged_decode_attention(
     q: ``[num_seqs, num_heads, head_dim]`` (float32/float16/bfloat16, last dim contiguous);
     k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, q's dtype, equal
     strides; block_tables: ``[num_seqs, max_blocks]`` int32/int64; seq_lens: ``[num_seqs]``
-    int, each >= 1 (positions ``0 .. seq_len - 1`` are attended); scale: softmax scale.
-    num_splits / block_n: override the split count and the key-tile size (tests, tuning).
+    int, each >= 1 (positions ``0 .. seq_len - 1`` are attended; with ``sliding_window`` W only
+    the last W, and no block before them is read); scale: softmax scale; softcap c: scores
+    become ``c * tanh(s / c)``. num_splits / block_n: override the split count and the
+    key-tile size (tests, tuning).
     Returns ``out`` (``[num_seqs, num_heads, head_dim]``, q's dtype), written in place if given.
     Same result as ``kernels.reference.paged_decode_attention``. Raises ``ValueError`` on
     mismatched shapes, dtypes or devices.
@@ -122,24 +127,29 @@ def paged_decode_attention(
     out = torch.empty_like(q) if out is None else out
     if num_seqs == 0:
         return out
-    splits = num_splits or choose_num_splits(num_seqs, num_kv_heads,
-                                             block_tables.shape[1] * block_size, q.device)
+    context = block_tables.shape[1] * block_size
+    if sliding_window is not None:
+        context = min(context, sliding_window + block_size)
+    splits = num_splits or choose_num_splits(num_seqs, num_kv_heads, context, q.device)
     group = num_heads // num_kv_heads
     meta = dict(GROUP=group, BLOCK_G=max(16, next_power_of_2(group)), HEAD_DIM=head_dim,
                 BLOCK_D=max(16, next_power_of_2(head_dim)), BLOCK_SIZE=block_size,
                 BLOCK_N=block_n or (64 if head_dim <= 128 else 32), SPLIT=splits > 1,
+                SLIDING=sliding_window is not None, SOFTCAP=bool(softcap),
                 **dot_options(q.dtype, q.device))
+    qk_scale, cap_log2 = score_scales(scale, softcap)
+    window = sliding_window or 0
     grid = (num_seqs, num_kv_heads, splits)
     args = (q, k_cache, v_cache, block_tables, seq_lens)
     strides = (q.stride(0), q.stride(1), block_tables.stride(0), *k_cache.stride()[:3])
     if splits == 1:
-        _decode_split_kernel[grid](*args, out, out, scale * LOG2E, 1, *strides,
+        _decode_split_kernel[grid](*args, out, out, qk_scale, cap_log2, window, 1, *strides,
                                    out.stride(0), out.stride(1), 0, 0, 0, **meta)
         return out
     partial = torch.empty((num_seqs, num_heads, splits, head_dim), dtype=torch.float32,
                           device=q.device)
     lse = torch.empty((num_seqs, num_heads, splits), dtype=torch.float32, device=q.device)
-    _decode_split_kernel[grid](*args, partial, lse, scale * LOG2E, splits, *strides,
+    _decode_split_kernel[grid](*args, partial, lse, qk_scale, cap_log2, window, splits, *strides,
                                *partial.stride()[:3], *lse.stride()[:2], **meta)
     _decode_merge_kernel[(num_seqs, num_heads)](
         partial, lse, out, splits, *partial.stride()[:3], *lse.stride()[:2], out.stride(0),

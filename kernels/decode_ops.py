@@ -1,5 +1,6 @@
 """Fused per-layer decoder operations for CPUs (``csrc/decode_ops.c``, OpenMP), each beside its
-torch reference: residual add + RMSNorm, RoPE of q/k with the KV cache write, SiLU(gate) * up.
+torch reference: residual add + RMSNorm, RoPE of q/k with the KV cache write (after the q/k/v
+bias and per-head q/k norms where a model has them), SiLU(gate) * up.
 
 At a batch-1 decode step each of these is a handful of torch ops whose dispatch costs more than
 their arithmetic (576- or 1536-element rows); one C call replaces each group. The kernel is
@@ -40,7 +41,7 @@ def lib() -> ctypes.CDLL | None:
         return None
     so.tandem_add_rmsnorm_f32.argtypes = [_PTR] * 4 + [_I64] * 2 + [_F32, _INT]
     so.tandem_rope_write_kv_f32.argtypes = ([_PTR] * 2 + [_I64] * 5 + [_PTR] * 3 + [_I64]
-                                            + [_PTR] * 3 + [_I64, _INT])
+                                            + [_PTR] * 3 + [_I64] + [_PTR] * 3 + [_F32, _INT])
     so.tandem_silu_mul_f32.argtypes = [_PTR] * 2 + [_I64] * 2 + [_INT]
     so.tandem_argmax_rows_f32.argtypes = [_PTR, _I64, _I64, _PTR, _INT]
     so.tandem_decode_layers_f32.argtypes = (
@@ -52,7 +53,7 @@ def lib() -> ctypes.CDLL | None:
 # one row of tandem_decode_layers_f32's layer table: addresses (and part counts), in order
 LAYER_FIELDS = ("w_in", "w_post", *(f"{m}_{f}" for m in ("qkv", "o", "gate_up", "down")
                                     for f in ("parts", "part_rows", "num_parts")),
-                "k_cache", "v_cache")
+                "k_cache", "v_cache", "qkv_bias", "q_norm", "k_norm", "sliding_window")
 
 
 def available() -> bool:
@@ -109,8 +110,12 @@ def add_rmsnorm_reference(x: torch.Tensor, y: torch.Tensor | None, weight: torch
 def rope_write_kv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int,
                   positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                   k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                  q_out: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding of a fused q/k/v projection, with the KV cache write.
+                  q_out: torch.Tensor, bias: torch.Tensor | None = None,
+                  q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
+                  norm_eps: float = 1e-6) -> torch.Tensor:
+    """Rotary embedding of a fused q/k/v projection, with the KV cache write (first, where
+    given, ``bias`` ``[(num_heads + 2 num_kv_heads) * head_dim]`` added to each row (Qwen2) and
+    each q / k head RMS-normalised with ``q_norm`` / ``k_norm`` ``[head_dim]`` (Qwen3)).
 
     qkv: ``[T, (num_heads + 2 num_kv_heads) * head_dim]`` float32 (q heads, k heads, v heads);
     positions, slot_mapping: ``[T]`` int64; cos, sin: ``[max_positions, head_dim]`` float32
@@ -120,14 +125,17 @@ def rope_write_kv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int,
     rotate-half layout. Raises ``ValueError`` naming ``positions`` / ``slot_mapping`` for an
     index out of range (before anything is written).
     """
-    so = _require(qkv, cos, sin, k_cache, v_cache, q_out)
+    extras = [t for t in (bias, q_norm, k_norm) if t is not None]
+    so = _require(qkv, cos, sin, k_cache, v_cache, q_out, *extras)
     head_dim = cos.shape[1]
     pos, slots = positions.to(torch.int64).contiguous(), slot_mapping.to(torch.int64).contiguous()
     check(so.tandem_rope_write_kv_f32(
         qkv.data_ptr(), q_out.data_ptr(), qkv.shape[0], qkv.shape[1], num_heads, num_kv_heads,
         head_dim, pos.data_ptr(), cos.data_ptr(), sin.data_ptr(), cos.shape[0],
         k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(),
-        k_cache.numel() // (num_kv_heads * head_dim), torch.get_num_threads()), "rope_write_kv")
+        k_cache.numel() // (num_kv_heads * head_dim), *(None if t is None else t.data_ptr()
+                                                          for t in (bias, q_norm, k_norm)),
+        norm_eps, torch.get_num_threads()), "rope_write_kv")
     return q_out
 
 

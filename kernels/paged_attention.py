@@ -12,7 +12,8 @@ from .prefill_attention import paged_prefill_attention
 def paged_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, max_query_len: int,
-    num_decode_seqs: int, scale: float,
+    num_decode_seqs: int, scale: float, *, sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of ``q`` (``[num_tokens, num_heads, head_dim]``) over each sequence's
     paged K/V (this step's K/V already written).
@@ -20,15 +21,17 @@ def paged_attention(
     block_tables: ``[num_seqs, max_blocks]`` int; seq_lens: ``[num_seqs]`` int;
     query_start_loc: ``[num_seqs + 1]`` int32 row offsets, all on q's device; max_query_len:
     the longest query chunk (tokens); the first ``num_decode_seqs`` sequences have exactly one
-    query token (rows ``0 .. num_decode_seqs - 1``). Returns ``[num_tokens, num_heads,
-    head_dim]``, q's dtype.
+    query token (rows ``0 .. num_decode_seqs - 1``); sliding_window and softcap as in
+    ``kernels.reference.paged_attention``. Returns ``[num_tokens, num_heads, head_dim]``, q's
+    dtype.
     """
     out = torch.empty_like(q)
     nd = num_decode_seqs
     if nd:
         paged_decode_attention(q[:nd], k_cache, v_cache, block_tables[:nd], seq_lens[:nd], scale,
-                               out=out[:nd])
+                               sliding_window=sliding_window, softcap=softcap, out=out[:nd])
     if len(seq_lens) > nd:
         paged_prefill_attention(q, k_cache, v_cache, block_tables[nd:], seq_lens[nd:],
-                                query_start_loc[nd:], max_query_len, scale, out=out)
+                                query_start_loc[nd:], max_query_len, scale,
+                                sliding_window=sliding_window, softcap=softcap, out=out)
     return out

@@ -19,9 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._attention_tile import attend_tile, kv_tile_offsets
+from ._attention_tile import attend_tile, kv_tile_offsets, score_scales
 from ._launch import check_attention_args, check_devices, dot_options, next_power_of_2
-from .decode_attention import LOG2E
 
 
 @triton.jit
@@ -42,11 +41,13 @@ def _find_sequence(Query_start_loc, tile_idx, num_seqs, BLOCK_Q: tl.constexpr):
 
 @triton.jit
 def _prefill_kernel(
-    Q, K_cache, V_cache, Block_tables, Seq_lens, Query_start_loc, Out, qk_scale, num_seqs,
+    Q, K_cache, V_cache, Block_tables, Seq_lens, Query_start_loc, Out, qk_scale, cap_log2,
+    window, num_seqs,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_b, stride_s, stride_h,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr, SLIDING: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     kv_head = tl.program_id(1)
     tile_idx = tl.program_id(0) + tl.load(Query_start_loc) // BLOCK_Q
@@ -73,13 +74,19 @@ def _prefill_kernel(
     l_i = tl.zeros([BLOCK_Q * BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_Q * BLOCK_G, BLOCK_D], tl.float32)
     table_row = Block_tables + seq * stride_bt
-    for n0 in range(0, kv_end, BLOCK_N):
+    kv_start = 0
+    if SLIDING:  # the tile's first query sees nothing before this; no earlier block is read
+        kv_start = tl.maximum(ctx_len + tile * BLOCK_Q - window + 1, 0)
+    for n0 in range(kv_start, kv_end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         kv_offsets, kv_mask = kv_tile_offsets(table_row, pos, kv_end, kv_head, stride_b,
                                               stride_s, stride_h, BLOCK_SIZE, HEAD_DIM, BLOCK_D)
-        causal = (pos[None, :] <= q_pos[:, None]) & (pos < kv_end)[None, :]
-        m_i, l_i, acc = attend_tile(q, K_cache, V_cache, kv_offsets, kv_mask, causal,
-                                    m_i, l_i, acc, qk_scale, PRECISION, UPCAST_DOT)
+        visible = (pos[None, :] <= q_pos[:, None]) & (pos < kv_end)[None, :]
+        if SLIDING:
+            visible = visible & (pos[None, :] > q_pos[:, None] - window)
+        m_i, l_i, acc = attend_tile(q, K_cache, V_cache, kv_offsets, kv_mask, visible,
+                                    m_i, l_i, acc, qk_scale, cap_log2, PRECISION, UPCAST_DOT,
+                                    SOFTCAP)
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     out = Out + (q_start + tok)[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
     tl.store(out, (acc / l_safe[:, None]).to(Out.dtype.element_ty), mask=row_mask)
@@ -88,7 +95,8 @@ def _prefill_kernel(
 def paged_prefill_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, max_query_len: int, scale: float,
-    *, out: torch.Tensor | None = None, block_m: int | None = None, block_n: int | None = None,
+    *, sliding_window: int | None = None, softcap: float | None = None,
+    out: torch.Tensor | None = None, block_m: int | None = None, block_n: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed variable-length query chunks over their paged K/V.
 
@@ -98,7 +106,9 @@ def paged_prefill_attention(
     int32/int64; seq_lens: ``[num_seqs]`` int, context length including the chunk;
     query_start_loc: ``[num_seqs + 1]`` int32, non-decreasing absolute row offsets into q and
     out (rows outside every sequence are left untouched); max_query_len: the longest chunk
-    (tokens; only bounds the grid and may be larger). block_m / block_n: rows and keys per tile
+    (tokens; only bounds the grid and may be larger); sliding_window W: a query at position p
+    sees keys ``p - W < k <= p`` and blocks before every window of a tile are not read;
+    softcap c: scores become ``c * tanh(s / c)``. block_m / block_n: rows and keys per tile
     (tuning). Returns ``out`` (q's shape and dtype). Same result as
     ``kernels.reference.paged_prefill_attention``. Raises ``ValueError`` on bad arguments.
     """
@@ -123,13 +133,14 @@ def paged_prefill_attention(
     # tile slots in use <= tokens // block_q + num_seqs + 1 (offsets need not start at 0)
     num_slots = min(num_tokens, num_seqs * max_query_len) // block_q + num_seqs + 1
     grid = (num_slots, num_kv_heads)
+    qk_scale, cap_log2 = score_scales(scale, softcap)
     _prefill_kernel[grid](
-        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, scale * LOG2E,
-        num_seqs, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, qk_scale, cap_log2,
+        sliding_window or 0, num_seqs, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         block_tables.stride(0), *k_cache.stride()[:3],
         GROUP=group, BLOCK_G=block_g, HEAD_DIM=head_dim,
         BLOCK_D=max(16, next_power_of_2(head_dim)), BLOCK_SIZE=block_size, BLOCK_Q=block_q,
-        BLOCK_N=block_n,
+        BLOCK_N=block_n, SLIDING=sliding_window is not None, SOFTCAP=bool(softcap),
         **dot_options(q.dtype, q.device))
     return out
 

@@ -8,7 +8,9 @@
  *                           (RMSNorm: Zhang & Sennrich 2019; Hugging Face LlamaRMSNorm order)
  *   tandem_rope_write_kv_f32  rotate the q and k heads of a fused q/k/v row (RoFormer, Su et
  *                           al. 2021; Hugging Face's rotate-half layout): q to its own buffer,
- *                           k and v straight into their KV cache slots
+ *                           k and v straight into their KV cache slots; first, where given,
+ *                           the projection's bias added (Qwen2) and each q and k head
+ *                           RMS-normalised with its own weight (Qwen3's q_norm / k_norm)
  *   tandem_silu_mul_f32     out = silu(gate) * up (SwiGLU, Shazeer 2020)
  *
  * Plain C loops under `omp simd`: the build's -march=native turns them into AVX-512 or AVX2
@@ -30,6 +32,7 @@
 #define TANDEM_BAD_SHAPE 2
 #define TANDEM_BAD_POSITION 4
 #define TANDEM_BAD_SLOT 5
+#define MAX_HEAD_DIM 512 /* a head's staging buffer (bias, q/k norm) lives on the stack */
 
 int tandem_add_rmsnorm_f32(float *x, const float *y, const float *w, float *h, int64_t M,
                            int64_t D, float eps, int num_threads) {
@@ -63,16 +66,37 @@ static inline void rotate_head(const float *x, float *dst, const float *cos, con
     }
 }
 
+/* One q or k head x (head_dim) as the rotation reads it: x itself, or in buf with the bias b
+ * added and/or RMS-normalised with weight w (x / sqrt(mean(x^2) + eps) * w, LlamaRMSNorm's
+ * order, one order of sums). */
+static inline const float *staged_head(const float *x, const float *b, const float *w,
+                                       float eps, int64_t head_dim, float *buf) {
+    if (!b && !w) return x;
+#pragma omp simd
+    for (int64_t d = 0; d < head_dim; d++) buf[d] = b ? x[d] + b[d] : x[d];
+    if (w) {
+        const float inv = 1.0f / sqrtf(tandem_ordered_sum(buf, buf, head_dim) / (float)head_dim + eps);
+#pragma omp simd
+        for (int64_t d = 0; d < head_dim; d++) buf[d] = w[d] * (buf[d] * inv);
+    }
+    return buf;
+}
+
 /* qkv [T, row_stride]: per row num_heads q heads, then num_kv_heads k heads, then v heads.
  * Writes rotated q to q_out [T, num_heads * head_dim], rotated k and plain v to the cache
- * rows slot_mapping[t] of k_cache / v_cache ([num_slots, num_kv_heads * head_dim]). */
+ * rows slot_mapping[t] of k_cache / v_cache ([num_slots, num_kv_heads * head_dim]). bias
+ * [(num_heads + 2 num_kv_heads) head_dim] (NULL: none) is added to the row first; q_norm,
+ * k_norm [head_dim] (NULL: none) normalise each q / k head before the rotation. */
 int tandem_rope_write_kv_f32(const float *qkv, float *q_out, int64_t T, int64_t row_stride,
                              int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                              const int64_t *positions, const float *cos, const float *sin,
                              int64_t max_positions, float *k_cache, float *v_cache,
-                             const int64_t *slot_mapping, int64_t num_slots, int num_threads) {
+                             const int64_t *slot_mapping, int64_t num_slots, const float *bias,
+                             const float *q_norm, const float *k_norm, float norm_eps,
+                             int num_threads) {
     if (T < 0 || head_dim <= 0 || head_dim % 2 || num_heads <= 0 || num_kv_heads <= 0
-        || row_stride < (num_heads + 2 * num_kv_heads) * head_dim)
+        || row_stride < (num_heads + 2 * num_kv_heads) * head_dim
+        || ((bias || q_norm || k_norm) && head_dim > MAX_HEAD_DIM))
         return TANDEM_BAD_SHAPE;
     for (int64_t t = 0; t < T; t++) { /* validate first: no access out of bounds */
         if (positions[t] < 0 || positions[t] >= max_positions) return TANDEM_BAD_POSITION;
@@ -84,13 +108,28 @@ int tandem_rope_write_kv_f32(const float *qkv, float *q_out, int64_t T, int64_t 
     for (int64_t t = 0; t < T; t++) {
         const float *row = qkv + t * row_stride;
         const float *c = cos + positions[t] * head_dim, *s = sin + positions[t] * head_dim;
-        float *k_dst = k_cache + slot_mapping[t] * kv_width;
-        for (int64_t hd = 0; hd < num_heads; hd++)
-            rotate_head(row + hd * head_dim, q_out + t * q_width + hd * head_dim, c, s, half);
-        for (int64_t hd = 0; hd < num_kv_heads; hd++)
-            rotate_head(row + q_width + hd * head_dim, k_dst + hd * head_dim, c, s, half);
-        memcpy(v_cache + slot_mapping[t] * kv_width, row + q_width + kv_width,
-               sizeof(float) * (size_t)kv_width);
+        float *k_dst = k_cache + slot_mapping[t] * kv_width, buf[MAX_HEAD_DIM];
+        for (int64_t hd = 0; hd < num_heads; hd++) {
+            const int64_t at = hd * head_dim;
+            rotate_head(staged_head(row + at, bias ? bias + at : NULL, q_norm, norm_eps,
+                                    head_dim, buf),
+                        q_out + t * q_width + at, c, s, half);
+        }
+        for (int64_t hd = 0; hd < num_kv_heads; hd++) {
+            const int64_t at = q_width + hd * head_dim;
+            rotate_head(staged_head(row + at, bias ? bias + at : NULL, k_norm, norm_eps,
+                                    head_dim, buf),
+                        k_dst + hd * head_dim, c, s, half);
+        }
+        float *v_dst = v_cache + slot_mapping[t] * kv_width;
+        const float *v = row + q_width + kv_width;
+        if (bias) {
+            const float *vb = bias + q_width + kv_width;
+#pragma omp simd
+            for (int64_t d = 0; d < kv_width; d++) v_dst[d] = v[d] + vb[d];
+        } else {
+            memcpy(v_dst, v, sizeof(float) * (size_t)kv_width);
+        }
     }
     return TANDEM_OK;
 }
@@ -129,13 +168,14 @@ typedef int (*attention_fn)(const float *q, const float *k_cache, const float *v
                             int64_t num_queries, int64_t num_seqs, int64_t num_heads,
                             int64_t num_kv_heads, int64_t head_dim, int64_t num_blocks,
                             int64_t block_size, int64_t max_blocks, int64_t max_seq_len,
-                            float scale, int num_threads);
+                            int64_t window, float scale, int num_threads);
 
 /* One layer's addresses, in this order (kernels/decode_ops.py LAYER_FIELDS): input norm
  * weight, post-attention norm weight, then for q/k/v, o, gate/up and down: the parts array,
- * the part_rows array and the number of parts; then the layer's k_cache and v_cache. */
+ * the part_rows array and the number of parts; then the layer's k_cache and v_cache; the q/k/v
+ * bias, q_norm and k_norm weights (0: none) and the attention's sliding window (0: none). */
 enum { L_W_IN, L_W_POST, L_QKV, L_O = L_QKV + 3, L_GU = L_O + 3, L_DOWN = L_GU + 3,
-       L_K = L_DOWN + 3, L_V, LAYER_FIELDS };
+       L_K = L_DOWN + 3, L_V, L_QKV_BIAS, L_Q_NORM, L_K_NORM, L_WINDOW, LAYER_FIELDS };
 
 /* Errors: this file's codes as they are; the matmul's + 10; the attention's + 20. */
 #define MATMUL(f, in, out, n, k)                                                               \
@@ -176,11 +216,14 @@ int tandem_decode_layers_f32(
         MATMUL(L_QKV, h, qkv, qkv_width, hidden);
         rc = tandem_rope_write_kv_f32(qkv, q, T, qkv_width, num_heads, num_kv_heads, head_dim,
                                       positions, cos, sin, max_positions, k_cache, v_cache,
-                                      slot_mapping, num_blocks * block_size, num_threads);
+                                      slot_mapping, num_blocks * block_size,
+                                      (const float *)(intptr_t)L[L_QKV_BIAS],
+                                      (const float *)(intptr_t)L[L_Q_NORM],
+                                      (const float *)(intptr_t)L[L_K_NORM], eps, num_threads);
         if (rc) return rc;
         rc = attention(q, k_cache, v_cache, block_tables, NULL, seq_lens, a, scratch, T, T,
                        num_heads, num_kv_heads, head_dim, num_blocks, block_size, max_blocks,
-                       max_seq_len, scale, num_threads);
+                       max_seq_len, L[L_WINDOW], scale, num_threads);
         if (rc) return 20 + rc;
         MATMUL(L_O, a, o, hidden, q_width);
         rc = tandem_add_rmsnorm_f32(x, o, (const float *)(intptr_t)L[L_W_POST], h, T, hidden,

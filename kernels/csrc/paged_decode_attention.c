@@ -20,6 +20,10 @@
  * cached prefix, or recomputed after preemption). Hence: contexts are cut into parts by their
  * length alone (part_tokens), each dot product and sum has one order on every path (16 lanes
  * and a fixed tree: vec_math.h), and exp is the same function for every element.
+ *
+ * Sliding-window attention (Mistral, Phi-3): with window W > 0 a query attends to the last W
+ * of its context only (Hugging Face's key > query - W); the blocks before them are never read
+ * (their table entries may name freed blocks), and the parts are cut over the window alone.
  */
 #include <math.h>
 #include <stdint.h>
@@ -246,6 +250,11 @@ static void choose_passes(int64_t group, int64_t head_dim, score_fn *score, weig
 #define MAX_PARTS 16
 #define MIN_PART_TOKENS 64
 
+/* The first token a query with len cached tokens attends to: len - window with a window. */
+static inline int64_t window_start(int64_t len, int64_t window) {
+    return window > 0 && len > window ? len - window : 0;
+}
+
 /* The tokens per part of a context of len tokens. */
 static int64_t part_tokens(int64_t len, int64_t block_size) {
     int64_t per = (len + MAX_PARTS - 1) / MAX_PARTS;
@@ -342,7 +351,7 @@ int tandem_paged_attention_f32(
     float *scratch,              /* [num_threads, num_heads, max_seq_len] */
     int64_t num_queries, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
     int64_t head_dim, int64_t num_blocks, int64_t block_size, int64_t max_blocks,
-    int64_t max_seq_len, float scale, int num_threads)
+    int64_t max_seq_len, int64_t window, float scale, int num_threads)
 {
     const int64_t group = num_heads / num_kv_heads, row = num_heads * head_dim;
 
@@ -367,8 +376,8 @@ int tandem_paged_attention_f32(
 
     int64_t max_parts = 1;
     for (int64_t i = 0; i < num_queries; ++i) {
-        const int64_t per = part_tokens(seq_lens[i], block_size);
-        const int64_t parts = (seq_lens[i] + per - 1) / per;
+        const int64_t ctx = seq_lens[i] - window_start(seq_lens[i], window);
+        const int64_t per = part_tokens(ctx, block_size), parts = (ctx + per - 1) / per;
         max_parts = parts > max_parts ? parts : max_parts;
     }
     /* Work items: with few queries, (query, part) pairs, so the threads share a long context
@@ -403,12 +412,14 @@ int tandem_paged_attention_f32(
             if (failed)
                 continue;
             const int64_t i = split ? work / max_parts : work;
-            const int64_t len = seq_lens[i], per = part_tokens(len, block_size);
-            const int64_t parts = (len + per - 1) / per;
+            const int64_t len = seq_lens[i], lo = window_start(len, window);
+            const int64_t per = part_tokens(len - lo, block_size);
+            const int64_t parts = (len - lo + per - 1) / per;
             const int64_t *table = block_tables + (query_seq ? query_seq[i] : i) * max_blocks;
             const int64_t first = split ? work % max_parts : 0, last = split ? first + 1 : parts;
             for (int64_t part = first; part < last && part < parts; ++part) {
-                const int64_t t_begin = part * per, t_end = t_begin + per < len ? t_begin + per : len;
+                const int64_t t_begin = lo + part * per;
+                const int64_t t_end = t_begin + per < len ? t_begin + per : len;
                 const int64_t slot = split ? work : part; /* this part's row of po, pm, ps */
                 attend_part(q + i * row, k_cache, v_cache, table, num_kv_heads, group, head_dim,
                             t_begin, t_end, block_size, scale, score, weigh, scores, parts == 1,
@@ -423,8 +434,9 @@ int tandem_paged_attention_f32(
             /* merge the parts (after the loop's barrier), as a whole query's are above */
 #pragma omp for schedule(static)
             for (int64_t i = 0; i < num_queries; ++i) {
-                const int64_t len = seq_lens[i], per = part_tokens(len, block_size);
-                const int64_t parts = (len + per - 1) / per;
+                const int64_t ctx = seq_lens[i] - window_start(seq_lens[i], window);
+                const int64_t per = part_tokens(ctx, block_size);
+                const int64_t parts = (ctx + per - 1) / per;
                 if (parts > 1)
                     merge_parts(parts, num_heads, head_dim, po + i * max_parts * row,
                                 pm + i * max_parts * num_heads, ps + i * max_parts * num_heads,

@@ -9,6 +9,11 @@ chained over the blocks before it, ``h = hash((parent_h, block_tokens))``
 (``kv_events.block_hash``, the key KV events name blocks by), so one dict lookup per block finds
 the longest cached prefix of a prompt.
 
+Sliding-window attention on every layer (Mistral): ``free_blocks_outside_window`` frees a
+sequence's leading blocks once no later token's window reaches them (vLLM's sliding-window KV
+cache manager). Their entries stay in the block table, stale, so positions keep their blocks'
+indices; attention never reads a block before the window, and ``free`` skips them.
+
 NOTE: a hash can collide (Python's int hash is easy to invert), so a hit is accepted only when
 the block holds exactly these tokens *and* its recorded parent is the cache entry matched for
 the block before it. Each registration gets a fresh serial number and a block records its
@@ -68,6 +73,8 @@ class BlockManager:
         self._cache: dict[int, int] = {}  # chained hash -> block id
         # request (by identity) -> (full blocks registered, hash of the last, its entry's serial)
         self._chains: dict[Request, tuple[int, int, int]] = {}
+        # request (by identity) -> leading block-table entries freed by the sliding window
+        self._window_freed: dict[Request, int] = {}
         self._serials = count(1)
         self.events = events
         self.max_used_blocks = 0  # high-water mark of num_used_blocks (taken at each allocation)
@@ -211,12 +218,42 @@ class BlockManager:
         Blocks are released last first, so a sequence's tail is evicted before its head
         (vLLM v1): a head is the part other prompts are most likely to share.
         """
-        for block_id in reversed(request.block_table):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self._free[block_id] = None
-                if block.hash is None:
-                    self._free.move_to_end(block_id, last=False)
+        skipped = self._window_freed.pop(request, 0)  # released already
+        for block_id in reversed(request.block_table[skipped:]):
+            self._release(block_id)
         request.block_table = []
         self._chains.pop(request, None)
+
+    def _release(self, block_id: int) -> None:
+        """Drop one reference; a block no one holds joins the free list (cached ones at the
+        LRU end, others at the head)."""
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self._free[block_id] = None
+            if block.hash is None:
+                self._free.move_to_end(block_id, last=False)
+
+    # -- sliding window ----------------------------------------------------------------------
+    def free_blocks_outside_window(self, request: Request, sliding_window: int) -> int:
+        """Free the request's blocks that lie wholly before the window of every token still
+        to be computed: its next token (position ``num_computed_tokens``) sees positions
+        ``> num_computed_tokens - sliding_window``. Only for models whose every layer slides.
+
+        Call after ``num_computed_tokens`` advanced (and after ``cache_full_blocks``: a freed
+        block stays in the prefix cache until evicted). The entries stay in
+        ``request.block_table``; returns the number of blocks freed by this call.
+        """
+        first_visible = request.num_computed_tokens - sliding_window + 1
+        outside = min(max(first_visible, 0) // self.block_size, len(request.block_table))
+        done = self._window_freed.get(request, 0)
+        if outside <= done:
+            return 0
+        for block_id in request.block_table[done:outside]:
+            self._release(block_id)
+        self._window_freed[request] = outside
+        return outside - done
+
+    def num_window_freed(self, request: Request) -> int:
+        """Leading entries of ``request.block_table`` already freed by the sliding window."""
+        return self._window_freed.get(request, 0)

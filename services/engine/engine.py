@@ -95,7 +95,8 @@ class LLMEngine:
         self.scheduler = create_scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
                             config.scheduling_policy, config.enable_prefix_caching,
-                            config.long_prefill_token_threshold or 0, config.queue_policy),
+                            config.long_prefill_token_threshold or 0, config.queue_policy,
+                            sliding_window=model_config.uniform_sliding_window),
             self.block_manager,
         )
         self.step_cost = StepCostModel()  # seconds per step, learned (time budget, heartbeat)
@@ -156,8 +157,13 @@ class LLMEngine:
         if request_id in self.scheduler.requests:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         self.check_params(params)
+        cfg = self.model_config
+        more_eos = [t for t in cfg.eos_token_ids if t != cfg.eos_token_id]
+        if more_eos and not params.ignore_eos:  # stop ids, as vLLM adds generation_config's
+            params = params.model_copy(update={"stop_token_ids": tuple(dict.fromkeys(
+                [*params.stop_token_ids, *more_eos]))})
         return Request(request_id, list(prompt_token_ids), params,
-                       eos_token_id=self.model_config.eos_token_id, hold_kv_on_finish=hold_kv)
+                       eos_token_id=cfg.eos_token_id, hold_kv_on_finish=hold_kv)
 
     def check_params(self, params: SamplingParams) -> None:
         """Check what ``SamplingParams`` cannot know alone: token ids within this model's

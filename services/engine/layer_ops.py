@@ -3,12 +3,16 @@ CUDA tensors run ``kernels.layer_ops`` (Triton, one launch each); others the tor
 of ``kernels.reference``, which round exactly as Hugging Face's Llama does (the float32 oracle
 stays token-exact). There is no flag: the device of the tensors decides.
 
-- ``add_rms_norm(x, residual, weight, eps)``: ``residual += x`` in place (x None: nothing
-  added), returns ``weight * rms_norm(residual)``; ``[num_tokens, hidden]``.
+- ``add_rms_norm(x, residual, weight, eps, unit_offset=False)``: ``residual += x`` in place
+  (x None: nothing added), returns ``weight * rms_norm(residual)`` (``unit_offset``: Gemma's
+  ``(1 + weight)``, multiplied in float32); ``[num_tokens, hidden]``.
+- ``qk_norm(qkv, q_weight, k_weight, eps, num_heads, num_kv_heads, unit_offset=False)``:
+  per-head RMSNorm of the fused projection's q and k heads, in place (Qwen3, Gemma 3).
 - ``rope_write_kv(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, num_heads,
   num_kv_heads)``: rotary of q and k from the fused projection's output, k and v written into
   the paged cache; returns q ``[num_tokens, num_heads, head_dim]``.
-- ``silu_mul(gate_up)``: ``silu(gate) * up``, ``[num_tokens, 2 * ffn] -> [num_tokens, ffn]``.
+- ``silu_mul(gate_up)``: ``silu(gate) * up``, ``[num_tokens, 2 * ffn] -> [num_tokens, ffn]``;
+  ``gelu_tanh_mul(gate_up)`` the same with tanh-approximated GELU (GeGLU, Gemma).
 """
 from __future__ import annotations
 
@@ -23,8 +27,13 @@ from .attention import _require_triton
 
 
 def add_rms_norm(x: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor,
-                 eps: float) -> torch.Tensor:
-    return _ops(residual).add_rms_norm(x, residual, weight, eps)
+                 eps: float, unit_offset: bool = False) -> torch.Tensor:
+    return _ops(residual).add_rms_norm(x, residual, weight, eps, unit_offset)
+
+
+def qk_norm(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
+            num_heads: int, num_kv_heads: int, unit_offset: bool = False) -> None:
+    _ops(qkv).qk_norm(qkv, q_weight, k_weight, eps, num_heads, num_kv_heads, unit_offset)
 
 
 def rope_write_kv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
@@ -36,6 +45,10 @@ def rope_write_kv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return _ops(gate_up).silu_mul(gate_up)
+
+
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    return _ops(gate_up).gelu_tanh_mul(gate_up)
 
 
 def _ops(t: torch.Tensor) -> ModuleType:

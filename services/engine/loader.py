@@ -1,13 +1,17 @@
 """Weight loaders: a llama.cpp GGUF file or a Hugging Face directory to a float32 state dict.
 
-Both return ``(ModelConfig, state_dict)`` with Hugging Face Llama tensor names
+Both return ``(ModelConfig, state_dict)`` with Hugging Face tensor names
 (``model.layers.{i}.self_attn.q_proj.weight``, ...) and torch's ``[out_features, in_features]``
-layout, so the model code sees one format whatever the source.
+layout, so the model code sees one format whatever the source. The architecture (config.json's
+``model_type``, a GGUF file's ``general.architecture``) picks the module of
+``services.engine.models`` that reads its config and knows its tensors.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -15,39 +19,25 @@ import numpy as np
 import torch
 
 from services.engine.config import ModelConfig
-from services.engine.gguf_metadata import gguf_field
+
+from . import models
+from .models import Architecture
 
 StateDict = dict[str, torch.Tensor]
-
-# GGUF tensor name (after ``blk.{i}.``) -> Hugging Face name (after ``model.layers.{i}.``).
-_GGUF_LAYER_NAMES = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-}
-_GGUF_GLOBAL_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
+# GGUF tensors that hold configuration (RoPE factors), not weights
+_GGUF_CONFIG_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 
 
 def load_model(path: str | os.PathLike) -> tuple[ModelConfig, StateDict]:
-    """Load a Llama checkpoint from a ``.gguf`` file or a Hugging Face directory.
+    """Load a checkpoint from a ``.gguf`` file or a Hugging Face directory.
 
-    Returns the config and a state dict of float32 tensors named as in Hugging Face's
-    ``LlamaForCausalLM`` (``lm_head.weight`` only when not tied to the embedding).
+    Returns the config and a state dict of float32 tensors named as in Hugging Face's model
+    of that architecture (``lm_head.weight`` only when not tied to the embedding).
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
         ValueError: ``path`` is neither a ``.gguf`` file nor a directory, or the checkpoint is
-            not a supported Llama model (the message names what is unsupported).
+            not of a supported architecture (the message names what is unsupported).
     """
     path = Path(path)
     if not path.exists():
@@ -59,16 +49,19 @@ def load_model(path: str | os.PathLike) -> tuple[ModelConfig, StateDict]:
     raise ValueError(f"model path {path} is neither a .gguf file nor a Hugging Face directory")
 
 
-def load_gguf(path: str | os.PathLike) -> tuple[ModelConfig, StateDict]:
-    """Load a llama.cpp GGUF file of architecture ``llama``, dequantized to float32.
+# --- GGUF ------------------------------------------------------------------------------------
 
-    Read with ``gguf_file.GGUFFile``, every tensor through ``gguf.quants.dequantize`` once; Q/K
-    rows are put back from llama.cpp's rotary order to Hugging Face's (``_unpermute_rotary``):
-    then bit-identical to what transformers' own GGUF loader produces.
+def load_gguf(path: str | os.PathLike) -> tuple[ModelConfig, StateDict]:
+    """Load a llama.cpp GGUF file of a supported architecture, dequantized to float32.
+
+    Read with ``gguf_file.GGUFFile``, every tensor through ``gguf.quants.dequantize`` once, then
+    put back into Hugging Face's form (``GGUFLayout.to_hf``: Llama's q/k rows from llama.cpp's
+    rotary order, Gemma's norms without the one llama.cpp adds): for Llama bit-identical to
+    what transformers' own GGUF loader produces.
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
-        ValueError: the architecture is not ``llama``, rope scaling is set, or a tensor is
+        ValueError: the architecture or its RoPE scaling is not supported, or a tensor is
             unexpected or missing.
     """
     from .gguf_file import GGUFFile, dequantized
@@ -76,95 +69,87 @@ def load_gguf(path: str | os.PathLike) -> tuple[ModelConfig, StateDict]:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file {path} does not exist")
-    reader = GGUFFile(path)
-    config = _gguf_config(reader, {t.name for t in reader.tensors})
-    heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}
+    layout = GGUFLayout(GGUFFile(path))
     state_dict: StateDict = {}
-    for tensor in reader.tensors:
-        weights = dequantized(tensor)
-        kind = tensor.name.split(".")[-2]
-        if kind in heads:
-            weights = _unpermute_rotary(weights, heads[kind])
+    for tensor in layout.reader.tensors:
+        name = layout.hf_name(tensor.name)
+        if name is None:
+            continue
+        weights = layout.to_hf(name, dequantized(tensor))
         if not weights.flags.writeable or not weights.flags.owndata:
             # NOTE: F32 tensors are read-only views of the memory map: copied to own them
             weights = np.array(weights, dtype=np.float32)
-        state_dict[_hf_name(tensor.name)] = torch.from_numpy(weights)
-    _check_keys(config, state_dict, source=str(path))
-    return config, state_dict
+        state_dict[name] = torch.from_numpy(weights)
+    check_keys(layout.arch, layout.config, state_dict, source=str(path))
+    return layout.config, state_dict
 
 
-def _gguf_config(reader: Any, tensor_names: set[str]) -> ModelConfig:
-    """ModelConfig from the ``llama.*`` and ``tokenizer.ggml.*`` metadata of a GGUF file:
-    ``reader`` is a ``gguf.GGUFReader`` or a ``gguf_file.GGUFFile``."""
-    field = getattr(reader, "field", None) or (lambda key, default=None: gguf_field(reader, key, default))
-    arch = field("general.architecture")
-    if arch != "llama":
-        raise ValueError(f"unsupported GGUF architecture {arch!r}: only 'llama' is supported")
-    rope_scaling = field("llama.rope.scaling.type", "none")
-    if rope_scaling != "none":
-        raise ValueError(f"unsupported llama.rope.scaling.type {rope_scaling!r}")
+def gguf_config(reader: Any) -> tuple[Architecture, ModelConfig]:
+    """The architecture and config of an open ``gguf_file.GGUFFile``: metadata, plus the RoPE
+    factor tensors some files carry. Raises ``ValueError`` naming an unsupported architecture
+    or setting."""
+    from .gguf_file import dequantized
 
-    def required(key: str) -> Any:
-        value = field(f"llama.{key}")
-        if value is None:
-            raise ValueError(f"GGUF metadata llama.{key} is missing")
-        return value
-
-    hidden = required("embedding_length")
-    num_heads = required("attention.head_count")
-    vocab = field("llama.vocab_size")
-    if vocab is None:
-        tokens = field("tokenizer.ggml.tokens", [])
-        vocab = tokens if isinstance(tokens, int) else len(tokens)  # GGUFFile keeps a count
-    return ModelConfig(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=required("feed_forward_length"),
-        num_hidden_layers=required("block_count"),
-        num_attention_heads=num_heads,
-        num_key_value_heads=field("llama.attention.head_count_kv", num_heads),
-        head_dim=field("llama.attention.key_length", hidden // num_heads),
-        rope_theta=float(field("llama.rope.freq_base", 10000.0)),
-        rms_norm_eps=float(required("attention.layer_norm_rms_epsilon")),
-        max_position_embeddings=required("context_length"),
-        tie_word_embeddings="output.weight" not in tensor_names,
-        bos_token_id=field("tokenizer.ggml.bos_token_id"),
-        eos_token_id=field("tokenizer.ggml.eos_token_id"),
-    )
+    arch = models.by_gguf_name(reader.field("general.architecture"))
+    tensors: dict[str, Callable[[], np.ndarray]] = {
+        t.name: (lambda t=t: dequantized(t)) for t in reader.tensors}
+    return arch, arch.config_from_gguf(reader.field, tensors)
 
 
-def _hf_name(gguf_name: str) -> str:
-    """Hugging Face name of GGUF tensor ``gguf_name``; ValueError for one Llama does not have."""
-    if gguf_name in _GGUF_GLOBAL_NAMES:
-        return _GGUF_GLOBAL_NAMES[gguf_name]
-    parts = gguf_name.split(".", 2)
-    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _GGUF_LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}"
-    raise ValueError(f"unexpected GGUF tensor {gguf_name!r} for a llama model")
+class GGUFLayout:
+    """A GGUF file's tensors in Hugging Face's terms: names through gguf-py's
+    ``TensorNameMap`` (llama.cpp's own table of each architecture's Hugging Face names), and
+    the architecture's differences in values. ``reader``: a ``gguf_file.GGUFFile``."""
+
+    def __init__(self, reader: Any) -> None:
+        import gguf
+
+        self.reader = reader
+        self.arch, self.config = gguf_config(reader)
+        arch_enum = {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[self.arch.gguf_name]
+        names = gguf.get_tensor_name_map(arch_enum, self.config.num_hidden_layers)
+        self._hf_names: dict[str, str] = {}
+        for hf_name in self.arch.model_cls.checkpoint_tensors(self.config):
+            gguf_name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+            if gguf_name is not None:
+                self._hf_names[gguf_name] = hf_name
+
+    def hf_name(self, gguf_name: str) -> str | None:
+        """The Hugging Face name of tensor ``gguf_name``; None for a tensor that is part of the
+        config (RoPE factors). Raises ``ValueError`` for a tensor the model does not have."""
+        if gguf_name in _GGUF_CONFIG_TENSORS:
+            return None
+        if gguf_name not in self._hf_names:
+            raise ValueError(f"unexpected GGUF tensor {gguf_name!r} for a "
+                             f"{self.arch.gguf_name} model")
+        return self._hf_names[gguf_name]
+
+    def row_order(self, hf_name: str) -> np.ndarray | None:
+        """Permutation taking the stored rows of ``hf_name`` to Hugging Face's, or None."""
+        return self.arch.gguf_row_order(hf_name, self.config)
+
+    def to_hf(self, hf_name: str, weights: np.ndarray) -> np.ndarray:
+        """A dequantized tensor (float32 ``[out, in]`` or ``[n]``) in Hugging Face's form."""
+        order = self.row_order(hf_name)
+        if order is not None:
+            weights = np.ascontiguousarray(weights[order])
+        offset = self.arch.gguf_offset(hf_name)
+        if offset:  # NOTE: exact (Sterbenz) for stored values in [0.5, 2], i.e. w in [-0.5, 1]
+            weights = weights - np.float32(offset)
+        return weights
 
 
-def _unpermute_rotary(weights: np.ndarray, num_heads: int) -> np.ndarray:
-    """Undo the Q/K row permutation of llama.cpp's ``convert_hf_to_gguf.py`` (``permute``).
-
-    llama.cpp stores each head's rows as interleaved (even, odd) rotary pairs; Hugging Face
-    stores the first halves of the pairs, then the second halves. ``weights`` is
-    ``[num_heads * head_dim, in_features]``; the result has the same shape.
-    """
-    out_features = weights.shape[0]
-    head_dim = out_features // num_heads
-    w = weights.reshape(num_heads, head_dim // 2, 2, *weights.shape[1:])
-    return np.ascontiguousarray(w.swapaxes(1, 2).reshape(weights.shape))
-
+# --- Hugging Face directories ----------------------------------------------------------------
 
 def load_hf_dir(path: str | os.PathLike) -> tuple[ModelConfig, StateDict]:
-    """Load a Hugging Face Llama directory: ``config.json`` plus ``*.safetensors`` shards.
+    """Load a Hugging Face directory: ``config.json`` plus ``*.safetensors`` shards.
 
     Sharded checkpoints are read through ``model.safetensors.index.json``; every tensor is
     converted to float32. With tied embeddings any ``lm_head.weight`` in the files is dropped.
 
     Raises:
         FileNotFoundError: the directory, ``config.json`` or the safetensors files are missing.
-        ValueError: ``model_type`` is not ``llama``, a config field is missing or unsupported
+        ValueError: ``model_type`` is not supported, a config field is missing or unsupported
             (named in the message), or a tensor is unexpected or missing.
     """
     from safetensors import safe_open
@@ -173,7 +158,7 @@ def load_hf_dir(path: str | os.PathLike) -> tuple[ModelConfig, StateDict]:
     config_path = path / "config.json"
     if not config_path.is_file():
         raise FileNotFoundError(f"{config_path} not found: not a Hugging Face model directory")
-    config = _hf_config(json.loads(config_path.read_text()))
+    arch, config = hf_config(json.loads(config_path.read_text()), path)
     state_dict: StateDict = {}
     for file in _safetensors_files(path):
         with safe_open(file, framework="pt") as f:
@@ -183,8 +168,25 @@ def load_hf_dir(path: str | os.PathLike) -> tuple[ModelConfig, StateDict]:
                 if name == "lm_head.weight" and config.tie_word_embeddings:
                     continue
                 state_dict[name] = f.get_tensor(name).to(torch.float32)
-    _check_keys(config, state_dict, source=str(path))
+    check_keys(arch, config, state_dict, source=str(path))
     return config, state_dict
+
+
+def hf_config(raw: dict[str, Any], path: Path | None = None,
+              ) -> tuple[Architecture, ModelConfig]:
+    """The architecture and config of a ``config.json`` dict (of directory ``path``, whose
+    ``generation_config.json`` may list more end-of-sequence ids). Raises ``ValueError`` naming
+    an unsupported ``model_type`` (with the supported list) or field."""
+    arch = models.by_model_type(raw.get("model_type"))
+    config = arch.config_from_hf(raw)
+    generation = path / "generation_config.json" if path is not None else None
+    if generation is not None and generation.is_file():
+        eos = json.loads(generation.read_text()).get("eos_token_id")
+        eos = eos if isinstance(eos, list) else [] if eos is None else [eos]
+        ids = tuple(dict.fromkeys([*config.eos_token_ids, *eos]))
+        config = dataclasses.replace(config, eos_token_id=ids[0] if ids else None,
+                                     eos_token_ids=ids)
+    return arch, config
 
 
 def _safetensors_files(path: Path) -> list[Path]:
@@ -203,56 +205,10 @@ def _safetensors_files(path: Path) -> list[Path]:
     return files
 
 
-def _hf_config(raw: dict[str, Any]) -> ModelConfig:
-    """ModelConfig from a ``config.json`` dict, with LlamaConfig's defaults for optional fields."""
-    if raw.get("model_type") != "llama":
-        raise ValueError(f"unsupported model_type {raw.get('model_type')!r}: only 'llama' is supported")
-    for field, expected in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)):
-        if raw.get(field, expected) != expected:
-            raise ValueError(f"unsupported config.json {field}={raw[field]!r}, expected {expected!r}")
-    # NOTE: transformers >= 5 writes rope_theta inside rope_parameters; older versions at top level.
-    rope = raw.get("rope_parameters") or {}
-    for params in (rope, raw.get("rope_scaling") or {}):
-        if params.get("rope_type", params.get("type", "default")) != "default":
-            raise ValueError(f"unsupported rope scaling in config.json: {params!r}")
-    missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size",
-                           "num_hidden_layers", "num_attention_heads") if k not in raw]
-    if missing:
-        raise ValueError(f"config.json is missing required field(s) {', '.join(missing)}")
-    num_heads = raw["num_attention_heads"]
-    eos = raw.get("eos_token_id")
-    if isinstance(eos, list):
-        eos = eos[0] if eos else None  # NOTE: several stop ids; the first is the primary one.
-    return ModelConfig(
-        vocab_size=raw["vocab_size"],
-        hidden_size=raw["hidden_size"],
-        intermediate_size=raw["intermediate_size"],
-        num_hidden_layers=raw["num_hidden_layers"],
-        num_attention_heads=num_heads,
-        num_key_value_heads=raw.get("num_key_value_heads") or num_heads,
-        head_dim=raw.get("head_dim") or raw["hidden_size"] // num_heads,
-        rope_theta=float(rope.get("rope_theta", raw.get("rope_theta", 10000.0))),
-        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-        max_position_embeddings=raw.get("max_position_embeddings", 2048),
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        bos_token_id=raw.get("bos_token_id"),
-        eos_token_id=eos,
-    )
-
-
-def expected_keys(config: ModelConfig) -> set[str]:
-    """Names of the tensors a Llama state dict with ``config`` must hold, no more, no less."""
-    keys = {"model.embed_tokens.weight", "model.norm.weight"}
-    if not config.tie_word_embeddings:
-        keys.add("lm_head.weight")
-    for i in range(config.num_hidden_layers):
-        keys.update(f"model.layers.{i}.{name}" for name in _GGUF_LAYER_NAMES.values())
-    return keys
-
-
-def _check_keys(config: ModelConfig, state_dict: StateDict, source: str) -> None:
+def check_keys(arch: Architecture, config: ModelConfig, state_dict: dict[str, Any],
+               source: str) -> None:
     """Raise ValueError naming the tensors of ``state_dict`` that ``config`` does not predict."""
-    expected = expected_keys(config)
+    expected = arch.model_cls.checkpoint_tensors(config)
     missing = sorted(expected - state_dict.keys())
     unexpected = sorted(state_dict.keys() - expected)
     if missing or unexpected:
@@ -272,10 +228,9 @@ def load_config(path: str | os.PathLike) -> ModelConfig:
         config_file = path / "config.json"
         if not config_file.is_file():
             raise FileNotFoundError(f"{config_file} does not exist")
-        return _hf_config(json.loads(config_file.read_text()))
+        return hf_config(json.loads(config_file.read_text()), path)[1]
     if not path.is_file():
         raise FileNotFoundError(f"model path {path} does not exist")
     from .gguf_file import GGUFFile  # NOTE: skips the vocabulary: ~100x faster than GGUFReader
 
-    reader = GGUFFile(path)
-    return _gguf_config(reader, {t.name for t in reader.tensors})
+    return gguf_config(GGUFFile(path))[1]

@@ -13,9 +13,12 @@ expanded to float32, otherwise), and returns the model ready to run.
 - ``f32``: the same, with the linear layers as float32 rows (a GGUF F32 file's, in place): not
   quantized, but run by the same C kernels and fused forward as the block formats, where
   ``none`` runs torch's modules (the token-exact oracle).
-- ``auto``: for a GGUF file, its own format when the C kernel is available and the file's
-  linear weights are all in one supported format (F32 included), else ``none``; for other
-  checkpoints ``none``. The choice is logged.
+- ``auto``: for a GGUF file, its own format when the C kernel is available, the file's
+  linear weights are all in one supported format (F32 included) and the fused C forward pass
+  serves its architecture (``quantized_forward.unsupported_reason``), else ``none``; for other
+  checkpoints ``none``. The choice, and why, is logged. An explicit format runs any
+  architecture: through the fused C forward pass where it serves it, else through the model's
+  own modules with quantized linear layers.
 """
 from __future__ import annotations
 
@@ -31,9 +34,10 @@ from kernels import quant
 from kernels.quant import QuantizedWeight
 
 from .config import ModelConfig
-from .loader import load_model
+from .loader import load_config, load_model
 from .model import LlamaForCausalLM, fuse_projections
-from .quantized_forward import QuantizedForward
+from .models import model_class
+from .quantized_forward import QuantizedForward, unsupported_reason
 
 log = logging.getLogger(__name__)
 
@@ -60,9 +64,10 @@ def cpu_has_native_bf16() -> bool:
 
 
 def resolve_precision(dtype: str, quantization: str, file_formats: set[str], device: str,
-                      ) -> Precision:
+                      fused_unsupported: str | None = None) -> Precision:
     """The concrete precision for the settings, this machine and the file's linear-weight
-    formats (``file_formats``: names like ``"q4_1"``, ``"f32"``).
+    formats (``file_formats``: names like ``"q4_1"``, ``"f32"``); ``fused_unsupported``: why
+    the fused C forward pass cannot serve the model (``auto`` then stays ``none``), or None.
 
     Raises ``ValueError`` naming ``dtype`` or ``quantization`` for an unknown value, or
     ``quantization`` when a format is asked for on a non-CPU device.
@@ -76,7 +81,7 @@ def resolve_precision(dtype: str, quantization: str, file_formats: set[str], dev
     if quantization == "auto":
         supported = len(file_formats) == 1 and file_formats <= quant.FORMATS.keys()
         quantization = (next(iter(file_formats)) if supported and device == "cpu"
-                        and quant.available() else "none")
+                        and quant.available() and fused_unsupported is None else "none")
     if dtype == "auto":
         # NOTE: the kernel's layers compute in int8 (F32: float32) whatever the activation
         # dtype; bf16 elsewhere only pays where the CPU has bf16 instructions (measured 5x
@@ -87,19 +92,22 @@ def resolve_precision(dtype: str, quantization: str, file_formats: set[str], dev
 
 
 class QuantLinear(nn.Module):
-    """``y = x @ W^T`` with ``W`` kept in a GGUF block format (``kernels.quant``).
+    """``y = x @ W^T (+ bias)`` with ``W`` kept in a GGUF block format (``kernels.quant``).
 
     x: ``[..., in_features]`` any float dtype; returns x's dtype ``[..., out_features]``.
+    bias: ``[out_features]`` (Qwen2's q/k/v), added in x's dtype after the product.
     """
 
-    def __init__(self, *parts: QuantizedWeight) -> None:
+    def __init__(self, *parts: QuantizedWeight, bias: torch.Tensor | None = None) -> None:
         super().__init__()
         self.parts = parts  # stacked along out_features (fused q/k/v, gate/up), never copied
         self.in_features = parts[0].in_features
         self.out_features = sum(p.out_features for p in parts)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return quant.quant_matmul(x, self.parts)
+        y = quant.quant_matmul(x, self.parts)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
 
     def extra_repr(self) -> str:
         return f"{self.in_features}, {self.out_features}, fmt={self.parts[0].fmt}"
@@ -140,11 +148,14 @@ def build_model(path: str | None, dtype: str, quantization: str, device: str,
 
     is_gguf = weights is None and path is not None and str(path).lower().endswith(".gguf")
     formats = file_weight_formats(path) if is_gguf else set()  # not GGUF: auto stays dense
-    precision = resolve_precision(dtype, quantization, formats, device)
+    reason = unsupported_reason(load_config(path)) if is_gguf else None
+    precision = resolve_precision(dtype, quantization, formats, device, reason)
+    if quantization == "auto" and reason is not None and formats:
+        log.info("quantization auto: %s, so the model runs dense (quantization none)", reason)
     torch_dtype = getattr(torch, precision.dtype)
     if precision.quantization == "none":
         model_config, state_dict = weights if weights is not None else load_model(path)
-        model = LlamaForCausalLM(model_config, device="meta")
+        model = model_class(model_config)(model_config, device="meta")
         load_dense(model, state_dict)
         _check_materialized(model)
         model = model.to(device=device, dtype=torch_dtype).eval()
@@ -179,18 +190,21 @@ def assemble_quantized(cfg: ModelConfig, dense: dict[str, torch.Tensor],
                        blocks: dict[str, QuantizedWeight], dtype: torch.dtype) -> LlamaForCausalLM:
     """A model whose linear layers (and, when quantized, embedding and LM head) read ``blocks``.
 
-    ``dense``: the norms (and a dense embedding / LM head when not quantized); ``blocks``:
-    Hugging Face names -> quantized weights. q/k/v and gate/up are fused into one matmul each.
-    In float32 with the C kernels built, the model runs ``QuantizedForward`` (``fused_forward``).
+    ``dense``: the norms, biases (and a dense embedding / LM head when not quantized);
+    ``blocks``: Hugging Face names -> quantized weights. q/k/v and gate/up are fused into one
+    matmul each (or stored so: Phi-3). In float32 with the C kernels built, and for the
+    architectures it serves, the model runs ``QuantizedForward`` (``fused_forward``).
     """
-    model = LlamaForCausalLM(cfg, device="meta")
+    model = model_class(cfg)(cfg, device="meta")
+    dense = dict(dense)
     for i, layer in enumerate(model.model.layers):
         p = f"model.layers.{i}."
         attn, mlp = layer.self_attn, layer.mlp
-        attn.qkv_proj = QuantLinear(*[blocks[p + f"self_attn.{n}_proj.weight"] for n in "qkv"])
+        bias = [dense.pop(p + f"self_attn.{n}_proj.bias", None) for n in "qkv"]
+        attn.qkv_proj = QuantLinear(*_stacked(blocks, p + "self_attn.", ("q", "k", "v"), "qkv"),
+                                    bias=torch.cat(bias) if bias[0] is not None else None)
         attn.o_proj = QuantLinear(blocks[p + "self_attn.o_proj.weight"])
-        mlp.gate_up_proj = QuantLinear(blocks[p + "mlp.gate_proj.weight"],
-                                       blocks[p + "mlp.up_proj.weight"])
+        mlp.gate_up_proj = QuantLinear(*_stacked(blocks, p + "mlp.", ("gate", "up"), "gate_up"))
         mlp.down_proj = QuantLinear(blocks[p + "mlp.down_proj.weight"])
     embed = blocks.get("model.embed_tokens.weight")
     if embed is not None:
@@ -205,9 +219,18 @@ def assemble_quantized(cfg: ModelConfig, dense: dict[str, torch.Tensor],
     if head is None and cfg.tie_word_embeddings:
         model.lm_head = DenseLinear(model.model.embed_tokens.weight)
     _check_materialized(model)
-    if QuantizedForward.supports(dtype):
+    if QuantizedForward.supports(dtype) and unsupported_reason(cfg) is None:
         model.fused_forward = QuantizedForward(model)
     return model.eval()
+
+
+def _stacked(blocks: dict[str, QuantizedWeight], prefix: str, parts: tuple[str, ...],
+             fused: str) -> list[QuantizedWeight]:
+    """The weights one fused projection stacks: ``{prefix}{fused}_proj`` where the checkpoint
+    stores it fused (Phi-3), else ``{prefix}{part}_proj`` for each of ``parts``."""
+    if f"{prefix}{fused}_proj.weight" in blocks:
+        return [blocks[f"{prefix}{fused}_proj.weight"]]
+    return [blocks[f"{prefix}{part}_proj.weight"] for part in parts]
 
 
 def _check_materialized(model: LlamaForCausalLM) -> None:

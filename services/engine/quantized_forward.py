@@ -7,8 +7,10 @@ into C, with every argument prepared once per step:
 
     x += y; h = rmsnorm(x) w1        kernels.decode_ops.add_rmsnorm (y: last layer's MLP out)
     qkv = h Wqkv^T                   kernels.quant.PreparedMatmul (fused q/k/v)
-    q = rope(q); cache <- rope(k), v kernels.decode_ops.rope_write_kv
-    a = attention(q, cache)          kernels.cpu_attention.AttentionPlan (decode and prefill rows)
+    q = rope(q); cache <- rope(k), v kernels.decode_ops.rope_write_kv (+ Qwen2's q/k/v bias,
+                                     Qwen3's per-head q/k norms, first)
+    a = attention(q, cache)          kernels.cpu_attention.AttentionPlan (decode and prefill rows;
+                                     a sliding window on the layers that have one)
     o = a Wo^T; x += o; h = rmsnorm(x) w2; gu = h Wgu^T; m = silu(g) u; y = m Wdown^T
 
 Same math as the module path, in float32; sums run in another order, so results agree to
@@ -56,6 +58,12 @@ class QuantizedForward:
                         PreparedMatmul(layer.mlp.gate_up_proj.parts),
                         PreparedMatmul(layer.mlp.down_proj.parts))
                        for layer in model.model.layers]
+        # per layer: q/k/v bias, q_norm and k_norm weights (None: none), sliding window (0: none)
+        self.extras = [(_weight(layer.self_attn.qkv_proj, "bias"),
+                        _weight(getattr(layer.self_attn, "q_norm", None), "weight"),
+                        _weight(getattr(layer.self_attn, "k_norm", None), "weight"),
+                        layer.self_attn.sliding_window or 0)
+                       for layer in model.model.layers]
         self._ops = decode_ops.lib()
         self._caches: tuple[tuple[int, tuple[int, ...]], list] | None = None
         self._table: tuple[list, torch.Tensor] | None = None
@@ -76,12 +84,15 @@ class QuantizedForward:
             self._caches = (key, [(kv[0], kv[1]) for kv in kv_cache])
         return self._caches[1]
 
-    def _attention(self, meta: AttentionMetadata, threads: int) -> cpu_attention.AttentionPlan:
-        """The C kernel's plan for this step's tokens: decode rows and prefill chunks alike,
-        each token over the cache up to itself."""
-        return cpu_attention.AttentionPlan.for_tokens(
+    def _attention(self, meta: AttentionMetadata, threads: int,
+                   ) -> dict[int, cpu_attention.AttentionPlan]:
+        """The C kernel's plans for this step's tokens, one per sliding window of the layers
+        (0: none): decode rows and prefill chunks alike, each token over the cache up to
+        itself."""
+        return {w: cpu_attention.AttentionPlan.for_tokens(
             meta.block_tables, meta.seq_lens, meta.query_start_loc, self.num_heads,
-            self.num_kv_heads, self.scale, threads)
+            self.num_kv_heads, self.scale, threads, w or None)
+            for w in {extra[3] for extra in self.extras}}
 
     def _layer_table(self, kv_cache: torch.Tensor) -> torch.Tensor | None:
         """``[num_layers, len(LAYER_FIELDS)]`` int64 addresses for ``tandem_decode_layers_f32``
@@ -91,8 +102,10 @@ class QuantizedForward:
         caches = self._layer_caches(kv_cache)
         if self._table is None or self._table[0] is not caches:
             rows = [[w_in.data_ptr(), w_post.data_ptr(), *qkv.addresses(), *o.addresses(),
-                     *gu.addresses(), *down.addresses(), k.data_ptr(), v.data_ptr()]
-                    for (w_in, qkv, o, w_post, gu, down), (k, v) in zip(self.layers, caches)]
+                     *gu.addresses(), *down.addresses(), k.data_ptr(), v.data_ptr(),
+                     *(0 if t is None else t.data_ptr() for t in (bias, q_norm, k_norm)), window]
+                    for (w_in, qkv, o, w_post, gu, down), (k, v), (bias, q_norm, k_norm, window)
+                    in zip(self.layers, caches, self.extras)]
             self._table = (caches, torch.tensor(rows, dtype=torch.int64))
         return self._table[1]
 
@@ -113,7 +126,8 @@ class QuantizedForward:
     def _decode_layers(self, b: _Buffers, table: torch.Tensor, pos: torch.Tensor,
                        slots: torch.Tensor, meta: AttentionMetadata, kv_cache: torch.Tensor,
                        threads: int) -> None:
-        """Every layer of a decode step in one C call (``tandem_decode_layers_f32``)."""
+        """Every layer of a decode step in one C call (``tandem_decode_layers_f32``; each
+        layer's sliding window is in its row of the table)."""
         plan = cpu_attention.AttentionPlan(meta.block_tables, meta.seq_lens, self.num_heads,
                                            self.num_kv_heads, self.scale, threads)
         num_blocks, block_size = kv_cache.shape[2], kv_cache.shape[3]
@@ -130,23 +144,25 @@ class QuantizedForward:
                 meta: AttentionMetadata, kv_cache: torch.Tensor, threads: int) -> None:
         """The layers call by call (prefill and mixed steps)."""
         ops, t, heads, kv_heads, d = self._ops, b.t, self.num_heads, self.num_kv_heads, self.head_dim
-        attend = self._attention(meta, threads)
+        plans = self._attention(meta, threads)
         caches = self._layer_caches(kv_cache)
         num_slots = caches[0][0].shape[0] * caches[0][0].shape[1]
         norm, rope, silu_mul = (ops.tandem_add_rmsnorm_f32, ops.tandem_rope_write_kv_f32,
                                 ops.tandem_silu_mul_f32)
         x, h, qkv, q, a, o, gu, act, down, out = b.pointers()
         residual = None  # the previous layer's MLP output, added at the next norm
-        for (w_in, qkv_mm, o_mm, w_post, gu_mm, down_mm), (k_cache, v_cache) in zip(
-                self.layers, caches):
+        for (w_in, qkv_mm, o_mm, w_post, gu_mm, down_mm), (k_cache, v_cache), extra in zip(
+                self.layers, caches, self.extras):
             decode_ops.check(norm(x, residual, w_in.data_ptr(), h, t, self.hidden, self.eps,
                                   threads), "add_rmsnorm")
             qkv_mm(b.h, b.qkv, threads)
             decode_ops.check(rope(qkv, q, t, b.qkv.shape[1], heads, kv_heads, d, pos.data_ptr(),
                                   self.cos.data_ptr(), self.sin.data_ptr(), self.cos.shape[0],
                                   k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(),
-                                  num_slots, threads), "rope_write_kv")
-            attend(b.q, k_cache, v_cache, b.a)
+                                  num_slots, *(None if w is None else w.data_ptr()
+                                               for w in extra[:3]), self.eps, threads),
+                             "rope_write_kv")
+            plans[extra[3]](b.q, k_cache, v_cache, b.a)
             o_mm(b.a.view(t, heads * d), b.o, threads)
             decode_ops.check(norm(x, o, w_post.data_ptr(), h, t, self.hidden, self.eps, threads),
                              "add_rmsnorm")
@@ -176,3 +192,23 @@ class _Buffers:
         """x, h, qkv, q, a, o, gate_up, act, down, out: the C functions' order."""
         return tuple(b.data_ptr() for b in (self.x, self.h, self.qkv, self.q, self.a, self.o,
                                             self.gate_up, self.act, self.down, self.out))
+
+
+def _weight(module, name: str) -> torch.Tensor | None:
+    """``module.<name>`` as a contiguous float32 tensor, or None (no module, or no such tensor)."""
+    t = getattr(module, name, None)
+    return None if t is None else t.detach().float().contiguous()
+
+
+# what QuantizedForward computes: Llama's pre-norm SwiGLU layer at head_dim ** -0.5, with the
+# q/k/v bias (Qwen2), per-head q/k norms (Qwen3) and sliding windows (Mistral, Phi-3) it takes
+SERVED = ("llama", "mistral", "phi3", "qwen2", "qwen3")
+
+
+def unsupported_reason(cfg) -> str | None:
+    """Why ``QuantizedForward`` cannot run a model of ``cfg`` (``config.ModelConfig``), or None
+    for the architectures of ``SERVED``. Gemma's layer (norms around attention and MLP, GeGLU,
+    scaled embeddings, soft-capped logits) is not computed in C."""
+    if cfg.architecture not in SERVED:
+        return f"the fused C forward pass does not compute {cfg.architecture}'s layers"
+    return None

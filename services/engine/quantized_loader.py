@@ -1,8 +1,9 @@
 """GGUF weights kept in their block formats (F32 rows too): nothing expanded to float32 at load.
 
 The file is memory-mapped (``gguf_file.GGUFFile``); a tensor already in the requested format is
-used in place, as the bytes of its rows (q/k rows reordered from llama.cpp's rotary layout to
-Hugging Face's, a byte copy). Only norms (and a float embedding) become float32 tensors.
+used in place, as the bytes of its rows (Llama's q/k rows reordered from llama.cpp's rotary
+layout to Hugging Face's, a byte copy). Only norms, biases (and a float embedding) become
+float32 tensors.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from kernels.quant import QuantizedWeight
 
 from .config import ModelConfig
 from .gguf_file import GGUFFile, blocks_of, dequantized
-from .loader import _check_keys, _gguf_config, _hf_name
+from .loader import GGUFLayout, check_keys
 
 _EMBEDDINGS = ("model.embed_tokens.weight", "lm_head.weight")
 
@@ -33,17 +34,14 @@ def file_weight_formats(path: str | os.PathLike) -> set[str]:
     model); lower-case ggml type names. Raises ``FileNotFoundError`` when ``path`` is missing."""
     if not Path(path).is_file():
         raise FileNotFoundError(f"GGUF file {path} does not exist")
-    return {t.type_name for t in _reader(str(path)).tensors
-            if _hf_name(t.name).endswith("_proj.weight")}
+    layout = _layout(str(path))
+    return {t.type_name for t in layout.reader.tensors
+            if (layout.hf_name(t.name) or "").endswith("_proj.weight")}
 
 
-def rotary_row_order(out_features: int, num_heads: int) -> torch.Tensor:
-    """Row permutation taking llama.cpp's interleaved rotary rows to Hugging Face's
-    rotate-half order: ``hf_rows = gguf_rows[order]`` (the row form of
-    ``loader._unpermute_rotary``). int64 ``[out_features]``."""
-    head_dim = out_features // num_heads
-    rows = torch.arange(out_features).reshape(num_heads, head_dim // 2, 2)
-    return rows.transpose(1, 2).reshape(-1)
+@functools.lru_cache(maxsize=8)
+def _layout(path: str) -> GGUFLayout:
+    return GGUFLayout(_reader(path))
 
 
 def _quantize(weights: np.ndarray, fmt: str) -> QuantizedWeight:
@@ -59,7 +57,8 @@ def _quantize(weights: np.ndarray, fmt: str) -> QuantizedWeight:
 
 def load_gguf_quantized(path: str | os.PathLike, fmt: str,
                         ) -> tuple[ModelConfig, dict[str, torch.Tensor], dict[str, QuantizedWeight]]:
-    """Config, float32 tensors (norms; a float embedding) and quantized weights of a Llama GGUF.
+    """Config, float32 tensors (norms, biases; a float embedding) and quantized weights of a
+    GGUF file.
 
     Linear layers come back in ``fmt`` (in place when stored so, else dequantized and
     requantized once); a quantized embedding (and untied LM head) stays in its stored format
@@ -70,25 +69,28 @@ def load_gguf_quantized(path: str | os.PathLike, fmt: str,
     """
     if fmt not in quant.FORMATS:
         raise ValueError(f"quantization: {fmt!r} is not one of {', '.join(quant.FORMATS)}")
-    reader = _reader(str(path)) if Path(path).is_file() else GGUFFile(path)
-    config = _gguf_config(reader, {t.name for t in reader.tensors})
-    heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}
+    if not Path(path).is_file():
+        GGUFFile(path)  # raises FileNotFoundError
+    layout = _layout(str(path))
     dense: dict[str, torch.Tensor] = {}
     blocks: dict[str, QuantizedWeight] = {}
-    for t in reader.tensors:
-        name, stored = _hf_name(t.name), t.type_name
+    for t in layout.reader.tensors:
+        name, stored = layout.hf_name(t.name), t.type_name
+        if name is None:
+            continue
         if name.endswith("_proj.weight") or (name in _EMBEDDINGS and stored in quant.FORMATS):
             keep = stored == fmt or name in _EMBEDDINGS
             w = (blocks_of(t) if keep
                  else _quantize(dequantized(t), fmt))
-            kind = t.name.split(".")[-2]
-            if kind in heads:
-                w = w.rows(rotary_row_order(w.out_features, heads[kind]))
+            order = layout.row_order(name)
+            if order is not None:
+                w = w.rows(torch.from_numpy(order))
             blocks[name] = w
         else:
-            dense[name] = torch.from_numpy(np.array(dequantized(t), dtype=np.float32))
-    _check_keys(config, {**dense, **blocks}, source=str(path))
-    return config, dense, blocks
+            dense[name] = torch.from_numpy(np.array(layout.to_hf(name, dequantized(t)),
+                                                    dtype=np.float32))
+    check_keys(layout.arch, layout.config, {**dense, **blocks}, source=str(path))
+    return layout.config, dense, blocks
 
 
 def quantize_state_dict(config: ModelConfig, state_dict: dict[str, torch.Tensor], fmt: str,

@@ -66,6 +66,8 @@ class SchedulerConfig:
     # order of admission: "fcfs" (arrival) or "srpt" (least work left first, aged; see above)
     queue_policy: str = "fcfs"
     queue_aging_tokens_per_s: float = QUEUE_AGING_TOKENS_PER_S
+    # the model's window when every layer slides (Mistral): blocks before it are freed
+    sliding_window: int | None = None
 
 
 @dataclass
@@ -165,6 +167,7 @@ class Scheduler:
         request.num_computed_tokens = request.num_prompt_tokens
         if self.config.enable_prefix_caching:
             self.block_manager.cache_full_blocks(request)
+        self._free_outside_window(request)
         output = self._append_token(request, first_token_id)
         if not request.is_finished():
             request.status = RequestStatus.WAITING
@@ -382,11 +385,18 @@ class Scheduler:
             request.num_computed_tokens += out.num_scheduled_tokens[request.request_id]
             if self.config.enable_prefix_caching:  # before a finish frees the blocks
                 self.block_manager.cache_full_blocks(request)
+            self._free_outside_window(request)
             if token_id is not None:
                 outputs.append(self._append_token(request, token_id))
         if any(r.is_finished() for r in self.running):
             self.running = [r for r in self.running if not r.is_finished()]
         return outputs
+
+    def _free_outside_window(self, request: Request) -> None:
+        """Sliding window on every layer: free the blocks no later token attends to. Not for
+        a prefill-role request, whose whole prompt's blocks are sent to the decode worker."""
+        if self.config.sliding_window is not None and not request.hold_kv_on_finish:
+            self.block_manager.free_blocks_outside_window(request, self.config.sliding_window)
 
     def _append_token(self, request: Request, token_id: int) -> RequestOutput:
         if request.sampling_params.max_tokens == 0:  # a scored prompt: nothing to generate

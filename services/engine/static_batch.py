@@ -25,7 +25,8 @@ _PADDING_PARAMS = SamplingParams(temperature=0, ignore_eos=True)
 class StaticScheduler(Scheduler):
     """``policy="static"``: the ``Scheduler`` with static admission, max-length slots and
     padding rows (overrides ``schedule``, ``_schedule_new``, ``update_from_output``, ``_finish``
-    and ``abort``, each calling the base class)."""
+    and ``abort``, each calling the base class, and ``_free_outside_window``: slots keep their
+    blocks)."""
 
     policy = "static"
 
@@ -57,6 +58,10 @@ class StaticScheduler(Scheduler):
         if not self.running:
             self._release_slots()  # the batch drained
         return outputs
+
+    def _free_outside_window(self, request: Request) -> None:
+        """Nothing: a static slot keeps its max-length blocks until the batch drains (and a
+        padding row inherits its member's whole block table)."""
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         if request.status != RequestStatus.RUNNING or request.hold_kv_on_finish:

@@ -26,6 +26,9 @@ _LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# llama.cpp's LLAMA_VOCAB_PRE_TYPE_QWEN2 split (Qwen2, Qwen2.5, Qwen3 files say "qwen2"): Llama 3's
+# with every digit on its own, as Qwen2's tokenizer.json.
+_QWEN2_SPLIT = _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
 
 
 def _pre_tokenizer(pre: str) -> tuple[pre_tokenizers.PreTokenizer, bool]:
@@ -33,22 +36,25 @@ def _pre_tokenizer(pre: str) -> tuple[pre_tokenizers.PreTokenizer, bool]:
 
     ``smollm`` follows SmolLM2's own ``tokenizer.json`` and llama.cpp (``\\p{N}`` split first):
     each digit is its own pre-token, then the GPT-2 regex. ``gpt2`` and ``default`` use the
-    GPT-2 regex alone. NOTE: llama.cpp's ``default`` adds extra punctuation/digit splits on top;
+    GPT-2 regex alone. ``llama-bpe`` is Llama 3's split, ``qwen2`` Qwen's (digits one by one). NOTE: llama.cpp's ``default`` adds extra punctuation/digit splits on top;
     files converted from a Hugging Face tokenizer name their real pre-tokenizer instead.
 
     Raises:
-        ValueError: ``pre`` is not one of ``smollm``, ``gpt2``, ``default``, ``llama-bpe``.
+        ValueError: ``pre`` is not one of ``smollm``, ``gpt2``, ``default``, ``llama-bpe``,
+            ``qwen2``.
     """
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     if pre in ("gpt2", "default"):
         return byte_level, False
     if pre == "smollm":
         return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level]), False
-    if pre == "llama-bpe":
-        split = pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated")
+    if pre in ("llama-bpe", "qwen2"):
+        split = pre_tokenizers.Split(Regex(_LLAMA3_SPLIT if pre == "llama-bpe" else _QWEN2_SPLIT),
+                                     behavior="isolated")
         no_regex = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-        return pre_tokenizers.Sequence([split, no_regex]), True
-    raise ValueError(f"unsupported tokenizer.ggml.pre {pre!r}: expected smollm, gpt2, default or llama-bpe")
+        return pre_tokenizers.Sequence([split, no_regex]), pre == "llama-bpe"
+    raise ValueError(f"unsupported tokenizer.ggml.pre {pre!r}: expected smollm, gpt2, default, "
+                     "llama-bpe or qwen2")
 
 
 @functools.lru_cache(maxsize=8)

@@ -154,3 +154,33 @@ def test_engine_cpu_dispatch_splits_decode_and_prefill(monkeypatch):
                                            batch.scale)
     assert calls == [("decode", 2), ("prefill", 2)]
     torch.testing.assert_close(out.double(), naive_batch(batch), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("window", [1, 5, 16, 40])
+def test_sliding_window_matches_the_reference_and_reads_no_block_before_it(window):
+    """Decode rows and prefill chunks, each query over its last ``window`` tokens; table
+    entries wholly before every window point at a block of NaNs (a freed block's new owner)."""
+    import math
+
+    from tests.kernels.conftest import make_paged_batch
+
+    seqs = [(6, 1), (39, 1), (0, 1), (5, 11), (31, 2), (0, 17)]
+    batch = make_paged_batch(seqs, 6, 2, 32, 4, device=torch.device("cpu"))
+    nd = 3
+    want = reference.paged_attention(batch.q, batch.k_cache, batch.v_cache, batch.block_tables,
+                                     batch.seq_lens, batch.query_start_loc, nd, batch.scale,
+                                     sliding_window=window)
+    k_cache = torch.cat([batch.k_cache, torch.full_like(batch.k_cache[:1], math.nan)])
+    v_cache = torch.cat([batch.v_cache, torch.full_like(batch.v_cache[:1], math.nan)])
+    tables = batch.block_tables.clone()
+    locs = batch.query_start_loc
+    for i, seq_len in enumerate(batch.seq_lens.tolist()):
+        tables[i, :max(0, seq_len - (locs[i + 1] - locs[i]) - window + 1) // 4] = len(k_cache) - 1
+    out = torch.empty_like(batch.q)
+    cpu_attention.paged_decode_attention(batch.q[:nd], k_cache, v_cache, tables[:nd],
+                                         batch.seq_lens[:nd], batch.scale, out=out[:nd],
+                                         sliding_window=window)
+    cpu_attention.paged_prefill_attention(batch.q, k_cache, v_cache, tables[nd:],
+                                          batch.seq_lens[nd:], locs[nd:], batch.scale, out=out,
+                                          sliding_window=window)
+    torch.testing.assert_close(out, want, atol=2e-5, rtol=0)

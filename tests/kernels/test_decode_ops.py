@@ -61,6 +61,38 @@ def test_rope_write_kv_matches_torch(t, heads, kv_heads, head_dim):
     assert (k_rows[untouched] == 0).all()
 
 
+@pytest.mark.parametrize("bias,qk_norm", [(True, False), (False, True), (True, True)])
+def test_rope_write_kv_with_bias_and_qk_norm_matches_the_module_path(bias, qk_norm):
+    """Qwen2's q/k/v bias and Qwen3's per-head q/k norms, applied before the rotation, as
+    ``reference.qk_norm`` and ``rope_write_kv`` do on the module path."""
+    t, heads, kv_heads, head_dim = 5, 4, 2, 16
+    g = torch.Generator().manual_seed(7)
+    rope = RotaryEmbedding(head_dim, 64, 10000.0)
+    width = (heads + 2 * kv_heads) * head_dim
+    qkv = torch.randn(t, width, generator=g)
+    b = torch.randn(width, generator=g) if bias else None
+    q_w, k_w = (torch.randn(head_dim, generator=g), torch.randn(head_dim, generator=g))
+    norms = (q_w, k_w) if qk_norm else (None, None)
+    positions, slots = torch.arange(3, 3 + t), torch.tensor([9, 2, 5, 0, 7])
+    k_cache, v_cache = torch.zeros(3, 4, kv_heads, head_dim), torch.zeros(3, 4, kv_heads, head_dim)
+    q = torch.empty(t, heads, head_dim)
+    decode_ops.rope_write_kv(qkv, heads, kv_heads, positions, rope.cos, rope.sin, k_cache,
+                             v_cache, slots, q, b, *norms, norm_eps=1e-6)
+    ref = qkv + b if bias else qkv.clone()
+    if qk_norm:
+        reference.qk_norm(ref, q_w, k_w, 1e-6, heads, kv_heads)
+    ref_k, ref_v = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
+    ref_q = reference.rope_write_kv(ref, positions, rope.cos, rope.sin, ref_k, ref_v, slots,
+                                    heads, kv_heads)
+    torch.testing.assert_close(q, ref_q, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(k_cache, ref_k, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(v_cache, ref_v, atol=1e-6, rtol=1e-6)
+    plain_q = torch.empty_like(q)
+    decode_ops.rope_write_kv(qkv, heads, kv_heads, positions, rope.cos, rope.sin,
+                             torch.zeros_like(k_cache), torch.zeros_like(v_cache), slots, plain_q)
+    assert (plain_q - q).abs().max() > 0.1  # the bias / norms were applied
+
+
 def test_rope_write_kv_rejects_bad_positions_and_slots_before_writing():
     rope = RotaryEmbedding(8, 16, 10000.0)
     qkv, q = torch.randn(2, 3 * 8), torch.empty(2, 1, 8)

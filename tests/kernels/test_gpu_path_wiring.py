@@ -30,10 +30,12 @@ def tiny_model() -> LlamaForCausalLM:
     return model.eval()
 
 
-def triton_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale):
+def triton_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale, sliding_window=None,
+                     softcap=None):
     return _triton_attention().paged_attention(
         q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
-        meta.query_start_loc_tensor(q.device), meta.max_query_len, meta.num_decode_seqs, scale)
+        meta.query_start_loc_tensor(q.device), meta.max_query_len, meta.num_decode_seqs, scale,
+        sliding_window=sliding_window, softcap=softcap)
 
 
 STEPS = [  # (token ids, positions, slot mapping, block tables, seq lens, query start loc, decodes)
@@ -71,4 +73,24 @@ def test_the_triton_path_computes_what_the_torch_path_does(monkeypatch):
     for w, g in zip(want, got):
         assert (g - w).abs().max() <= 1e-4 * w.abs().max(), (g - w).abs().max()
     assert torch.equal(kv_got == 0, kv_want == 0)  # the same slots written
+    assert (kv_got - kv_want).abs().max() <= 1e-4 * kv_want.abs().max()
+
+
+@pytest.mark.parametrize("arch", ["mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3"])
+def test_every_architecture_on_the_triton_path(arch, monkeypatch, tmp_path):
+    """Each architecture's tiny checkpoint (scripts/tiny_checkpoints.py) with a 3-token window
+    (Qwen: on its second layer), so the steps above slide: q/k/v bias, q/k norms, (1 + w) norms, GeGLU, soft-capping and
+    windows through the Triton kernels, as on a GPU."""
+    from scripts.tiny_checkpoints import save_tiny
+    from services.engine.quantized import build_model
+
+    qwen = {"use_sliding_window": True, "max_window_layers": 1} if arch.startswith("qwen") else {}
+    save_tiny(arch, tmp_path, sliding_window=3, **qwen)
+    model, _ = build_model(str(tmp_path), "float32", "none", "cpu")
+    assert model.config.sliding_window == 3
+    want, kv_want = run(model, monkeypatch, on_gpu_path=False)
+    got, kv_got = run(model, monkeypatch, on_gpu_path=True)
+    for w, g in zip(want, got):
+        assert (g - w).abs().max() <= 1e-4 * w.abs().max(), (g - w).abs().max()
+    assert torch.equal(kv_got == 0, kv_want == 0)
     assert (kv_got - kv_want).abs().max() <= 1e-4 * kv_want.abs().max()

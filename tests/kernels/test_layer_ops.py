@@ -41,6 +41,41 @@ def test_add_rms_norm_matches_the_reference(dtype, tokens, hidden, add):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens,hidden", [(1, 576), (3, 100)])
+@pytest.mark.parametrize("add", [True, False])
+def test_add_rms_norm_with_unit_offset_matches_gemmas_norm(dtype, tokens, hidden, add):
+    """Gemma's (1 + w) norm, multiplied in float32 before the cast."""
+    x = rand(tokens, hidden, dtype=dtype, seed=tokens * hidden) if add else None
+    residual = rand(tokens, hidden, dtype=dtype, seed=hidden, scale=3.0)
+    weight = rand(hidden, dtype=dtype, seed=1, scale=0.5)
+    ref_residual = residual.clone()
+    want = reference.add_rms_norm(x, ref_residual, weight, 1e-6, unit_offset=True)
+    got = layer_ops.add_rms_norm(x, residual, weight, 1e-6, unit_offset=True)
+    assert torch.allclose(residual.float(), ref_residual.float(), rtol=TOL[dtype], atol=TOL[dtype])
+    scale = (1 + weight.float()).abs().max()
+    assert (got.float() - want.float()).abs().max() <= TOL[dtype] * 4 * scale
+    plain = reference.add_rms_norm(None, ref_residual.clone(), weight, 1e-6)
+    assert (plain.float() - want.float()).abs().max() > 0.1  # the offset is not a no-op
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("unit_offset", [False, True])
+@pytest.mark.parametrize("tokens,heads,kv_heads,head_dim", [(1, 9, 3, 64), (5, 4, 2, 6)])
+def test_qk_norm_matches_the_reference(dtype, unit_offset, tokens, heads, kv_heads, head_dim):
+    qkv = rand(tokens, (heads + 2 * kv_heads) * head_dim, dtype=dtype, seed=tokens, scale=3.0)
+    q_w = rand(head_dim, dtype=dtype, seed=2, scale=0.5)
+    k_w = rand(head_dim, dtype=dtype, seed=3, scale=0.5)
+    want = qkv.clone()
+    reference.qk_norm(want, q_w, k_w, 1e-6, heads, kv_heads, unit_offset)
+    got = qkv.clone()
+    layer_ops.qk_norm(got, q_w, k_w, 1e-6, heads, kv_heads, unit_offset)
+    v = slice((heads + kv_heads) * head_dim, None)
+    assert torch.equal(got[:, v], qkv[:, v])  # v untouched
+    assert not torch.equal(got[:, :v.start], qkv[:, :v.start])
+    assert (got.float() - want.float()).abs().max() <= TOL[dtype] * 8
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tokens,heads,kv_heads,head_dim", [(1, 9, 3, 64), (7, 4, 2, 32),
                                                             (3, 2, 2, 6), (4, 8, 1, 128)])
 def test_rope_write_kv_matches_the_reference(dtype, tokens, heads, kv_heads, head_dim):
@@ -82,12 +117,26 @@ def test_silu_mul_matches_the_reference(dtype, tokens, ffn):
     assert torch.allclose(got.float(), want.float(), rtol=TOL[dtype] * 2, atol=TOL[dtype] * 2)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens,ffn", [(1, 1536), (9, 7)])
+def test_gelu_tanh_mul_matches_the_reference(dtype, tokens, ffn):
+    gate_up = rand(tokens, 2 * ffn, dtype=dtype, seed=ffn, scale=4.0)
+    want = reference.gelu_tanh_mul(gate_up)
+    got = layer_ops.gelu_tanh_mul(gate_up)
+    assert got.shape == (tokens, ffn) and got.dtype == dtype
+    assert torch.allclose(got.float(), want.float(), rtol=TOL[dtype] * 2, atol=TOL[dtype] * 2)
+    assert not torch.allclose(got.float(), reference.silu_mul(gate_up).float(), atol=0.1)
+
+
 def test_bad_shapes_are_refused():
     x = torch.zeros(2, 8, device=DEVICE)
     with pytest.raises(ValueError, match="do not fit"):
         layer_ops.add_rms_norm(x, x, torch.ones(7, device=DEVICE), 1e-5)
     with pytest.raises(ValueError, match="even"):
         layer_ops.silu_mul(torch.zeros(2, 7, device=DEVICE))
+    with pytest.raises(ValueError, match="heads"):
+        layer_ops.qk_norm(torch.zeros(2, 20, device=DEVICE), torch.ones(8, device=DEVICE),
+                          torch.ones(8, device=DEVICE), 1e-6, 1, 1)
     cache = torch.zeros(2, 4, 1, 8, device=DEVICE)
     with pytest.raises(ValueError, match="heads"):
         layer_ops.rope_write_kv(torch.zeros(2, 20, device=DEVICE), torch.zeros(2, dtype=torch.int64),

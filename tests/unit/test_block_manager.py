@@ -157,3 +157,48 @@ def test_same_prefix_computed_twice_keeps_the_first_copy_and_chains_on():
     bm.free(a)
     bm.free(b)
     assert_pool_full(bm)
+
+
+# -- sliding window ------------------------------------------------------------------------
+
+
+def test_sliding_window_frees_the_blocks_before_the_window_and_free_skips_them():
+    bm = BlockManager(16, BS)
+    r = make(list(range(30)))
+    assert bm.allocate_slots(r, 30)
+    table = list(r.block_table)
+    r.num_computed_tokens = 30  # the next token (position 30) sees positions 23..30 (window 8)
+    assert bm.free_blocks_outside_window(r, 8) == 5  # blocks 0-4 hold positions 0..19
+    assert bm.num_used_blocks == 3 and bm.num_window_freed(r) == 5
+    assert r.block_table == table  # the entries stay: positions keep their blocks
+    assert all(bm.blocks[b].ref_count == 0 for b in table[:5])
+    assert bm.free_blocks_outside_window(r, 8) == 0  # nothing new
+    r.num_computed_tokens = 32
+    assert bm.free_blocks_outside_window(r, 8) == 1  # 25 > 24: block 5 (20..23) goes too
+    bm.free(r)  # releases only the two it still holds
+    assert_pool_full(bm) and bm.num_window_freed(r) == 0
+
+
+def test_sliding_window_boundary_keeps_a_block_the_next_token_still_sees():
+    bm = BlockManager(8, BS)
+    r = make(list(range(12)))
+    assert bm.allocate_slots(r, 12)
+    r.num_computed_tokens = 12  # next token at 12 sees 12 - 4 < k: 9..12, block 2 (8..11)
+    assert bm.free_blocks_outside_window(r, 4) == 2
+    r.num_computed_tokens = 13  # sees 10..13: still block 2
+    assert bm.free_blocks_outside_window(r, 4) == 0
+    assert bm.free_blocks_outside_window(make([1]), 4) == 0  # a request with no blocks
+
+
+def test_blocks_freed_by_the_window_stay_in_the_prefix_cache():
+    bm = BlockManager(16, BS)
+    a = computed(bm, list(range(20)), "a")
+    assert bm.free_blocks_outside_window(a, 6) == 3
+    assert bm.num_cached_blocks == 5 and bm.num_free_blocks == 14
+    b = make(list(range(20)) + [99], "b")
+    hits = bm.get_computed_blocks(b)
+    assert hits == a.block_table[:5]  # freed blocks still hit until evicted
+    assert bm.allocate_slots(b, 1, hits)
+    bm.free(a)
+    bm.free(b)
+    assert_pool_full(bm)

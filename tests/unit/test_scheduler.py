@@ -324,3 +324,51 @@ def test_a_sequence_longer_than_the_pool_finishes_instead_of_preempting_itself_f
     assert len(tokens["r0"]) == 10 and r.status == RequestStatus.FINISHED_LENGTH
     assert s.num_preemptions == 0
     assert_pool_full(s)
+
+
+def test_sliding_window_frees_blocks_as_decoding_advances_and_returns_every_block():
+    s = create_scheduler(num_blocks=32, block_size=4, sliding_window=8)
+    (r,) = create_requests(1, prompt_len=20, max_tokens=30)
+    s.add_request(r)
+    used = []
+    while s.has_work():
+        step(s)
+        used.append(s.block_manager.num_used_blocks)
+    # after the prompt, the next token (position 20) sees 13..20: blocks 3 and 4 are kept; a
+    # window of 8 tokens never spans more than 3 blocks of 4
+    assert used[0] == 2 and max(used) == 3 and len(used) == 30
+    assert s.block_manager.num_free_blocks == 32
+
+
+def test_sliding_window_keeps_a_prefill_workers_blocks_for_the_transfer():
+    s = create_scheduler(num_blocks=32, block_size=4, sliding_window=8)
+    (r,) = create_requests(1, prompt_len=20, max_tokens=1)
+    r.hold_kv_on_finish = True
+    s.add_request(r)
+    step(s)
+    assert r.is_finished() and len(r.block_table) == 5
+    assert s.block_manager.num_used_blocks == 5  # all sent to the decode worker
+    s.release(r.request_id)
+    assert s.block_manager.num_free_blocks == 32
+
+
+def test_sliding_window_frees_a_remote_prefills_blocks_when_its_kv_lands():
+    s = create_scheduler(num_blocks=32, block_size=4, sliding_window=8)
+    (r,) = create_requests(1, prompt_len=20, max_tokens=5)
+    assert s.reserve(r) and s.block_manager.num_used_blocks == 5
+    s.finish_remote_prefill(r.request_id, TOKEN)
+    assert s.block_manager.num_used_blocks == 2  # the next token sees 13..20: blocks 3, 4
+    while s.has_work():
+        step(s)
+    assert s.block_manager.num_free_blocks == 32
+
+
+@pytest.mark.parametrize("policy", ["static"])
+def test_static_batching_keeps_its_slots_under_a_sliding_window(policy):
+    s = create_scheduler(num_blocks=64, block_size=4, sliding_window=8, policy=policy,
+                         max_model_len=40)
+    for r in create_requests(2, prompt_len=20, max_tokens=12):
+        s.add_request(r)
+    while s.has_work():
+        step(s)
+    assert s.block_manager.num_free_blocks == 64

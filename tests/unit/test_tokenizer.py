@@ -184,10 +184,21 @@ def _write_tokenizer_gguf(
     return path
 
 
-@pytest.mark.parametrize("pre, ids", [("smollm", [2, 3, 7]), ("gpt2", [4, 7]), ("default", [4, 7])])
+@pytest.mark.parametrize("pre, ids", [("smollm", [2, 3, 7]), ("gpt2", [4, 7]), ("default", [4, 7]),
+                                     ("qwen2", [2, 3, 7]), ("llama-bpe", [4, 7])])
 def test_pre_tokenizer_is_honoured(tmp_path: Path, pre: str, ids: list[int]) -> None:
     tok = Tokenizer.from_gguf(_write_tokenizer_gguf(tmp_path / "t.gguf", pre=pre))
     assert tok.encode("12 a") == ids  # smollm splits "1" and "2" apart, so the "1 2" merge never applies
+
+
+def test_qwen2_pre_tokenizer_splits_as_qwen2s_tokenizer_json(tmp_path: Path) -> None:
+    from transformers.models.qwen2.tokenization_qwen2 import Qwen2Tokenizer
+
+    ours = Tokenizer.from_gguf(_write_tokenizer_gguf(tmp_path / "t.gguf", pre="qwen2"))
+    theirs = Qwen2Tokenizer(vocab={"a": 0}, merges=[]).backend_tokenizer.pre_tokenizer
+    text = "It's 2025: 12345 tokens,\n\n  don't   stop!"
+    assert (ours.backend.pre_tokenizer.pre_tokenize_str(text)
+            == theirs.pre_tokenize_str(text))
 
 
 def test_add_bos_token_and_added_tokens(tmp_path: Path) -> None:
