@@ -117,6 +117,10 @@ def _load_engine(opts: WorkerOptions):
     """``(engine, warm-up seconds)``: the role's engine, loaded and warmed up."""
     from services.engine.engine import LLMEngine
 
+    if opts.engine.device == "cpu":
+        from kernels import native
+
+        native.log_cpu_kernels()  # which build each C kernel uses; a WARNING if one is missing
     engine = LLMEngine(role_engine_config(opts), fault_injection=opts.fault_injection)
     return engine, engine.warm_up()
 
