@@ -38,9 +38,10 @@ FROM cpu-deps AS cpu-kernels
 RUN apt-get update \
  && apt-get install -y --no-install-recommends gcc libc6-dev \
  && apt-get clean && rm -rf /var/lib/apt/lists/*
-COPY kernels/__init__.py kernels/native.py kernels/cpu_attention.py kernels/reference.py kernels/
+COPY kernels/__init__.py kernels/native.py kernels/cpu_kernels.py kernels/cpu_attention.py \
+     kernels/reference.py kernels/
 COPY kernels/csrc kernels/csrc
-RUN /opt/venv/bin/python -m kernels.native prebuild
+RUN /opt/venv/bin/python -m kernels.cpu_kernels prebuild
 
 FROM cpu-deps AS cpu-wheel
 COPY README.md ./

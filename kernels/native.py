@@ -1,7 +1,7 @@
 """Where the CPU kernels' shared libraries (``csrc/*.c``) come from: built ahead of time for CPU
 families (what the image ships), or compiled on first use for this very CPU (a checkout).
 
-- **Prebuilt** (``python -m kernels.native prebuild``, run by the image build): every
+- **Prebuilt** (``python -m kernels.cpu_kernels prebuild``, run by the image build): every
   ``csrc/*.c`` once per family of ``FAMILIES`` into ``prebuilt_dir()``
   (``<sys.prefix>/lib/tandem-kernels``), named ``<stem>-<family>-<digest>.so``; the digest
   covers the source, the headers beside it and the flags, so a library built from other sources
@@ -12,20 +12,14 @@ families (what the image ships), or compiled on first use for this very CPU (a c
   (``-march=native``) into ``cache_dir()`` (``$TANDEM_CACHE_DIR/kernels``, default
   ``~/.cache/tandem/kernels``), keyed by the source, headers, compiler, flags and this CPU.
 
-Every outcome is recorded (``outcomes()``), and ``log_cpu_kernels()`` loads all three kernels at
-a worker's start and logs which build each uses, or a WARNING naming every kernel that could not
-be loaded, why, what that costs and how to fix it: the torch fallbacks serve correctly but
-several times slower, which must not go unnoticed.
-
-Imports nothing of ``services``; ``python -m kernels.native`` reads the compile flags from
-``kernels.cpu_attention`` (and so imports torch).
+Every outcome is recorded (``outcomes()``); ``kernels.cpu_kernels`` reports them at a worker's
+start. This module takes the flags from its callers and imports no other kernel module, nor
+anything of ``services``.
 """
 from __future__ import annotations
 
-import argparse
 import ctypes
 import hashlib
-import logging
 import os
 import platform
 import subprocess
@@ -34,8 +28,6 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-
-log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
 
@@ -221,29 +213,6 @@ def outcomes() -> dict[str, str]:
     return dict(_outcomes)
 
 
-def log_cpu_kernels() -> bool:
-    """Load the three CPU kernels now (a worker's start, not its first request) and log how:
-    INFO with each kernel's build, or a WARNING naming each kernel that did not load, why, and
-    what the process does instead. Returns whether all three loaded."""
-    from kernels import cpu_attention, decode_ops, quant
-
-    loaded = {"paged_decode_attention": cpu_attention.available(),
-              "quant_matmul": quant.available(), "decode_ops": decode_ops.available()}
-    seen = outcomes()
-    if all(loaded.values()):
-        log.info("CPU kernels: %s", "; ".join(f"{k} {seen.get(k, 'loaded')}" for k in loaded))
-        return True
-    missing = [k for k, ok in loaded.items() if not ok]
-    log.warning(
-        "CPU KERNELS NOT LOADED: %s. This process serves with the torch fallbacks instead: "
-        "GGUF weights are expanded to dense float (quantization auto resolves to none) and "
-        "decode is several times slower. Fix: run on a CPU the image's prebuilt kernels cover "
-        "(%s), or give the process a C compiler and a writable $TANDEM_CACHE_DIR.",
-        "; ".join(f"{k} ({seen.get(k, 'not loaded')})" for k in missing),
-        ", ".join(f.name for f in families()) or f"none for {platform.machine()}")
-    return False
-
-
 def prebuild(out: Path, cflags: tuple[str, ...], ldflags: tuple[str, ...],
              names: list[str] | None = None, compiler: str | None = None,
              jobs: int | None = None) -> list[Path]:
@@ -268,34 +237,3 @@ def prebuild(out: Path, cflags: tuple[str, ...], ldflags: tuple[str, ...],
 
     with ThreadPoolExecutor(jobs or os.cpu_count() or 1) as pool:
         return list(pool.map(build, jobs_list))
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m kernels.native prebuild [--out DIR] [--families a,b]`` (the image build) or
-    ``python -m kernels.native status`` (which build this CPU loads)."""
-    parser = argparse.ArgumentParser(prog="python -m kernels.native", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command", required=True)
-    pre = sub.add_parser("prebuild", help="compile every kernel for each CPU family")
-    pre.add_argument("--out", type=Path, default=prebuilt_dir(),
-                     help="folder of the libraries (default: %(default)s)")
-    pre.add_argument("--families", help="comma-separated (default: all of this machine's: "
-                     f"{', '.join(f.name for f in families())})")
-    sub.add_parser("status", help="load the kernels and print which build each uses")
-    args = parser.parse_args(argv)
-    from kernels.cpu_attention import CFLAGS, LDFLAGS
-
-    if args.command == "prebuild":
-        names = args.families.split(",") if args.families else None
-        for path in prebuild(args.out, CFLAGS, LDFLAGS, names):
-            print(path)
-        return 0
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    return 0 if log_cpu_kernels() else 1
-
-
-if __name__ == "__main__":
-    # NOTE: through the imported module, whose outcomes the kernels record (not __main__'s)
-    from kernels import native
-
-    sys.exit(native.main())

@@ -211,10 +211,16 @@ def start_worker(stack: Stack, role: str, env: dict[str, str]) -> tuple[str, dic
     run`` to SERVING, "cpu_s": the worker's CPU seconds by then})."""
     start = time.monotonic()
     name = stack.run(role, serve_args(role.split("-")[0]), env, ports=(50061,))
+    started = time.monotonic() - start
     wait_serving(stack.host_port(name, 50061))
     wall = time.monotonic() - start
     pid = int(podman("inspect", "--format", "{{.State.Pid}}", name))
-    return name, {"wall_s": round(wall, 3), "cpu_s": round(cpu_seconds(pid), 3)}
+    cpu = cpu_seconds(pid)
+    engine = re.findall(r"engine ready in ([\d.]+)s|engine warmed up in ([\d.]+)s", stack.logs(name))
+    return name, {"wall_s": round(wall, 3), "cpu_s": round(cpu, 3),
+                  "podman_run_s": round(started, 3),
+                  "engine_ready_s": float(next((a for a, _ in engine if a), "nan")),
+                  "warm_up_s": float(next((b for _, b in engine if b), "nan"))}
 
 
 def start_checkout_worker(redis_url: str, env: dict[str, str]) -> tuple[subprocess.Popen, dict]:

@@ -118,9 +118,9 @@ def _load_engine(opts: WorkerOptions):
     from services.engine.engine import LLMEngine
 
     if opts.engine.device == "cpu":
-        from kernels import native
+        from kernels import cpu_kernels
 
-        native.log_cpu_kernels()  # which build each C kernel uses; a WARNING if one is missing
+        cpu_kernels.log_loaded()  # which build each C kernel uses; a WARNING if one is missing
     engine = LLMEngine(role_engine_config(opts), fault_injection=opts.fault_injection)
     return engine, engine.warm_up()
 

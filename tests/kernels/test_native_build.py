@@ -1,4 +1,4 @@
-"""Where the C kernels' libraries come from (``kernels.native``): prebuilt once per CPU family
+"""Where the C kernels' libraries come from (``kernels.native``, ``kernels.cpu_kernels``): prebuilt once per CPU family
 with the best family this CPU runs loaded at run time, a stale or missing prebuilt library
 replaced by a build here, and a loud WARNING when a kernel cannot be loaded at all."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ import shutil
 
 import pytest
 
-from kernels import cpu_attention, decode_ops, native, quant
+from kernels import cpu_attention, cpu_kernels, decode_ops, native, quant
 
 pytestmark = pytest.mark.skipif(
     platform.machine() != "x86_64" or not (shutil.which("cc") or shutil.which("gcc")),
@@ -142,8 +142,8 @@ def test_worker_start_warns_loudly_naming_each_missing_kernel(tmp_path, monkeypa
     monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(native, "_compiler", lambda compiler: None)
     with caplog.at_level(logging.INFO, logger="kernels"):
-        assert native.log_cpu_kernels() is False
-    (warning,) = [r for r in caplog.records if r.name == "kernels.native"]
+        assert cpu_kernels.log_loaded() is False
+    (warning,) = [r for r in caplog.records if r.name == "kernels.cpu_kernels"]
     assert warning.levelno == logging.WARNING
     text = warning.getMessage()
     assert text.startswith("CPU KERNELS NOT LOADED")
@@ -162,8 +162,8 @@ def test_worker_start_logs_the_build_each_kernel_uses(tmp_path, monkeypatch, cap
                     names=["avx2"])
     monkeypatch.setattr(native, "_compiler", lambda compiler: None)  # nothing compiled here
     with caplog.at_level(logging.INFO, logger="kernels"):
-        assert native.log_cpu_kernels() is True
-    (info,) = [r for r in caplog.records if r.name == "kernels.native"]
+        assert cpu_kernels.log_loaded() is True
+    (info,) = [r for r in caplog.records if r.name == "kernels.cpu_kernels"]
     assert info.levelno == logging.INFO
     for kernel in ("paged_decode_attention", "quant_matmul", "decode_ops"):
         assert f"{kernel} prebuilt for avx2" in info.getMessage()
