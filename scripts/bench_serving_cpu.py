@@ -1,0 +1,165 @@
+"""What serving costs beside the model (issue 27): CPU milliseconds per output token of each part
+of a running stack, and the stack's tokens/s against the in-process engine's at the same batch.
+
+    python -m scripts.bench_serving_cpu [--concurrency 16,64] [--num-prompts 128] \\
+        [--api grpc|http] [--engine-args "--quantization auto"] [--out bench-results/serving_cpu.json]
+
+The stack is `tandem up`'s (this machine's default layout, a private Redis), loaded by ``tandem
+bench serve`` with random prompts of ``--input-len`` tokens and exactly ``--output-len`` output
+tokens each (``ignore_eos``), all sent at once under the concurrency cap. Around each load the
+script reads every stack process's CPU seconds from ``/proc`` (user + system, all threads); a
+worker's CPU is split by thread name into the model's (the engine thread and the OpenMP threads
+its kernels start, named ``tandem-engine``) and the serving's (event loop, gRPC, Redis client,
+KV transfer). Then, with the stack stopped, the in-process engine decodes the same batch sizes
+(``scripts.bench_quant.decode_rate``: decode steps only) for the ratio the issue asks for.
+CPU time is steadier than wall time on a shared machine, but compare figures within one run.
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import shlex
+import time
+from pathlib import Path
+
+from loadtest import serve
+from scripts.bench_layout import free_port
+from services.engine.engine_loop import ENGINE_THREAD_NAME
+from services.launcher import Stack, UpOptions
+from services.layout import choose_layout, usable_cores
+from services.settings import UpSection
+
+
+def _ticks(stat_path: str) -> int:
+    with open(stat_path) as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])
+
+
+def cpu_split(pid: int) -> tuple[float, float]:
+    """(CPU seconds of the whole process, of its threads named ``tandem-engine``)."""
+    hz = os.sysconf("SC_CLK_TCK")
+    engine = 0
+    for task in glob.glob(f"/proc/{pid}/task/*"):
+        try:
+            with open(f"{task}/comm") as f:
+                if f.read().strip() == ENGINE_THREAD_NAME:
+                    engine += _ticks(f"{task}/stat")
+        except OSError:  # the thread ended meanwhile
+            continue
+    return _ticks(f"/proc/{pid}/stat") / hz, engine / hz
+
+
+def sample(stack: Stack) -> dict[str, tuple[float, float]]:
+    """Every stack process's ``cpu_split``, by name (redis-server included)."""
+    pids = {name: proc.pid for name, proc in stack.procs}
+    if stack.redis_server is not None:
+        pids["redis"] = stack.redis_server.process.pid
+    return {name: cpu_split(pid) for name, pid in pids.items()}
+
+
+def per_token(before: dict, after: dict, tokens: int) -> dict[str, float]:
+    """CPU ms per output token: each process; workers split into model and serving."""
+    out: dict[str, float] = {}
+    for name in after:
+        total = after[name][0] - before[name][0]
+        engine = after[name][1] - before[name][1]
+        if engine > 0:
+            out[f"{name}.model"] = engine * 1e3 / tokens
+            out[f"{name}.serving"] = (total - engine) * 1e3 / tokens
+        else:
+            out[name] = total * 1e3 / tokens
+    out["outside_model"] = sum(v for k, v in out.items() if not k.endswith(".model"))
+    return out
+
+
+def load(args, stack: Stack, concurrency: int, out: Path) -> dict:
+    target = (f"grpc://{stack.address}" if args.api == "grpc"
+              else f"http://127.0.0.1:{stack.settings.gateway.http_port}/v1")
+    name = f"serving-c{concurrency}"
+    argv = ["--target", target, "--request-rate", "inf", "--max-concurrency", str(concurrency),
+            "--num-prompts", str(args.num_prompts), "--dataset", "random", "--random-input-len",
+            str(args.input_len), "--random-output-len", str(args.output_len),
+            "--num-warmups", "2", "--seed", "0", "--disable-progress", "--result-dir", str(out),
+            "--result-name", name]
+    if args.api == "http":
+        argv += ["--endpoint", "completions"]
+    before = sample(stack)
+    t0 = time.perf_counter()
+    if serve.main(argv) != 0:
+        raise RuntimeError(f"{name}: bench serve failed")
+    wall = time.perf_counter() - t0
+    after = sample(stack)
+    result = json.loads((out / f"{name}.json").read_text())
+    tokens = result["total_output_tokens"]
+    # the warm-up requests' tokens are in the CPU window too: count them
+    tokens_in_window = tokens + 2 * args.output_len
+    return {"concurrency": concurrency, "output_throughput": result["output_throughput"],
+            "output_tokens": tokens, "wall_s": wall, "failed": result["failed"],
+            "cpu_ms_per_token": per_token(before, after, tokens_in_window)}
+
+
+def engine_rates(args, batches: list[int]) -> dict[int, float]:
+    """The in-process engine's decode tokens/s at each batch (the stack's worker settings)."""
+    import torch
+
+    from scripts.bench_quant import decode_rate
+    from services.engine.engine import EngineConfig, LLMEngine
+
+    torch.set_num_threads(args.threads)
+    extra = dict(a.lstrip("-").replace("-", "_").split("=", 1) for a in args.engine_config)
+    e = LLMEngine(EngineConfig(num_kv_blocks=4096, max_num_seqs=max(batches), **extra))
+    e.warm_up()
+    return {b: decode_rate(e, b, args.output_len)["tok_per_s"] for b in batches}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m scripts.bench_serving_cpu", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--concurrency", type=lambda t: [int(x) for x in t.split(",")], default=[16, 64])
+    p.add_argument("--num-prompts", type=int, default=128)
+    p.add_argument("--input-len", type=int, default=64)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--api", choices=("grpc", "http"), default="grpc")
+    p.add_argument("--engine-args", default="--quantization auto --max-num-seqs 64")
+    p.add_argument("--engine-config", nargs="*", default=["--quantization=auto"],
+                   help="the in-process engine's EngineConfig fields (as the workers')")
+    p.add_argument("--skip-engine", action="store_true", help="no in-process comparison")
+    p.add_argument("--out", default="bench-results/serving_cpu.json")
+    args = p.parse_args(argv)
+    cores = usable_cores()
+    layout = choose_layout(UpSection(), cores)
+    args.threads = max(layout.threads.values())
+    out = Path(args.out).parent
+    stack = Stack(UpOptions(
+        host="127.0.0.1", port=free_port(), num_prefill=layout.num_prefill,
+        num_decode=layout.num_decode, num_unified=layout.num_unified, redis_url=None,
+        worker_args=shlex.split(args.engine_args), threads=layout.threads,
+        gateway_args=["--http-port", str(free_port() if args.api == "http" else 0)],
+        ready_timeout_s=600))
+    stack.start()
+    try:
+        stack.wait_ready()
+        rows = [load(args, stack, c, out) for c in args.concurrency]
+    finally:
+        stack.stop()
+    rates = {} if args.skip_engine else engine_rates(args, args.concurrency)
+    print(f"layout {layout.describe()}; {args.api}; CPU ms per output token")
+    for r in rows:
+        c = r["concurrency"]
+        r["engine_tokens_per_s"] = rates.get(c)
+        r["stack_of_engine"] = r["output_throughput"] / rates[c] if c in rates else None
+        parts = ", ".join(f"{k} {v:.3f}" for k, v in r["cpu_ms_per_token"].items())
+        ratio = f", stack/engine {r['stack_of_engine']:.2f}" if r["stack_of_engine"] else ""
+        print(f"c{c}: {r['output_throughput']:.1f} tok/s{ratio}; {parts}")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"layout": layout.describe(), "api": args.api,
+                                          "cores": cores, "rows": rows}, indent=2))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
