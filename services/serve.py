@@ -115,12 +115,12 @@ async def serve_worker(opts: WorkerOptions, num_threads: int) -> None:
 
 def _load_engine(opts: WorkerOptions):
     """``(engine, warm-up seconds)``: the role's engine, loaded and warmed up."""
-    from services.engine.engine import LLMEngine
-
     if opts.engine.device == "cpu":
         from kernels import cpu_kernels
 
         cpu_kernels.log_loaded()  # which build each C kernel uses; a WARNING if one is missing
+    from services.engine.engine import LLMEngine
+
     engine = LLMEngine(role_engine_config(opts), fault_injection=opts.fault_injection)
     return engine, engine.warm_up()
 
