@@ -167,3 +167,27 @@ def test_worker_start_logs_the_build_each_kernel_uses(tmp_path, monkeypatch, cap
     assert info.levelno == logging.INFO
     for kernel in ("paged_decode_attention", "quant_matmul", "decode_ops"):
         assert f"{kernel} prebuilt for avx2" in info.getMessage()
+
+
+@pytest.mark.parametrize("device, reported", [("cpu", True), ("cuda", False)])
+def test_a_cpu_worker_reports_its_kernels_before_loading_the_engine(monkeypatch, device, reported):
+    from types import SimpleNamespace
+
+    from services import serve
+    from services.engine import engine as engine_module
+
+    calls = []
+    monkeypatch.setattr(cpu_kernels, "log_loaded", lambda: calls.append("kernels"))
+
+    class FakeEngine:
+        def __init__(self, config, fault_injection):
+            calls.append("engine")
+
+        def warm_up(self):
+            return 0.0
+
+    monkeypatch.setattr(engine_module, "LLMEngine", FakeEngine)
+    monkeypatch.setattr(serve, "role_engine_config", lambda opts: opts.engine)
+    opts = SimpleNamespace(engine=SimpleNamespace(device=device), fault_injection=False)
+    serve._load_engine(opts)
+    assert calls == (["kernels", "engine"] if reported else ["engine"])
