@@ -43,13 +43,17 @@ COPY kernels/__init__.py kernels/native.py kernels/cpu_kernels.py kernels/cpu_at
 COPY kernels/csrc kernels/csrc
 RUN /opt/venv/bin/python -m kernels.cpu_kernels prebuild
 
-FROM cpu-deps AS cpu-wheel
+# Tandem from its wheel, into /opt/tandem (on PYTHONPATH; `tandem` in /opt/tandem/bin)
+FROM cpu-deps AS cpu-app
 COPY README.md ./
 COPY proto proto
 COPY services services
 COPY kernels kernels
 COPY loadtest loadtest
-RUN /opt/venv/bin/python -m pip wheel --no-deps --no-build-isolation --wheel-dir /dist .
+RUN /opt/venv/bin/python -m pip wheel --no-deps --no-build-isolation --wheel-dir /dist . \
+ && /opt/venv/bin/python -m pip install --no-deps --no-index --target /opt/tandem \
+    /dist/tandem-0.1.0-py3-none-any.whl
+COPY scripts/bench_kv_transfer.py /opt/tandem/scripts/
 
 FROM ${CPU_BASE} AS cpu
 ARG TANDEM_UID
@@ -63,10 +67,8 @@ RUN apt-get update \
 COPY --from=cpu-deps /opt/venv /opt/venv
 COPY --from=cpu-model /opt/tandem-model /opt/tandem-model
 COPY --from=cpu-kernels /opt/venv/lib/tandem-kernels /opt/venv/lib/tandem-kernels
-RUN --mount=type=bind,from=cpu-wheel,source=/dist,target=/dist \
-    /opt/venv/bin/python -m pip install --no-deps --no-index --no-cache-dir /dist/tandem-0.1.0-py3-none-any.whl
-COPY scripts/bench_kv_transfer.py /opt/tandem/scripts/
-ENV PATH=/opt/venv/bin:$PATH PYTHONPATH=/opt/tandem-model \
+COPY --from=cpu-app /opt/tandem /opt/tandem
+ENV PATH=/opt/tandem/bin:/opt/venv/bin:$PATH PYTHONPATH=/opt/tandem-model:/opt/tandem \
     PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 \
     HOME=/home/tandem TANDEM_CACHE_DIR=/var/cache/tandem XDG_CACHE_HOME=/var/cache/tandem/xdg \
     TRITON_CACHE_DIR=/var/cache/tandem/triton MPLCONFIGDIR=/var/cache/tandem/matplotlib
@@ -98,13 +100,17 @@ RUN python3 -m venv /opt/venv \
 FROM cuda-deps AS cuda-model
 RUN scripts/python_packages.sh --model /opt/venv/bin/python /opt/tandem-model
 
-FROM cuda-deps AS cuda-wheel
+# Tandem from its wheel, into /opt/tandem (on PYTHONPATH; `tandem` in /opt/tandem/bin)
+FROM cuda-deps AS cuda-app
 COPY README.md ./
 COPY proto proto
 COPY services services
 COPY kernels kernels
 COPY loadtest loadtest
-RUN /opt/venv/bin/python -m pip wheel --no-deps --no-build-isolation --wheel-dir /dist .
+RUN /opt/venv/bin/python -m pip wheel --no-deps --no-build-isolation --wheel-dir /dist . \
+ && /opt/venv/bin/python -m pip install --no-deps --no-index --target /opt/tandem \
+    /dist/tandem-0.1.0-py3-none-any.whl
+COPY scripts/bench_kv_transfer.py /opt/tandem/scripts/
 
 FROM cuda-base AS cuda
 ARG TANDEM_UID
@@ -113,10 +119,8 @@ RUN groupadd --system --gid "${TANDEM_UID}" tandem \
  && install -d -o tandem -g tandem /var/cache/tandem
 COPY --from=cuda-deps /opt/venv /opt/venv
 COPY --from=cuda-model /opt/tandem-model /opt/tandem-model
-RUN --mount=type=bind,from=cuda-wheel,source=/dist,target=/dist \
-    /opt/venv/bin/python -m pip install --no-deps --no-index --no-cache-dir /dist/tandem-0.1.0-py3-none-any.whl
-COPY scripts/bench_kv_transfer.py /opt/tandem/scripts/
-ENV PATH=/opt/venv/bin:$PATH PYTHONPATH=/opt/tandem-model \
+COPY --from=cuda-app /opt/tandem /opt/tandem
+ENV PATH=/opt/tandem/bin:/opt/venv/bin:$PATH PYTHONPATH=/opt/tandem-model:/opt/tandem \
     PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 \
     HOME=/home/tandem TANDEM_CACHE_DIR=/var/cache/tandem XDG_CACHE_HOME=/var/cache/tandem/xdg \
     TRITON_CACHE_DIR=/var/cache/tandem/triton MPLCONFIGDIR=/var/cache/tandem/matplotlib

@@ -27,6 +27,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = "scripts/python_packages.sh"
 CPU_TORCH_INDEX = "https://download.pytorch.org/whl/cpu"
 MODEL_DIR = "/opt/tandem-model"
+APP_DIR = "/opt/tandem"
 VOLUMES = {"/tmp", "/var/cache/tandem"}
 COMPILERS = {"gcc", "cc", "clang", "g++", "build-essential", "libc6-dev"}
 
@@ -166,22 +167,27 @@ def test_dependency_layers_see_only_the_package_lists(dockerfile, target):
 
 @pytest.mark.parametrize("target", ["cpu", "cuda"])
 def test_runtime_layers_run_from_largest_and_stablest_to_the_code(dockerfile, target):
+    """The final stage copies, in order, the dependencies, the model, the kernels (CPU) and
+    Tandem (installed from its wheel into /opt/tandem in a stage of its own): copies, whose
+    cache key is their content, so a code edit replaces the last layer only."""
     _, stages = dockerfile
     final = stages[target]
-    layers = [(kw, rest) for kw, rest in final.instructions if kw in ("COPY", "RUN")]
-    sources = [rest.split()[0].removeprefix("--from=") if kw == "COPY" else
-               ("tandem wheel" if own_wheel(stages) in rest else "run") for kw, rest in layers]
-    expected = [f"{target}-deps", f"{target}-model"] + (["cpu-kernels"] if target == "cpu" else [])
-    order = [s for s in sources if s in expected or s == "tandem wheel"]
-    assert order == [*expected, "tandem wheel"], sources
-    copy = {rest.split()[0].removeprefix("--from="): rest.split()[1:]
-            for kw, rest in layers if kw == "COPY" and rest.startswith("--from")}
-    assert copy[f"{target}-deps"] == ["/opt/venv", "/opt/venv"]
-    assert copy[f"{target}-model"] == [MODEL_DIR, MODEL_DIR]
-    (wheel_run,) = [r for r in final.args("RUN") if own_wheel(stages) in r]
-    assert f"from={target}-wheel" in wheel_run and "--no-index" in wheel_run
-    env = " ".join(final.args("ENV"))
-    assert f"PYTHONPATH={MODEL_DIR}" in env  # the model wheel's files, importable
+    copies = [rest.split() for kw, rest in final.instructions if kw == "COPY"]
+    assert all(c[0].startswith("--from=") for c in copies), copies
+    froms = [c[0].removeprefix("--from=") for c in copies]
+    kernels = ["cpu-kernels"] if target == "cpu" else []
+    assert froms == [f"{target}-deps", f"{target}-model", *kernels, f"{target}-app"]
+    paths = {c[0].removeprefix("--from="): c[1:] for c in copies}
+    assert paths[f"{target}-deps"] == ["/opt/venv", "/opt/venv"]
+    assert paths[f"{target}-model"] == [MODEL_DIR, MODEL_DIR]
+    assert paths[f"{target}-app"] == [APP_DIR, APP_DIR]
+    (app_run,) = stages[f"{target}-app"].args("RUN")
+    assert f"--target {APP_DIR} {own_wheel(stages)}" in " ".join(app_run.split())
+    assert "--no-index" in app_run
+    env = dict(re.findall(r"(\w+)=(\S+)", " ".join(final.args("ENV"))))
+    assert env["PYTHONPATH"].split(":") == [MODEL_DIR, APP_DIR]  # the model's files, Tandem
+    assert env["PATH"].split(":")[0] == f"{APP_DIR}/bin"  # the ENTRYPOINT's `tandem`
+    assert not [r for r in final.args("RUN") if "pip" in r], "the runtime stage runs pip"
 
 
 def test_cpu_runtime_has_prebuilt_kernels_and_no_compiler(dockerfile):
