@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Build the CPU image with podman from a base made here, then run its smoke test.
-#   scripts/build_image.sh [--torch-wheel FILE] [--no-smoke] [--out DIR]
+#   scripts/build_image.sh [--torch-wheel FILE] [--no-smoke] [--out DIR] [--repeat N]
 # Needs: root (debootstrap), podman with runc, debootstrap (Debian: apt-get install -y podman
 # debootstrap), Debian's mirror and PyPI reachable, and the checkout's .venv (scripts/setup.sh)
 # for the smoke test's client. No upstream image is pulled: the base is Debian bookworm with its
@@ -13,6 +13,7 @@
 #                       one-package index
 #   --out DIR           where the smoke test (scripts/smoke_image.py) writes image.json
 #                       (default bench-results)
+#   --repeat N          the smoke test's timed starts of a decode worker (default 3)
 # Also mounted into the build, not copied into the image: this machine's CA bundle (a TLS proxy's
 # CA reaches pip this way).
 set -euo pipefail
@@ -20,13 +21,15 @@ cd "$(dirname "$0")/.."
 
 base=localhost/tandem-base:bookworm
 image=localhost/tandem:0.1.0-cpu
-torch_wheel="" smoke=1 out=bench-results
+torch_wheel="" smoke=1 out=bench-results repeat=3
 while [ $# -gt 0 ]; do
   case "$1" in
     --torch-wheel) torch_wheel="$2"; shift 2 ;;
     --no-smoke) smoke=0; shift ;;
     --out) out="$2"; shift 2 ;;
-    *) echo "usage: scripts/build_image.sh [--torch-wheel FILE] [--no-smoke] [--out DIR]" >&2; exit 2 ;;
+    --repeat) repeat="$2"; shift 2 ;;
+    *) echo "usage: scripts/build_image.sh [--torch-wheel FILE] [--no-smoke] [--out DIR]" \
+            "[--repeat N]" >&2; exit 2 ;;
   esac
 done
 for tool in podman; do
@@ -67,5 +70,5 @@ podman build "${ulimits[@]}" "${build[@]}" .
 echo "build_image: built $image in $(( $(date +%s) - start )) s" >&2
 
 if [ "$smoke" = 1 ]; then
-  .venv/bin/python -m scripts.smoke_image --image "$image" --out "$out"
+  .venv/bin/python -m scripts.smoke_image --image "$image" --out "$out" --repeat "$repeat"
 fi
