@@ -1,13 +1,19 @@
-"""Paged decode attention for CPUs: a small C kernel (``csrc/paged_decode_attention.c``,
-OpenMP) that reads each sequence's K/V in place from the paged cache.
+"""Paged attention for CPUs: a small C kernel (``csrc/paged_decode_attention.c``, OpenMP)
+that reads each sequence's K/V in place from the paged cache, for decode steps and prefill
+chunks alike (one query token at a time).
 
 The torch reference (``reference.paged_decode_attention``) has to gather every sequence's
 blocks into a padded copy before SDPA can run: at a decode batch of 64 on this project's 2-core
 CPU the gathers alone were 19% of a step. The kernel reads each K/V row once, for all the query
 heads that share it. vLLM's CPU backend does the same with its own C++ kernels.
 
+Batch invariance: a query's output depends only on its q, its context length and the cache, in
+one order of sums, whatever else is in the call and on any thread count; a prompt's token gets
+the same bits computed in a prefill chunk (of any size, after any cached prefix) as in a decode
+step (the kernel's header says how).
+
 The kernel is built on first use with the system C compiler (``$CC``, else ``cc``/``gcc``),
-``-O3 -march=native -fopenmp -ffast-math`` (the last for the compile step only), into
+``-O3 -march=native -fopenmp``, into
 ``$TANDEM_CACHE_DIR/kernels`` (default ``~/.cache/tandem/kernels``), keyed by a hash of the
 source, the flags and the CPU; later processes load the cached library. Without a compiler, or
 if the build fails, ``paged_decode_attention`` falls back to the torch reference and logs why
@@ -32,12 +38,14 @@ from kernels import native, reference
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "paged_decode_attention.c"
-# -ffast-math vectorises expf (17% faster at batch 64); it is given to the compile step only:
-# linked with -ffast-math, gcc adds crtfastmath.o, which turns on flush-to-zero process-wide
-CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffast-math", "-fPIC", "-std=c11")
+# NOTE: no -ffast-math: it lets the compiler reorder sums (two copies of one reduction could then
+# round differently, and a row would depend on which copy ran it); the kernels write their own
+# vectorised exp (csrc/vec_math.h) instead of relying on -ffast-math to vectorise expf
+CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-std=c11")
 LDFLAGS = ("-shared", "-fopenmp")
 _ERRORS = {1: "a block table entry is outside the KV cache", 2: "a sequence length is outside "
-           "1..(block_table columns x block_size)", 3: "out of memory for the split context's parts"}
+           "1..(block_table columns x block_size)", 3: "out of memory for the split context's parts",
+           4: "a query's sequence is not a row of block_tables"}
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 
 
@@ -75,8 +83,8 @@ def _library() -> ctypes.CDLL | None:
     except (RuntimeError, OSError) as e:
         log.warning("CPU paged attention kernel unavailable, using the torch reference: %s", e)
         return None
-    fn = lib.tandem_paged_decode_attention_f32
-    fn.argtypes = [_PTR] * 7 + [_I64] * 8 + [ctypes.c_float, ctypes.c_int]
+    fn = lib.tandem_paged_attention_f32
+    fn.argtypes = [_PTR] * 8 + [_I64] * 9 + [ctypes.c_float, ctypes.c_int]
     fn.restype = ctypes.c_int
     return lib
 
@@ -113,34 +121,81 @@ def paged_decode_attention(
                                                    scale))
         return out
     dst = out if out.is_contiguous() else torch.empty_like(q)
-    plan = DecodePlan(block_tables, seq_lens, q.shape[1], k_cache.shape[2], scale,
-                      torch.get_num_threads())
+    plan = AttentionPlan(block_tables, seq_lens, q.shape[1], k_cache.shape[2], scale,
+                         torch.get_num_threads())
     plan(q.contiguous(), k_cache, v_cache, dst)
     if dst is not out:
         out.copy_(dst)
     return out
 
 
-class DecodePlan:
-    """``paged_decode_attention`` for one step's sequences with the kernel's arguments built
-    once, then run for every layer (one ctypes call each): the decode step's hot path.
+def paged_prefill_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    seq_lens: torch.Tensor, query_start_loc: list[int], scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Prefill / chunked prefill over the paged cache, as ``reference.paged_prefill_attention``
+    (same arguments: sequence ``s`` owns rows ``query_start_loc[s]:query_start_loc[s + 1]`` of
+    ``q`` and ``out``, the last of its ``seq_lens[s]`` positions, already in the cache), each
+    query token computed exactly as a decode step computes it (``AttentionPlan.for_tokens``).
 
-    block_tables: ``[num_seqs, max_blocks]`` int; seq_lens: ``[num_seqs]`` int (validated by
-    the kernel on each call). Raises ``RuntimeError`` when the C kernel is not available.
+    float32 CPU tensors run the C kernel, others the reference. Raises ``ValueError`` as
+    ``paged_decode_attention`` does.
+    """
+    out = torch.empty_like(q) if out is None else out
+    lib = _library() if _runs_in_c(q, k_cache, v_cache, out) else None
+    if lib is None:
+        return reference.paged_prefill_attention(q, k_cache, v_cache, block_tables, seq_lens,
+                                                 query_start_loc, scale, out=out)
+    first, last = int(query_start_loc[0]), int(query_start_loc[-1])
+    if last == first:
+        return out
+    dst = out if out.is_contiguous() else torch.empty_like(q)
+    plan = AttentionPlan.for_tokens(block_tables, seq_lens, query_start_loc, q.shape[1],
+                                    k_cache.shape[2], scale, torch.get_num_threads())
+    plan(q[first:last].contiguous(), k_cache, v_cache, dst[first:last])
+    if dst is not out:
+        out[first:last].copy_(dst[first:last])
+    return out
+
+
+class AttentionPlan:
+    """The kernel's arguments for one step's query tokens, built once and run for every layer
+    (one ctypes call each, or from C: ``kernel_address``): the hot path of every step.
+
+    block_tables: ``[num_seqs, max_blocks]`` int; context_lens: ``[num_queries]`` int, the
+    cached tokens each query attends to (its position + 1); query_seq: ``[num_queries]`` int,
+    each query's row of block_tables (``None``: query i is sequence i, a decode step). Validated
+    by the kernel on each call. Raises ``RuntimeError`` when the C kernel is not available.
     """
 
-    def __init__(self, block_tables: torch.Tensor, seq_lens: torch.Tensor, num_heads: int,
-                 num_kv_heads: int, scale: float, num_threads: int) -> None:
+    def __init__(self, block_tables: torch.Tensor, context_lens: torch.Tensor, num_heads: int,
+                 num_kv_heads: int, scale: float, num_threads: int,
+                 query_seq: torch.Tensor | None = None) -> None:
         lib = _library()
         if lib is None:
             raise RuntimeError("the CPU paged attention kernel is not built (no C compiler?)")
-        self._fn = lib.tandem_paged_decode_attention_f32
+        self._fn = lib.tandem_paged_attention_f32
         self.tables = block_tables.to(torch.int64).contiguous()
-        self.lens = seq_lens.to(torch.int64).contiguous()
-        self.num_seqs, self.num_heads, self.num_kv_heads = self.lens.shape[0], num_heads, num_kv_heads
-        self.max_len = int(self.lens.max()) if self.num_seqs else 0
+        self.lens = context_lens.to(torch.int64).contiguous()
+        self.query_seq = None if query_seq is None else query_seq.to(torch.int64).contiguous()
+        self.num_queries, self.num_heads, self.num_kv_heads = self.lens.shape[0], num_heads, num_kv_heads
+        self.max_len = int(self.lens.max()) if self.num_queries else 0
         self.scale, self.num_threads = scale, num_threads
         self.scratch = torch.empty(num_threads, num_heads, self.max_len)
+
+    @classmethod
+    def for_tokens(cls, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                   query_start_loc: list[int], num_heads: int, num_kv_heads: int, scale: float,
+                   num_threads: int) -> AttentionPlan:
+        """The plan of a step's rows ``query_start_loc[0]:query_start_loc[-1]``: sequence ``s``
+        owns rows ``query_start_loc[s]:query_start_loc[s + 1]``, the last of its
+        ``seq_lens[s]`` positions (a decode row is a chunk of one)."""
+        counts = torch.diff(torch.as_tensor(query_start_loc, dtype=torch.int64))
+        seq = torch.repeat_interleave(torch.arange(counts.shape[0]), counts)
+        ends = torch.cumsum(counts, 0)[seq]  # each token's distance from its chunk's end
+        lens = seq_lens.to(torch.int64)[seq] - (ends - torch.arange(seq.shape[0]) - 1)
+        return cls(block_tables, lens, num_heads, num_kv_heads, scale, num_threads, seq)
 
     @property
     def kernel_address(self) -> int:
@@ -149,18 +204,20 @@ class DecodePlan:
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  out: torch.Tensor) -> torch.Tensor:
-        """q, out: contiguous float32 ``[num_seqs, num_heads, head_dim]``; k_cache, v_cache:
+        """q, out: contiguous float32 ``[num_queries, num_heads, head_dim]``; k_cache, v_cache:
         contiguous float32 ``[num_blocks, block_size, num_kv_heads, head_dim]`` (not checked:
         the caller owns them). Raises ``ValueError`` as ``paged_decode_attention`` does."""
-        if self.num_seqs == 0:
+        if self.num_queries == 0:
             return out
         num_blocks, block_size, _, head_dim = k_cache.shape
+        query_seq = 0 if self.query_seq is None else self.query_seq.data_ptr()
         rc = self._fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), self.tables.data_ptr(),
-                      self.lens.data_ptr(), out.data_ptr(), self.scratch.data_ptr(),
-                      self.num_seqs, self.num_heads, self.num_kv_heads, head_dim, num_blocks,
-                      block_size, self.tables.shape[1], self.max_len, self.scale, self.num_threads)
+                      query_seq, self.lens.data_ptr(), out.data_ptr(), self.scratch.data_ptr(),
+                      self.num_queries, self.tables.shape[0], self.num_heads, self.num_kv_heads,
+                      head_dim, num_blocks, block_size, self.tables.shape[1], self.max_len,
+                      self.scale, self.num_threads)
         if rc != 0:
-            raise ValueError(f"paged_decode_attention: {_ERRORS.get(rc, f'error {rc}')}")
+            raise ValueError(f"paged_attention: {_ERRORS.get(rc, f'error {rc}')}")
         return out
 
 

@@ -41,7 +41,7 @@ _ERRORS = {1: "unknown block format", 2: "bad shape (in_features must be a posit
            "of 32; row ids inside the matrix)", 3: "out of memory for the kernel's scratch"}
 _I64, _PTR, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 # the kernel's dot-product paths by its codes (ISA_* in the C file), worst first
-ISAS = ("scalar", "avx2", "avx512_vnni_rows", "avx512_vnni")
+ISAS = ("scalar", "avx2", "avx512_vnni")
 
 
 @dataclass(frozen=True)
@@ -118,8 +118,8 @@ def isa() -> str:
 
 def isas() -> list[str]:
     """Every path this build can run (``quant_matmul(..., isa=...)``), worst first:
-    ``scalar``, ``avx2`` (AVX2 or better), ``avx512_vnni_rows`` (the row kernels alone, as
-    before the batch >= 6 tiled kernels: kept for benchmarks), ``avx512_vnni``."""
+    ``scalar``, ``avx2`` (AVX2 and FMA or better), ``avx512_vnni``. Every path sums each
+    output in the same order, so they give the same bits (``csrc/quant_matmul.c``'s header)."""
     lib = _library()
     return list(ISAS[:lib.tandem_quant_max_isa() + 1]) if lib is not None else []
 

@@ -12,7 +12,7 @@ q/k/v, o, gate/up, down; the Q8_0 tied LM head), batch 1/16/64 (``--batches``: 1
 prefill chunks), one thread, every kernel path of this build (``kernels.quant.isas()``; ``--paths``
 picks some) interleaved in the same run: GOP/s (2 M N K per call)
 and weight GB/s from CPU seconds per call (``time.process_time``: steady on a loaded machine),
-and each path's ratio to ``avx512_vnni_rows`` (the row kernels, before the batch >= 6 tiles).
+and each path's ratio to ``scalar`` (every path sums each output in the same order).
 """
 from __future__ import annotations
 
@@ -174,14 +174,14 @@ def kernel_bench(args) -> dict:
                     s = cpu_seconds_per_call(lambda: quant.quant_matmul(x, parts, out, isa=isa),
                                              args.min_seconds)
                     row[isa] = min(row.get(isa, s), s)
-            base = row.get("avx512_vnni_rows")
+            base = row.get("scalar")
             entry = {isa: {"us": s * 1e6, "gop_s": 2 * m * n * k / s / 1e9,
                            "weight_gb_s": nbytes / s / 1e9,
-                           "vs_rows": base / s if base else None} for isa, s in row.items()}
+                           "vs_scalar": base / s if base else None} for isa, s in row.items()}
             results["shapes"][f"{name} m={m}"] = entry
             print(f"{name:<8} {fmt} m={m:<3} " + "  ".join(
                 f"{isa}: {e['us']:8.1f} us {e['gop_s']:6.1f} GOP/s {e['weight_gb_s']:5.2f} GB/s"
-                + (f" x{e['vs_rows']:.2f}" if e["vs_rows"] else "") for isa, e in entry.items()),
+                + (f" x{e['vs_scalar']:.2f}" if e["vs_scalar"] else "") for isa, e in entry.items()),
                 flush=True)
     return results
 
@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m scripts.bench_quant", description=__doc__)
     p.add_argument("--modes", default="float32:none,float32:q4_1,float32:q8_0,float32:q4_0,"
                    "bfloat16:none", help="comma-separated dtype:quantization[:kernel path], e.g. "
-                   "float32:q4_1:avx512_vnni_rows for the row kernels (kernels.quant.isas()); the "
+                   "float32:q4_1:avx2 for the AVX2 path (kernels.quant.isas()); the "
                    "first is the greedy reference (keep float32:none first)")
     p.add_argument("--batch1-tokens", type=int, default=32)
     p.add_argument("--batch64-tokens", type=int, default=16)

@@ -63,14 +63,7 @@ async def serve_worker(opts: WorkerOptions, num_threads: int) -> None:
     from services.observability.metrics import MetricsServer, WorkerMetrics
     from services.worker import WorkerRuntime
 
-    from services.engine.cpus import available_cpus
-
-    budget = available_cpus()
-    if num_threads > budget:  # a team larger than the CPU it may use stalls at every join
-        log.warning("worker.num_threads %d exceeds the %d CPU(s) this process may use (affinity "
-                    "and cgroup quota): using %d", num_threads, budget, budget)
-        num_threads = budget
-    torch.set_num_threads(num_threads)
+    torch.set_num_threads(_within_cpu_budget(num_threads))
     if opts.internal_secret is None:
         opts = dataclasses.replace(opts, internal_secret=read_internal_secret())
     warn_if_open(opts.internal_secret, f"{opts.role} worker")
@@ -111,6 +104,18 @@ async def serve_worker(opts: WorkerOptions, num_threads: int) -> None:
     if runtime.died.is_set():
         log.critical("%s worker %s exits: its engine died", opts.role, runtime.worker_id)
         raise SystemExit(EXIT_ENGINE_DIED)
+
+
+def _within_cpu_budget(num_threads: int) -> int:
+    """``num_threads`` capped by the CPUs this process may use (affinity and cgroup quota,
+    ``engine.cpus``): a team larger than that stalls at every join. Warns when it caps."""
+    from services.engine.cpus import available_cpus
+
+    budget = available_cpus()
+    if num_threads > budget:
+        log.warning("worker.num_threads %d exceeds the %d CPU(s) this process may use (affinity "
+                    "and cgroup quota): using %d", num_threads, budget, budget)
+    return min(num_threads, budget)
 
 
 def _load_engine(opts: WorkerOptions):

@@ -132,7 +132,7 @@ class GatewaySection(BaseModel):
     max_tokens_cap: int | None = setting(
         None, help="most output tokens one request may ask for (max_tokens; unset: the "
         "model's context)", gt=0)
-    max_n: int = setting(16, help="most choices (n) one HTTP request may ask for", gt=0)
+    max_n: int = setting(16, help="most choices one HTTP request may ask for (n, times the prompts of a completions batch)", gt=0)
     tokenize_threads: int = setting(
         2, help="threads that render chat templates and tokenize, off the event loop", gt=0)
     drain_s: float = setting(

@@ -13,7 +13,10 @@
  *
  * Plain C loops under `omp simd`: the build's -march=native turns them into AVX-512 or AVX2
  * code (scalar elsewhere), like the other kernels of this folder. Rows are spread over OpenMP
- * threads only when there are several (a single decode row is too small to share).
+ * threads only when there are several (a single decode row is too small to share). A row's
+ * result never depends on the other rows or the thread count: its sum of squares has one
+ * order (vec_math.h's tandem_ordered_sum) and exp is one function for every element, in the
+ * fused decode step and in the layer-by-layer prefill path alike (batch invariance).
  */
 #include <math.h>
 #include <stdint.h>
@@ -21,6 +24,7 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
+#include "vec_math.h"
 
 #define TANDEM_OK 0
 #define TANDEM_BAD_SHAPE 2
@@ -39,9 +43,7 @@ int tandem_add_rmsnorm_f32(float *x, const float *y, const float *w, float *h, i
 #pragma omp simd
             for (int64_t d = 0; d < D; d++) xm[d] += ym[d];
         }
-        float ss = 0.0f;
-#pragma omp simd reduction(+ : ss)
-        for (int64_t d = 0; d < D; d++) ss += xm[d] * xm[d];
+        const float ss = tandem_ordered_sum(xm, xm, D);
         const float inv = 1.0f / sqrtf(ss / (float)D + eps);
 #pragma omp simd
         for (int64_t d = 0; d < D; d++) hm[d] = w[d] * (xm[d] * inv);
@@ -100,11 +102,18 @@ int tandem_silu_mul_f32(const float *gate_up, float *out, int64_t M, int64_t F,
     for (int64_t m = 0; m < M; m++) {
         const float *g = gate_up + m * 2 * F, *u = g + F;
         float *o = out + m * F;
-#pragma omp simd
-        for (int64_t f = 0; f < F; f++) {
-            /* NOTE: -g capped below expf's overflow: -ffast-math's reciprocal of inf is NaN */
-            o[f] = g[f] / (1.0f + expf(fminf(-g[f], 80.0f))) * u[f];
+        int64_t f = 0;
+#if defined(__AVX512F__)
+        const __m512 one = _mm512_set1_ps(1.0f);
+        for (; f < F; f += 16) { /* the tail masked: every element through tandem_exp16 */
+            const __mmask16 k = F - f >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (F - f)) - 1);
+            const __m512 gv = _mm512_maskz_loadu_ps(k, g + f);
+            const __m512 e = tandem_exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
+            _mm512_mask_storeu_ps(o + f, k, _mm512_mul_ps(_mm512_div_ps(gv, _mm512_add_ps(one, e)),
+                                                          _mm512_maskz_loadu_ps(k, u + f)));
         }
+#endif
+        for (; f < F; f++) o[f] = g[f] / (1.0f + tandem_exp(-g[f])) * u[f];
     }
     return TANDEM_OK;
 }
@@ -114,12 +123,13 @@ int tandem_silu_mul_f32(const float *gate_up, float *out, int64_t M, int64_t F,
 typedef int (*quant_matmul_fn)(const float *x, const uint8_t *const *parts,
                                const int64_t *part_rows, int num_parts, float *out, int64_t M,
                                int64_t K, int64_t ldo, int fmt, int num_threads, int isa);
-typedef int (*decode_attention_fn)(const float *q, const float *k_cache, const float *v_cache,
-                                   const int64_t *block_tables, const int64_t *seq_lens,
-                                   float *out, float *scratch, int64_t num_seqs,
-                                   int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                                   int64_t num_blocks, int64_t block_size, int64_t max_blocks,
-                                   int64_t max_seq_len, float scale, int num_threads);
+typedef int (*attention_fn)(const float *q, const float *k_cache, const float *v_cache,
+                            const int64_t *block_tables, const int64_t *query_seq,
+                            const int64_t *seq_lens, float *out, float *scratch,
+                            int64_t num_queries, int64_t num_seqs, int64_t num_heads,
+                            int64_t num_kv_heads, int64_t head_dim, int64_t num_blocks,
+                            int64_t block_size, int64_t max_blocks, int64_t max_seq_len,
+                            float scale, int num_threads);
 
 /* One layer's addresses, in this order (kernels/decode_ops.py LAYER_FIELDS): input norm
  * weight, post-attention norm weight, then for q/k/v, o, gate/up and down: the parts array,
@@ -152,7 +162,7 @@ int tandem_decode_layers_f32(
     int64_t max_positions, const int64_t *slot_mapping, int64_t num_blocks, int64_t block_size,
     const int64_t *block_tables, const int64_t *seq_lens, int64_t max_blocks,
     int64_t max_seq_len, float *scratch, float scale, int fmt, int isa, int num_threads,
-    quant_matmul_fn matmul, decode_attention_fn attention) {
+    quant_matmul_fn matmul, attention_fn attention) {
     const int64_t qkv_width = (num_heads + 2 * num_kv_heads) * head_dim;
     const int64_t q_width = num_heads * head_dim;
     const float *residual = NULL;
@@ -168,9 +178,9 @@ int tandem_decode_layers_f32(
                                       positions, cos, sin, max_positions, k_cache, v_cache,
                                       slot_mapping, num_blocks * block_size, num_threads);
         if (rc) return rc;
-        rc = attention(q, k_cache, v_cache, block_tables, seq_lens, a, scratch, T, num_heads,
-                       num_kv_heads, head_dim, num_blocks, block_size, max_blocks, max_seq_len,
-                       scale, num_threads);
+        rc = attention(q, k_cache, v_cache, block_tables, NULL, seq_lens, a, scratch, T, T,
+                       num_heads, num_kv_heads, head_dim, num_blocks, block_size, max_blocks,
+                       max_seq_len, scale, num_threads);
         if (rc) return 20 + rc;
         MATMUL(L_O, a, o, hidden, q_width);
         rc = tandem_add_rmsnorm_f32(x, o, (const float *)(intptr_t)L[L_W_POST], h, T, hidden,
@@ -213,8 +223,8 @@ static int64_t argmax_finite(const float *row, int64_t N) {
 }
 
 /* out[m] = the first index of row m's largest value (torch.argmax's answer: a NaN counts as
- * the largest, so the first NaN wins). NaNs are found with integer tests: -ffast-math's float
- * compares assume there are none. */
+ * the largest, so the first NaN wins). NaNs are found first, with integer tests; the float
+ * compares of argmax_finite then see none. */
 int tandem_argmax_rows_f32(const float *x, int64_t M, int64_t N, int64_t *out,
                            int num_threads) {
     if (M < 0 || N <= 0) return TANDEM_BAD_SHAPE;

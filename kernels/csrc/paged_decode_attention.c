@@ -1,21 +1,32 @@
 /*
- * Paged decode attention for CPUs: one query token per sequence, K/V read in place from the
- * paged cache (no gather, no padding). Built and called by kernels/cpu_attention.py, which
- * documents the contract; the layouts are those of kernels/reference.py.
+ * Paged attention for CPUs, one query token at a time: the decode step's queries (one per
+ * sequence) and a prefill chunk's (each token of the chunk, over the cache up to itself), K/V
+ * read in place from the paged cache (no gather, no padding). Built and called by
+ * kernels/cpu_attention.py, which documents the contract; the layouts are those of
+ * kernels/reference.py.
  *
- * Work item = (sequence, part of its context), every KV head: a token's K (or V) row of all
- * KV heads is contiguous in its block, so an item streams whole rows in address order, and
- * each row is read once for the whole group of query heads that shares it (grouped-query
+ * Work item = (query, part of its context), every KV head: a token's K (or V) row of all KV
+ * heads is contiguous in its block, so an item streams whole rows in address order, and each
+ * row is read once for the whole group of query heads that shares it (grouped-query
  * attention). Two passes over the part: scores q.k into a per-thread scratch row per head,
  * then the softmax-weighted sum of V. Items are spread over OpenMP threads dynamically
- * (contexts are ragged); with few sequences, contexts are cut into several parts (split-K,
- * below). Source: PagedAttention (Kwon et al., SOSP 2023), section 4.1, the decode kernel.
+ * (contexts are ragged). Source: PagedAttention (Kwon et al., SOSP 2023), section 4.1, the
+ * decode kernel.
+ *
+ * One order of sums per query (batch invariance): a query's output depends on its own q, its
+ * context length and the cache, never on the other queries of the call, its position among
+ * them, the thread count, or whether it is a decode step's or a prefill chunk's (so a token's
+ * KV is the same bits whether its prompt was computed in one chunk, in chunks of 7, after a
+ * cached prefix, or recomputed after preemption). Hence: contexts are cut into parts by their
+ * length alone (part_tokens), each dot product and sum has one order on every path (16 lanes
+ * and a fixed tree: vec_math.h), and exp is the same function for every element.
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #include "simd_sums.h"
+#include "vec_math.h"
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -24,6 +35,7 @@
 #define TANDEM_BAD_BLOCK_ID 1
 #define TANDEM_BAD_SEQ_LEN 2
 #define TANDEM_NO_MEMORY 3
+#define TANDEM_BAD_QUERY_SEQ 4
 
 /* The tokens [t0, t0 + *n) of [t0, t_end) that lie in one block: returns the row of token t0
  * (every KV head) in cache, and in *next the first row of the following block when the range
@@ -60,7 +72,8 @@ typedef void (*weigh_fn)(const float *v_cache, const int64_t *table, int64_t num
                          int64_t group, int64_t head_dim, int64_t t_begin, int64_t t_end,
                          int64_t block_size, const float *scores, int64_t stride, float *os);
 
-/* Any shape, plain loops (vectorised over head_dim by the compiler). */
+/* Any shape, plain loops (vectorised over head_dim by the compiler); the same sums as the
+ * AVX-512 passes below, in the same order. */
 static void score_range(const float *q, const float *k_cache, const int64_t *table,
                         int64_t num_kv_heads, int64_t group, int64_t head_dim, int64_t t_begin,
                         int64_t t_end, int64_t block_size, float scale, float *scores,
@@ -75,11 +88,8 @@ static void score_range(const float *q, const float *k_cache, const int64_t *tab
             for (int64_t h = 0; h < num_heads; ++h) {
                 const float *qh = q + h * head_dim;
                 const float *k = kb + i * token_stride + (h / group) * head_dim;
-                float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-                for (int64_t d = 0; d < head_dim; ++d)
-                    dot += qh[d] * k[d];
-                scores[h * stride + t0 - t_begin + i] = dot * scale;
+                /* the AVX-512 passes' order (16 lanes over head_dim, hsum4's tree) */
+                scores[h * stride + t0 - t_begin + i] = tandem_ordered_sum(qh, k, head_dim) * scale;
             }
         }
     }
@@ -102,7 +112,7 @@ static void weigh_values(const float *v_cache, const int64_t *table, int64_t num
                 float *oh = os + h * head_dim;
 #pragma omp simd
                 for (int64_t d = 0; d < head_dim; ++d)
-                    oh[d] += p * v[d];
+                    oh[d] = fmaf(p, v[d], oh[d]); /* one fma a term, as the AVX-512 passes */
             }
         }
     }
@@ -115,8 +125,8 @@ static void weigh_values(const float *v_cache, const int64_t *table, int64_t num
  * output row again for each token (a store-to-load chain through L1): 3x slower with the
  * context in cache. Here, block by block and KV head by KV head, the group's queries stay in
  * registers and a token's G dot products share one horizontal sum of four vectors (hsum4); the
- * weighted V sum keeps the group's G x C accumulators in registers over a block. Same
- * products, summed in another order.
+ * weighted V sum keeps the group's G x C accumulators in registers over a block. The same
+ * sums in the same order as the plain loops (head_dim = 16 C: lane j sums d = j mod 16).
  */
 
 #define AVX512_PASSES(G, C)                                                                    \
@@ -227,147 +237,202 @@ static void choose_passes(int64_t group, int64_t head_dim, score_fn *score, weig
 #endif
 }
 
-/* Few work items (batch 1-15) leave threads idle or unbalanced: each sequence's context is then
- * cut into up to MAX_PARTS parts of whole blocks, attended separately (local max, sum and
+/* Contexts are cut into parts of whole blocks, attended separately (local max, sum and
  * unnormalised output) and merged, as flash-decoding's split-K (Dao et al., "Flash-Decoding
- * for long-context inference", 2023). The cut depends on the context only, never on the
- * thread count, so a row's result is the same on any number of threads. */
-#define SPLIT_BELOW_SEQS 16
+ * for long-context inference", 2023): up to MAX_PARTS parts of at least MIN_PART_TOKENS. The
+ * cut depends on the context length alone (and the block size), never on the number of
+ * queries or threads, so a query's result is the same in any call; a short context is one
+ * part, normalised in place. */
 #define MAX_PARTS 16
 #define MIN_PART_TOKENS 64
 
-/* The tokens per part of a context of len tokens: whole blocks each, at least MIN_PART_TOKENS,
- * at most MAX_PARTS parts; the whole context when the sequences alone fill the threads. */
-static int64_t part_tokens(int64_t len, int64_t num_seqs, int64_t block_size) {
-    if (num_seqs >= SPLIT_BELOW_SEQS) return len;
+/* The tokens per part of a context of len tokens. */
+static int64_t part_tokens(int64_t len, int64_t block_size) {
     int64_t per = (len + MAX_PARTS - 1) / MAX_PARTS;
     per = per < MIN_PART_TOKENS ? MIN_PART_TOKENS : per;
     return (per + block_size - 1) / block_size * block_size;
 }
 
-int tandem_paged_decode_attention_f32(
-    const float *q,              /* [num_seqs, num_heads, head_dim] */
+/* sc[0..n) -> exp(sc - max) (and, when whole, divided by their sum); *max_out, *sum_out: the
+ * part's max and sum for the merge. The sum is tandem_ordered_sum's (fixed order). */
+static void softmax_part(float *sc, int64_t n, int whole, float *max_out, float *sum_out) {
+    float max = sc[0];
+    for (int64_t t = 1; t < n; ++t)
+        max = sc[t] > max ? sc[t] : max;
+    int64_t t = 0;
+#if defined(__AVX512F__)
+    const __m512 mv = _mm512_set1_ps(max);
+    for (; t < n; t += 16) {
+        const __mmask16 k = n - t >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - t)) - 1);
+        _mm512_mask_storeu_ps(sc + t, k, tandem_exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, sc + t), mv)));
+    }
+#endif
+    for (; t < n; ++t)
+        sc[t] = tandem_exp(sc[t] - max);
+    const float sum = tandem_ordered_sum(sc, NULL, n);
+    if (whole) {
+        const float inv = 1.0f / sum;
+        for (t = 0; t < n; ++t)
+            sc[t] *= inv;
+    }
+    *max_out = max;
+    *sum_out = sum;
+}
+
+/* One part [t_begin, t_end) of query i's context: scores, softmax, the weighted V sum into
+ * dst ([num_heads, head_dim]); whole (the part is the context): normalised in place, else the
+ * part's max and sum per head into part_max, part_sum [num_heads]. */
+static void attend_part(const float *q, const float *k_cache, const float *v_cache,
+                        const int64_t *table, int64_t num_kv_heads, int64_t group,
+                        int64_t head_dim, int64_t t_begin, int64_t t_end, int64_t block_size,
+                        float scale, score_fn score, weigh_fn weigh, float *scores, int whole,
+                        float *dst, float *part_max, float *part_sum) {
+    const int64_t n = t_end - t_begin, num_heads = num_kv_heads * group;
+    score(q, k_cache, table, num_kv_heads, group, head_dim, t_begin, t_end, block_size, scale,
+          scores, n);
+    for (int64_t h = 0; h < num_heads; ++h) {
+        float max, sum;
+        softmax_part(scores + h * n, n, whole, &max, &sum);
+        if (!whole) {
+            part_max[h] = max;
+            part_sum[h] = sum;
+        }
+    }
+    weigh(v_cache, table, num_kv_heads, group, head_dim, t_begin, t_end, block_size, scores, n,
+          dst);
+}
+
+/* out [num_heads, head_dim] = the merge of parts p < parts (part_out [parts][num_heads *
+ * head_dim], part_max and part_sum [parts][num_heads]): sum_p e^(m_p - M) o_p /
+ * sum_p e^(m_p - M) l_p, parts in order. */
+static void merge_parts(int64_t parts, int64_t num_heads, int64_t head_dim,
+                        const float *part_out, const float *part_max, const float *part_sum,
+                        float *out) {
+    const int64_t row = num_heads * head_dim;
+    for (int64_t h = 0; h < num_heads; ++h) {
+        const float *m = part_max + h, *l = part_sum + h;
+        float M = m[0];
+        for (int64_t p = 1; p < parts; ++p)
+            M = m[p * num_heads] > M ? m[p * num_heads] : M;
+        float total = 0.0f, *oh = out + h * head_dim;
+        memset(oh, 0, sizeof(float) * head_dim);
+        for (int64_t p = 0; p < parts; ++p) {
+            const float w = tandem_exp(m[p * num_heads] - M);
+            const float *o = part_out + p * row + h * head_dim;
+            total = fmaf(w, l[p * num_heads], total);
+#pragma omp simd
+            for (int64_t d = 0; d < head_dim; ++d)
+                oh[d] = fmaf(w, o[d], oh[d]);
+        }
+        const float inv = 1.0f / total;
+#pragma omp simd
+        for (int64_t d = 0; d < head_dim; ++d)
+            oh[d] *= inv;
+    }
+}
+
+int tandem_paged_attention_f32(
+    const float *q,              /* [num_queries, num_heads, head_dim] */
     const float *k_cache,        /* [num_blocks, block_size, num_kv_heads, head_dim] */
     const float *v_cache,        /* same as k_cache */
     const int64_t *block_tables, /* [num_seqs, max_blocks] */
-    const int64_t *seq_lens,     /* [num_seqs] */
-    float *out,                  /* [num_seqs, num_heads, head_dim] */
+    const int64_t *query_seq,    /* [num_queries]: each query's row of block_tables; NULL: i */
+    const int64_t *seq_lens,     /* [num_queries]: cached tokens each query attends to */
+    float *out,                  /* [num_queries, num_heads, head_dim] */
     float *scratch,              /* [num_threads, num_heads, max_seq_len] */
-    int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-    int64_t num_blocks, int64_t block_size, int64_t max_blocks, int64_t max_seq_len,
-    float scale, int num_threads)
+    int64_t num_queries, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+    int64_t head_dim, int64_t num_blocks, int64_t block_size, int64_t max_blocks,
+    int64_t max_seq_len, float scale, int num_threads)
 {
     const int64_t group = num_heads / num_kv_heads, row = num_heads * head_dim;
 
-    /* Validate first: a bad block id must not become an out-of-bounds read. */
-    for (int64_t s = 0; s < num_seqs; ++s) {
-        const int64_t len = seq_lens[s];
+    /* Validate first: a bad block id must not become an out-of-bounds read. A prefill chunk's
+     * queries follow each other: their sequence's blocks are checked once. */
+    for (int64_t i = 0, prev = -1, checked = 0; i < num_queries; ++i) {
+        const int64_t len = seq_lens[i], s = query_seq ? query_seq[i] : i;
+        if (s < 0 || s >= num_seqs)
+            return TANDEM_BAD_QUERY_SEQ;
         if (len < 1 || len > max_seq_len || len > max_blocks * block_size)
             return TANDEM_BAD_SEQ_LEN;
-        const int64_t *table = block_tables + s * max_blocks;
-        for (int64_t b = 0; b < (len + block_size - 1) / block_size; ++b)
+        const int64_t *table = block_tables + s * max_blocks, used = (len + block_size - 1) / block_size;
+        for (int64_t b = s == prev ? checked : 0; b < used; ++b)
             if (table[b] < 0 || table[b] >= num_blocks)
                 return TANDEM_BAD_BLOCK_ID;
+        checked = s == prev && checked > used ? checked : used;
+        prev = s;
     }
     score_fn score;
     weigh_fn weigh;
     choose_passes(group, head_dim, &score, &weigh);
 
     int64_t max_parts = 1;
-    for (int64_t s = 0; s < num_seqs; ++s) {
-        const int64_t per = part_tokens(seq_lens[s], num_seqs, block_size);
-        const int64_t parts = (seq_lens[s] + per - 1) / per;
+    for (int64_t i = 0; i < num_queries; ++i) {
+        const int64_t per = part_tokens(seq_lens[i], block_size);
+        const int64_t parts = (seq_lens[i] + per - 1) / per;
         max_parts = parts > max_parts ? parts : max_parts;
     }
-    /* split: per (sequence, part) the unnormalised output [num_heads, head_dim], and the
-     * max and sum of each head's scores [num_heads] */
-    float *part_out = NULL, *part_max = NULL, *part_sum = NULL;
-    if (max_parts > 1) {
-        part_out = malloc(sizeof(float) * (size_t)(num_seqs * max_parts * row));
-        part_max = malloc(sizeof(float) * (size_t)(num_seqs * max_parts * num_heads));
-        part_sum = malloc(sizeof(float) * (size_t)(num_seqs * max_parts * num_heads));
-        if (!part_out || !part_max || !part_sum) {
-            free(part_out);
-            free(part_max);
-            free(part_sum);
-            return TANDEM_NO_MEMORY;
-        }
-    }
+    /* Work items: with few queries, (query, part) pairs, so the threads share a long context
+     * (parts kept in shared buffers, merged after a barrier); with enough queries to keep the
+     * threads busy, whole queries (a thread's parts in its own small buffers). Which does not
+     * change a result: a part is computed and the parts merged by the same code either way. */
+    const int split = max_parts > 1 && num_queries < 4 * (int64_t)num_threads;
+    const int64_t shared = split ? num_queries * max_parts : 0;
+    float *part_out = shared ? malloc(sizeof(float) * (size_t)(shared * (row + 2 * num_heads)))
+                             : NULL;
+    if (shared && !part_out)
+        return TANDEM_NO_MEMORY;
+    int failed = 0;
 
-#pragma omp parallel num_threads(num_threads)
+#pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
 #ifdef _OPENMP
         float *scores = scratch + (int64_t)omp_get_thread_num() * num_heads * max_seq_len;
 #else
         float *scores = scratch;
 #endif
+        /* a whole query's parts: [max_parts][row] outputs, then max and sum [max_parts][heads] */
+        float *own = !split && max_parts > 1
+            ? malloc(sizeof(float) * (size_t)(max_parts * (row + 2 * num_heads))) : NULL;
+        float *po = split ? part_out : own;
+        float *pm = po ? po + (split ? shared : max_parts) * row : NULL;
+        float *ps = pm ? pm + (split ? shared : max_parts) * num_heads : NULL;
+        if (!split && max_parts > 1 && !own)
+            failed = 1;
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t work = 0; work < num_seqs * max_parts; ++work) {
-            const int64_t s = work / max_parts, part = work % max_parts;
-            const int64_t len = seq_lens[s], per = part_tokens(len, num_seqs, block_size);
-            const int64_t t_begin = part * per;
-            if (t_begin >= len) continue;  /* a shorter sequence than the longest: no such part */
-            const int64_t t_end = t_begin + per < len ? t_begin + per : len, n = t_end - t_begin;
-            const int64_t *table = block_tables + s * max_blocks;
-            score(q + s * row, k_cache, table, num_kv_heads, group, head_dim, t_begin, t_end,
-                  block_size, scale, scores, n);
-            const int whole = n == len;  /* one part: normalise here, as the unsplit kernel */
-            for (int64_t h = 0; h < num_heads; ++h) {
-                float *sc = scores + h * n;
-                float max = sc[0];
-                for (int64_t t = 1; t < n; ++t)
-                    max = sc[t] > max ? sc[t] : max;
-                float sum = 0.0f;
-                for (int64_t t = 0; t < n; ++t) {
-                    sc[t] = expf(sc[t] - max);
-                    sum += sc[t];
-                }
-                if (whole) {
-                    const float inv = 1.0f / sum;
-                    for (int64_t t = 0; t < n; ++t)
-                        sc[t] *= inv;
-                } else {
-                    part_max[work * num_heads + h] = max;
-                    part_sum[work * num_heads + h] = sum;
-                }
+        for (int64_t work = 0; work < (split ? shared : num_queries); ++work) {
+            if (failed)
+                continue;
+            const int64_t i = split ? work / max_parts : work;
+            const int64_t len = seq_lens[i], per = part_tokens(len, block_size);
+            const int64_t parts = (len + per - 1) / per;
+            const int64_t *table = block_tables + (query_seq ? query_seq[i] : i) * max_blocks;
+            const int64_t first = split ? work % max_parts : 0, last = split ? first + 1 : parts;
+            for (int64_t part = first; part < last && part < parts; ++part) {
+                const int64_t t_begin = part * per, t_end = t_begin + per < len ? t_begin + per : len;
+                const int64_t slot = split ? work : part; /* this part's row of po, pm, ps */
+                attend_part(q + i * row, k_cache, v_cache, table, num_kv_heads, group, head_dim,
+                            t_begin, t_end, block_size, scale, score, weigh, scores, parts == 1,
+                            parts == 1 ? out + i * row : po + slot * row,
+                            parts == 1 ? NULL : pm + slot * num_heads,
+                            parts == 1 ? NULL : ps + slot * num_heads);
             }
-            weigh(v_cache, table, num_kv_heads, group, head_dim, t_begin, t_end, block_size,
-                  scores, n, whole ? out + s * row : part_out + work * row);
+            if (!split && parts > 1)
+                merge_parts(parts, num_heads, head_dim, po, pm, ps, out + i * row);
         }
-        if (max_parts > 1) {
-            /* merge the parts (after the loop's barrier): out = sum_p e^(m_p - M) o_p /
-             * sum_p e^(m_p - M) l_p, parts in order */
+        if (split) {
+            /* merge the parts (after the loop's barrier), as a whole query's are above */
 #pragma omp for schedule(static)
-            for (int64_t s = 0; s < num_seqs; ++s) {
-                const int64_t len = seq_lens[s], per = part_tokens(len, num_seqs, block_size);
+            for (int64_t i = 0; i < num_queries; ++i) {
+                const int64_t len = seq_lens[i], per = part_tokens(len, block_size);
                 const int64_t parts = (len + per - 1) / per;
-                if (parts == 1) continue;  /* written in place above */
-                for (int64_t h = 0; h < num_heads; ++h) {
-                    const float *m = part_max + s * max_parts * num_heads + h;
-                    const float *l = part_sum + s * max_parts * num_heads + h;
-                    float M = m[0];
-                    for (int64_t p = 1; p < parts; ++p)
-                        M = m[p * num_heads] > M ? m[p * num_heads] : M;
-                    float total = 0.0f, *oh = out + s * row + h * head_dim;
-                    memset(oh, 0, sizeof(float) * head_dim);
-                    for (int64_t p = 0; p < parts; ++p) {
-                        const float w = expf(m[p * num_heads] - M);
-                        const float *o = part_out + (s * max_parts + p) * row + h * head_dim;
-                        total += w * l[p * num_heads];
-#pragma omp simd
-                        for (int64_t d = 0; d < head_dim; ++d)
-                            oh[d] += w * o[d];
-                    }
-                    const float inv = 1.0f / total;
-#pragma omp simd
-                    for (int64_t d = 0; d < head_dim; ++d)
-                        oh[d] *= inv;
-                }
+                if (parts > 1)
+                    merge_parts(parts, num_heads, head_dim, po + i * max_parts * row,
+                                pm + i * max_parts * num_heads, ps + i * max_parts * num_heads,
+                                out + i * row);
             }
         }
+        free(own);
     }
     free(part_out);
-    free(part_max);
-    free(part_sum);
-    return TANDEM_OK;
+    return failed ? TANDEM_NO_MEMORY : TANDEM_OK;
 }

@@ -6,33 +6,44 @@
  *   Q4_0 (18 bytes): fp16 d, 16 bytes of nibbles;      w = d * (q - 8)
  *   Q4_1 (20 bytes): fp16 d, fp16 m, 16 bytes nibbles; w = d * q + m
  *   Q8_0 (34 bytes): fp16 d, 32 int8;                  w = d * q
- *   F32 (128 bytes): 32 float32 (not quantized; its own float kernel, f32_matmul)
+ *   F32 (128 bytes): 32 float32 (not quantized; its own float kernels, f32_matmul)
  * Nibble j of a Q4 block (byte j & 15) is element j, byte j >> 4 is element j + 16.
  *
  * Method (llama.cpp's, ggml-cpu quants.c): each 32-element block of every activation row is
  * quantized to int8 with its own scale dx = max|x| / 127; the block dot product is an integer
  * sum of u8 weight x s8 activation products, scaled in float. Every format is unpacked to
  * unsigned 8-bit u with w = dw * u + cw (Q4_0: u = q, cw = -8 dw; Q4_1: u = q, cw = m;
- * Q8_0: u = q + 128, cw = -128 dw), so one integer kernel serves all three:
- *   dot(w_b, x_b) = dw dx sum(u q_x) + cw dx sum(q_x).
- * Work: tiles of TILE_N weight rows spread over OpenMP threads; a thread unpacks its tile once
- * (L1-resident) and runs every activation row against it, so a batch of M rows reads the
- * weights from memory once. Paths: AVX512-VNNI (vpdpbusd), AVX2 (widen to 16 bits,
- * vpmaddwd), scalar; compiled in by -march=native (the build is keyed by the CPU's flags), the
- * best one run unless the caller caps it (isa argument: tests force AVX2 and scalar).
- * AVX512-VNNI at batch >= 6 (PANEL_MIN): each tile of 16 weight rows is unpacked row-interleaved
- * (unpack_tile: a register holds 4 u8 of each of the 16 rows) and every activation dword (4 int8
- * of one row, as quantize_row wrote them) is broadcast against two tiles (TILE_MICRO, 2 tiles x
- * 5 activation rows): a result row is 64-byte stores, each weight load serves 5 activation rows,
- * each activation load 2 tiles, and the float scaling runs once per block per 8 vpdpbusd.
- * There Q4_0 and Q8_0 (cw = -z dw, z = 8 or 128) fold the cw term into the integer sum:
- * dw dx (sum(u q) - z sum(q)), exact in int32 (|sum| <= 32 * 128 * 127), one FMA fewer. Fewer rows (decode at batch 1-5) skip the unpacked copy: for
- * Q4_0 and Q4_1 the gemv kernel (gemv_block_rows) runs four blocks per register straight from the file's
- * bytes, and the Q8_0 direct kernels (DIRECT) unpack each block pair in registers; both
- * prefetch the rows ahead (the weights stream from DRAM at every decode step). AVX2 (no VNNI)
- * runs 16-row activation panels for the Q4 formats with vpmaddubsw (PANEL_AVX2).
- * ISA_AVX512_ROWS keeps the earlier row kernels (4 weight rows x 1-2 activation rows on the
- * unpacked tile, MICRO) selectable for benchmarks.
+ * Q8_0: u = q + 128, cw = -128 dw).
+ *
+ * One order of sums per output, whatever the path (batch invariance): an output is the same
+ * float32 bits whether its activation row came alone, among 3 or 500 others, at any position,
+ * on any number of threads, and on the AVX512-VNNI, AVX2 or scalar path (the "Defeating
+ * Nondeterminism in LLM Inference" recipe, Thinking Machines 2025: every kernel reduces a row
+ * in one fixed order). Per output, with S_b = sum(u q) over block b (int32, exact) and
+ * sq_b = sum(q):
+ *   Q4_1:        acc = fma(S_b, dw_b dx_b, acc); acc = fma(cw_b, dx_b sq_b, acc)   b = 0, 1, ...
+ *   Q4_0, Q8_0:  acc = fma(S_b - z sq_b, dw_b dx_b, acc)  (cw = -z dw folded into the integer
+ *                sum, exact in int32: |sum| <= 32 * 255 * 127; z = 8 or 128)
+ *   F32:         16 lane sums (lane j: k = j mod 16, k in order, one fma each), then one tree
+ *                (tree16 below, hsum4's order).
+ * Integer sums may be formed in any order (exact); only the float steps above are ordered.
+ * This file is built without -ffast-math so the compiler keeps that order.
+ *
+ * Work: tiles of TILE_N weight rows spread over OpenMP threads; each output is computed by
+ * one thread. Paths: AVX512-VNNI (vpdpbusd), AVX2 (widen to 16 bits, vpmaddwd), scalar;
+ * compiled in by -march=native (the build is keyed by the CPU's flags), the best one run
+ * unless the caller caps it (isa argument: tests force AVX2 and scalar).
+ * - AVX512-VNNI, batch >= 6 (TILED_MIN_Q4; Q8_0 from 10): each tile of 16 weight rows is unpacked
+ *   row-interleaved (unpack_tile: a register holds 4 u8 of each of the 16 rows) and every
+ *   activation dword (4 int8 of one row) is broadcast against two tiles (TILE_MICRO, 2 tiles x
+ *   5 activation rows): a lane is an output column, so the block loop is the order above.
+ * - AVX512-VNNI, smaller batches (decode): no unpacked copy (batch 1 streams ~96 MB of weights a
+ *   token). Per 16 weight rows, each row's bytes (4 Q4 blocks, or 2 Q8_0 blocks, a register)
+ *   meet the activations in one or two vpdpbusd; the 16 rows' partial sums are transposed into
+ *   registers whose lanes are the 16 rows (transpose_sums4 / transpose_sums2: integer adds and
+ *   shuffles), and the float steps run per block with lanes = rows, as the tiled path does.
+ * - AVX2: 16-row activation panels for the Q4 formats with vpmaddubsw (PANEL_AVX2); the other
+ *   rows and Q8_0 form each block's integer sum with vpmaddwd, then the float steps in order.
  */
 #include <math.h>
 #include <stdint.h>
@@ -47,7 +58,6 @@
 #include "simd_sums.h"
 
 #define QK 32
-#define LANES 8 /* a block's scale is repeated over 8 float lanes (one ymm of block sums) */
 #define TILE_N 16
 #define MAX_PARTS 8 /* weight parts stacked along N in one call */
 #define FMT_Q4_0 0
@@ -61,12 +71,21 @@
 /* dot-product paths, best last; the caller may cap the path (tests force AVX2 and scalar) */
 #define ISA_SCALAR 0
 #define ISA_AVX2 1
-#define ISA_AVX512_ROWS 2 /* VNNI on row-major blocks, 4 weight x 1-2 activation rows */
-#define ISA_AVX512 3      /* ISA_AVX512_ROWS plus the row-interleaved tiles (batch >= PANEL_MIN) */
+#define ISA_AVX512 2
 #define PANEL 16
-#define PANEL_MIN 6
-#define PAIR 64 /* bytes of int8 activations per block pair (direct kernels) */
-#define GEMV_GROUP 128 /* activation bytes per 4 blocks, gemv kernel: 64 of elements 0-15, 64 of 16-31 */
+#define PANEL_MIN 6 /* activation rows from which the AVX2 panels run */
+/* activation rows from which the AVX-512 tiles run (fewer: q4_rows16 / q8_rows16); measured,
+ * kernel alone: the LM head's Q8_0 rows kernel beats unpacking its 49,152 rows up to ~10 */
+#define TILED_MIN_Q4 6
+#define TILED_MIN_Q8 10
+#define GEMV_GROUP 128 /* activation bytes per 4 Q4 blocks, row kernel: 64 of elements 0-15, 64 of 16-31 */
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
+#define HAVE_VNNI 1
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+#define HAVE_AVX2 1
+#endif
 
 static float fp16_to_f32(uint16_t h) {
     uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
@@ -90,9 +109,9 @@ int tandem_quant_block_bytes(int fmt) {
 
 /* The best path this build has: ISA_AVX512, ISA_AVX2 or ISA_SCALAR. */
 int tandem_quant_max_isa(void) {
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if defined(HAVE_VNNI)
     return ISA_AVX512;
-#elif defined(__AVX2__)
+#elif defined(HAVE_AVX2)
     return ISA_AVX2;
 #else
     return ISA_SCALAR;
@@ -109,7 +128,12 @@ static inline float half_at(const uint8_t *p) {
 #endif
 }
 
-/* One weight row (nb blocks at src) -> u[K] unsigned, dw[nb * LANES], cw[b * cw_stride]. */
+/* The zero point folded into the integer sums: 8 (Q4_0), 128 (Q8_0), 0 (Q4_1: cw is a float). */
+static inline int32_t zero_point(int fmt) {
+    return fmt == FMT_Q8_0 ? 128 : fmt == FMT_Q4_0 ? 8 : 0;
+}
+
+/* One weight row (nb blocks at src) -> u[K] unsigned, dw[nb], cw[b * cw_stride]. */
 static void unpack_row(int fmt, const uint8_t *src, int64_t nb, uint8_t *u, float *dw, float *cw,
                        int64_t cw_stride) {
     const int bytes = tandem_quant_block_bytes(fmt);
@@ -119,7 +143,7 @@ static void unpack_row(int fmt, const uint8_t *src, int64_t nb, uint8_t *u, floa
         uint8_t *ub = u + b * QK;
         if (fmt == FMT_Q8_0) {
 #if defined(__AVX2__)
-            __m256i q = _mm256_loadu_si256((const __m256i *)(blk + 2));
+            const __m256i q = _mm256_loadu_si256((const __m256i *)(blk + 2));
             _mm256_storeu_si256((__m256i *)ub, _mm256_xor_si256(q, _mm256_set1_epi8((char)0x80)));
 #else
             for (int j = 0; j < QK; j++) ub[j] = (uint8_t)(blk[2 + j] ^ 0x80);
@@ -128,7 +152,7 @@ static void unpack_row(int fmt, const uint8_t *src, int64_t nb, uint8_t *u, floa
         } else {
             const uint8_t *qs = blk + (fmt == FMT_Q4_1 ? 4 : 2);
 #if defined(__AVX2__)
-            __m128i q = _mm_loadu_si128((const __m128i *)qs), mask = _mm_set1_epi8(0x0f);
+            const __m128i q = _mm_loadu_si128((const __m128i *)qs), mask = _mm_set1_epi8(0x0f);
             _mm_storeu_si128((__m128i *)ub, _mm_and_si128(q, mask));
             _mm_storeu_si128((__m128i *)(ub + QK / 2), _mm_and_si128(_mm_srli_epi16(q, 4), mask));
 #else
@@ -139,16 +163,12 @@ static void unpack_row(int fmt, const uint8_t *src, int64_t nb, uint8_t *u, floa
 #endif
             cw[b * cw_stride] = fmt == FMT_Q4_1 ? half_at(blk + 2) : -8.0f * d;
         }
-#if defined(__AVX2__)
-        _mm256_storeu_ps(dw + b * LANES, _mm256_set1_ps(d));
-#else
-        for (int l = 0; l < LANES; l++) dw[b * LANES + l] = d;
-#endif
+        dw[b] = d;
     }
 }
 
-/* One activation row x[K] -> q[K] int8, dx[nb * LANES], sx[nb] = dx * sum(q) per block and,
- * when zq is given, zq[nb] = -z * sum(q) (the tiled path's zero-point term, Q4_0 and Q8_0). */
+/* One activation row x[K] -> q[K] int8, dx[nb], sx[nb] = dx * sum(q) and zq[nb] = -z * sum(q)
+ * per block (zq: the zero-point term of Q4_0 and Q8_0, z = zero_point). */
 static void quantize_row(const float *x, int64_t nb, int8_t *q, float *dx, float *sx, int32_t *zq,
                          int32_t z) {
     int64_t b = 0;
@@ -164,10 +184,10 @@ static void quantize_row(const float *x, int64_t nb, int8_t *q, float *dx, float
         const __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, _mm512_set1_ps(inv)));
         _mm_storeu_si128((__m128i *)(q + b * QK), _mm512_cvtsepi32_epi8(qlo));
         _mm_storeu_si128((__m128i *)(q + b * QK + 16), _mm512_cvtsepi32_epi8(qhi));
-        _mm256_storeu_ps(dx + b * LANES, _mm256_set1_ps(d));
         const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
+        dx[b] = d;
         sx[b] = d * (float)sum;
-        if (zq) zq[b] = -z * sum;
+        zq[b] = -z * sum;
     }
 #endif
     for (; b < nb; b++) {
@@ -181,104 +201,217 @@ static void quantize_row(const float *x, int64_t nb, int8_t *q, float *dx, float
             q[b * QK + j] = (int8_t)v;
             sum += v;
         }
-        for (int l = 0; l < LANES; l++) dx[b * LANES + l] = d;
+        dx[b] = d;
         sx[b] = d * (float)sum;
-        if (zq) zq[b] = -z * sum;
+        zq[b] = -z * sum;
     }
 }
 
-/* sum_b dw_b dx_b sum(u_b q_b): the integer part of one (weight row, activation row) dot. */
-static float dot_blocks(const uint8_t *u, const float *dw, const int8_t *q, const float *dx,
-                        int64_t nb, int isa) {
+/* ---- the float steps of one output (every path's order; the AVX2 and scalar rows) ---- */
+
+/* sum(u q) of every block of one (weight row, activation row) pair into S[nb] (exact). */
+static void block_sums(const uint8_t *u, const int8_t *q, int64_t nb, int32_t *S, int isa) {
     int64_t b = 0;
-    float total = 0.0f;
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-    __m512 acc = _mm512_setzero_ps();
-    if (isa < ISA_AVX512_ROWS) b = nb; /* skip this path: an empty loop, acc stays zero */
-    for (; b + 2 <= nb; b += 2) {
-        __m512i wi = _mm512_loadu_si512((const void *)(u + b * QK));
-        __m512i xi = _mm512_loadu_si512((const void *)(q + b * QK));
-        __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wi, xi);
-        __m512 scale = _mm512_mul_ps(_mm512_loadu_ps(dw + b * LANES), _mm512_loadu_ps(dx + b * LANES));
-        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), scale, acc);
-    }
-    total = _mm512_reduce_add_ps(acc);
-    if (isa < ISA_AVX512_ROWS) b = 0;
-#endif
-#if defined(__AVX2__)
-    __m256 acc8 = _mm256_setzero_ps();
+#if defined(HAVE_AVX2)
     for (; isa >= ISA_AVX2 && b < nb; b++) {
-        __m256i wi = _mm256_loadu_si256((const __m256i *)(u + b * QK));
-        __m256i xi = _mm256_loadu_si256((const __m256i *)(q + b * QK));
-        __m256i w_lo = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(wi));
-        __m256i w_hi = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(wi, 1));
-        __m256i x_lo = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(xi));
-        __m256i x_hi = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(xi, 1));
+        const __m256i wi = _mm256_loadu_si256((const __m256i *)(u + b * QK));
+        const __m256i xi = _mm256_loadu_si256((const __m256i *)(q + b * QK));
+        const __m256i w_lo = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(wi));
+        const __m256i w_hi = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(wi, 1));
+        const __m256i x_lo = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(xi));
+        const __m256i x_hi = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(xi, 1));
         __m256i s = _mm256_add_epi32(_mm256_madd_epi16(w_lo, x_lo), _mm256_madd_epi16(w_hi, x_hi));
-        __m256 scale = _mm256_mul_ps(_mm256_loadu_ps(dw + b * LANES), _mm256_loadu_ps(dx + b * LANES));
-        acc8 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, acc8);
+        __m128i h = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+        h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4e));
+        h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0xb1));
+        S[b] = _mm_cvtsi128_si32(h);
     }
-    __m128 r = _mm_add_ps(_mm256_castps256_ps128(acc8), _mm256_extractf128_ps(acc8, 1));
-    r = _mm_add_ps(r, _mm_movehl_ps(r, r));
-    r = _mm_add_ss(r, _mm_movehdup_ps(r));
-    total += _mm_cvtss_f32(r);
 #endif
+    (void)isa;
     for (; b < nb; b++) {
         int32_t s = 0;
         for (int j = 0; j < QK; j++) s += (int32_t)u[b * QK + j] * (int32_t)q[b * QK + j];
-        total += dw[b * LANES] * dx[b * LANES] * (float)s;
+        S[b] = s;
     }
-    return total;
 }
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-#define HAVE_MICROKERNEL 1
+/* out[r] for the tile's rows r < rows (<= TILE_N) and one activation row, from the block sums
+ * S [rows][nb], in the order of the header: the weight rows' dw [rows][nb] and cw [nb][TILE_N],
+ * the activation row's dx, sx, zq [nb]; zp: Q4_0 / Q8_0's form. The loop over rows is inside,
+ * so each step is one vector FMA across them (the compiler vectorises fmaf with FMA). */
+static void ordered_rows(const int32_t *S, const float *dw, const float *cw, int64_t rows,
+                         const float *dx, const float *sx, const int32_t *zq, int64_t nb, int zp,
+                         float *out) {
+    float acc[TILE_N] = {0};
+    for (int64_t b = 0; b < nb; b++)
+        for (int64_t r = 0; r < TILE_N; r++) {
+            const float sc = dw[(r < rows ? r : 0) * nb + b] * dx[b];
+            if (zp) {
+                acc[r] = fmaf((float)(S[(r < rows ? r : 0) * nb + b] + zq[b]), sc, acc[r]);
+            } else {
+                acc[r] = fmaf((float)S[(r < rows ? r : 0) * nb + b], sc, acc[r]);
+                acc[r] = fmaf(cw[b * TILE_N + r], sx[b], acc[r]);
+            }
+        }
+    for (int64_t r = 0; r < rows; r++) out[r] = acc[r];
+}
+
+#if defined(HAVE_AVX2)
 /*
- * 4 weight rows (u, dw with row strides K and nb * LANES) x MR activation rows (MR = 1 or 2):
- * out[i][r] = sum_b dw_rb dx_ib sum(u_rb q_ib). Two blocks per 512-bit register; an odd last
- * block is read with masks (zero upper half).
+ * The 16-row panels on AVX2 (no VNNI), Q4 formats only (u <= 15, so vpmaddubsw's int16 pair
+ * sums, at most 2 * 15 * 127, add up over a block's 8 groups without saturating: <= 30480):
+ * each half panel (8 rows) is one ymm; vpmaddubsw per 4 weights x 8 rows, one vpmaddwd per
+ * block. NR weight rows x both halves; res[h][r][lane]: rows h * 8 + lane of the panel. ZP:
+ * Q4_0's form (the zero point joins the integer sum), else Q4_1's.
  */
-#define MICRO(MR)                                                                              \
-    static void micro_4x##MR(const uint8_t *u, const float *dw, int64_t K, const int8_t *q,    \
-                             const float *dx, int64_t nb, float *out, int64_t ldo) {           \
-        const int64_t ldw = nb * LANES;                                                        \
-        __m512 acc[MR][4];                                                                     \
-        for (int i = 0; i < MR; i++)                                                           \
-            for (int r = 0; r < 4; r++) acc[i][r] = _mm512_setzero_ps();                       \
-        for (int64_t b = 0; b < nb; b += 2) {                                                  \
-            const __mmask64 bm = b + 2 <= nb ? ~(__mmask64)0 : (__mmask64)0xffffffffu;         \
-            const __mmask16 fm = b + 2 <= nb ? (__mmask16)0xffff : (__mmask16)0x00ff;          \
-            __m512i wv[4];                                                                     \
-            __m512 ws[4];                                                                      \
-            for (int r = 0; r < 4; r++) {                                                      \
-                wv[r] = _mm512_maskz_loadu_epi8(bm, u + r * K + b * QK);                       \
-                ws[r] = _mm512_maskz_loadu_ps(fm, dw + r * ldw + b * LANES);                   \
+#define PANEL_AVX2(NR, ZP, NAME)                                                               \
+    static void NAME(const uint8_t *u, const float *dw, const float *cw, int64_t K,            \
+                     const uint8_t *xt, const float *dxt, const int32_t *zt, int64_t nb,       \
+                     float *res) {                                                             \
+        const __m256i ones = _mm256_set1_epi16(1);                                             \
+        __m256 acc[2][NR];                                                                     \
+        for (int h = 0; h < 2; h++)                                                            \
+            for (int r = 0; r < NR; r++) acc[h][r] = _mm256_setzero_ps();                      \
+        for (int64_t b = 0; b < nb; b++) {                                                     \
+            __m256i s[2][NR];                                                                  \
+            for (int h = 0; h < 2; h++)                                                        \
+                for (int r = 0; r < NR; r++) s[h][r] = _mm256_setzero_si256();                 \
+            for (int g = 0; g < QK / 4; g++) {                                                 \
+                const uint8_t *xg = xt + (b * 8 + g) * 64;                                     \
+                const __m256i x0 = _mm256_loadu_si256((const __m256i *)xg);                    \
+                const __m256i x1 = _mm256_loadu_si256((const __m256i *)(xg + 32));            \
+                for (int r = 0; r < NR; r++) {                                                 \
+                    int32_t w4;                                                                \
+                    memcpy(&w4, u + r * K + b * QK + 4 * g, 4);                                \
+                    const __m256i wv = _mm256_set1_epi32(w4);                                  \
+                    s[0][r] = _mm256_add_epi16(s[0][r], _mm256_maddubs_epi16(wv, x0));         \
+                    s[1][r] = _mm256_add_epi16(s[1][r], _mm256_maddubs_epi16(wv, x1));         \
+                }                                                                              \
             }                                                                                  \
-            for (int i = 0; i < MR; i++) {                                                     \
-                __m512i xv = _mm512_maskz_loadu_epi8(bm, q + i * K + b * QK);                  \
-                __m512 xs = _mm512_maskz_loadu_ps(fm, dx + i * ldw + b * LANES);               \
-                for (int r = 0; r < 4; r++) {                                                  \
-                    __m512i sv = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv[r], xv);       \
-                    __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(sv), xs);                      \
-                    acc[i][r] = _mm512_fmadd_ps(f, ws[r], acc[i][r]);                          \
+            for (int h = 0; h < 2; h++) {                                                      \
+                const float *dp = dxt + b * 2 * PANEL + h * 8;                                 \
+                const __m256 dxv = _mm256_loadu_ps(dp), sxv = _mm256_loadu_ps(dp + PANEL);     \
+                const __m256i zv = _mm256_loadu_si256((const __m256i *)(zt + b * PANEL + h * 8)); \
+                for (int r = 0; r < NR; r++) {                                                 \
+                    __m256i si = _mm256_madd_epi16(s[h][r], ones);                             \
+                    if (ZP) si = _mm256_add_epi32(si, zv);                                     \
+                    const __m256 sc = _mm256_mul_ps(_mm256_set1_ps(dw[r * nb + b]), dxv);      \
+                    acc[h][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(si), sc, acc[h][r]);        \
+                    if (!ZP)                                                                   \
+                        acc[h][r] = _mm256_fmadd_ps(_mm256_set1_ps(cw[b * TILE_N + r]), sxv,   \
+                                                    acc[h][r]);                                \
                 }                                                                              \
             }                                                                                  \
         }                                                                                      \
-        for (int i = 0; i < MR; i++)                                                           \
-            _mm_storeu_ps(out + i * ldo, hsum4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]));   \
+        for (int h = 0; h < 2; h++)                                                            \
+            for (int r = 0; r < NR; r++) _mm256_storeu_ps(res + (r * 2 + h) * 8, acc[h][r]);   \
     }
-MICRO(1)
-MICRO(2)
+PANEL_AVX2(2, 0, panel2_2)
+PANEL_AVX2(1, 0, panel2_1)
+PANEL_AVX2(2, 1, panel2_2_z)
+PANEL_AVX2(1, 1, panel2_1_z)
 
+/* Every panel against the tile's rows (u, dw, cw as unpack_row writes them), two at a time. */
+static void run_panels_avx2(const uint8_t *u, const float *dw, const float *cw, int64_t rows,
+                            const uint8_t *xt, const float *dxt, const int32_t *zt,
+                            int64_t panels, int64_t M, int64_t K, int64_t nb, int zp, float *out,
+                            int64_t ldo) {
+    float res[2 * PANEL];
+    for (int64_t p = 0; p < panels; p++) {
+        const uint8_t *xp = xt + p * nb * QK * PANEL;
+        const float *dp = dxt + p * nb * 2 * PANEL;
+        const int32_t *zp_ = zt + p * nb * PANEL;
+        for (int64_t r0 = 0; r0 < rows;) {
+            const int nr = rows - r0 >= 2 ? 2 : 1;
+            const uint8_t *ur = u + r0 * K;
+            const float *dr = dw + r0 * nb, *cr = cw + r0;
+            if (zp) (nr == 2 ? panel2_2_z : panel2_1_z)(ur, dr, cr, K, xp, dp, zp_, nb, res);
+            else (nr == 2 ? panel2_2 : panel2_1)(ur, dr, cr, K, xp, dp, zp_, nb, res);
+            for (int r = 0; r < nr; r++)
+                for (int l = 0; l < PANEL; l++) {
+                    const int64_t m = p * PANEL + l;
+                    if (m < M) out[m * ldo + r0 + r] = res[r * PANEL + l];
+                }
+            r0 += nr;
+        }
+    }
+}
+#endif
+
+/* Activation rows served by the AVX2 16-row panels (Q4 formats): whole panels, plus a padded
+ * last one when it holds at least PANEL_MIN rows (fewer run through the row loop). */
+static int64_t panel_rows(int64_t M, int isa, int fmt) {
+    const int64_t mp = M % PANEL >= PANEL_MIN ? M : M - M % PANEL;
+#if defined(HAVE_AVX2)
+    if (isa == ISA_AVX2 && fmt != FMT_Q8_0) return mp;
+#endif
+    (void)mp, (void)isa, (void)fmt;
+    return 0;
+}
+
+/* Rows [0, mp) of xq/dx/sx/zq interleaved into 16-row panels (PANEL_AVX2's layout): xt
+ * [panels][nb][8 groups][16 rows][4], dxt [panels][nb][dx x 16, sx x 16], zt
+ * [panels][nb][16]; pad rows 0. */
+static void interleave_panels(const int8_t *xq, const float *dx, const float *sx,
+                              const int32_t *zq, int64_t mp, int64_t M, int64_t nb, uint8_t *xt,
+                              float *dxt, int32_t *zt) {
+    const int64_t panels = (mp + PANEL - 1) / PANEL, K = nb * QK;
+    for (int64_t p = 0; p < panels; p++)
+        for (int64_t b = 0; b < nb; b++)
+            for (int l = 0; l < PANEL; l++) {
+                const int64_t m = p * PANEL + l;
+                uint8_t *dst = xt + p * nb * QK * PANEL + b * QK * PANEL + l * 4;
+                for (int g = 0; g < QK / 4; g++) {
+                    if (m < M) memcpy(dst + g * PANEL * 4, xq + m * K + b * QK + g * 4, 4);
+                    else memset(dst + g * PANEL * 4, 0, 4);
+                }
+                dxt[(p * nb + b) * 2 * PANEL + l] = m < M ? dx[m * nb + b] : 0.0f;
+                dxt[(p * nb + b) * 2 * PANEL + PANEL + l] = m < M ? sx[m * nb + b] : 0.0f;
+                zt[(p * nb + b) * PANEL + l] = m < M ? zq[m * nb + b] : 0;
+            }
+}
+
+/* out[m, r] for the tile's rows (u, dw, cw: row strides K, nb, 1 with cw [nb][TILE_N]), every
+ * activation row m: AVX2 panels where they apply, the ordered row loop for the rest. */
+static void run_tile(const uint8_t *u, const float *dw, const float *cw, int64_t rows,
+                     const int8_t *xq, const float *dx, const float *sx, const int32_t *zq,
+                     const uint8_t *xt, const float *dxt, const int32_t *zt, int64_t M,
+                     int64_t K, int64_t nb, float *out, int64_t ldo, int isa, int fmt,
+                     int32_t *S) {
+    const int zp = zero_point(fmt) != 0;
+    const int64_t mp = panel_rows(M, isa, fmt);
+#if defined(HAVE_AVX2)
+    if (mp > 0)
+        run_panels_avx2(u, dw, cw, rows, xt, dxt, zt, (mp + PANEL - 1) / PANEL, M, K, nb, zp, out,
+                        ldo);
+#endif
+    (void)xt, (void)dxt, (void)zt;
+    for (int64_t m = mp; m < M; m++) {
+        for (int64_t r = 0; r < rows; r++) block_sums(u + r * K, xq + m * K, nb, S + r * nb, isa);
+        ordered_rows(S, dw, cw, rows, dx + m * nb, sx + m * nb, zq + m * nb, nb, zp,
+                     out + m * ldo);
+    }
+}
+
+/* Tile t of the parts (tile_end: cumulative tile counts): its part, first row and row count. */
+static inline int64_t locate_tile(int64_t t, const int64_t *tile_end, const int64_t *part_rows,
+                                  int *part, int64_t *r0) {
+    int p = 0;
+    while (t >= tile_end[p]) p++;
+    *part = p;
+    *r0 = (t - (p ? tile_end[p - 1] : 0)) * TILE_N;
+    return part_rows[p] - *r0 < TILE_N ? part_rows[p] - *r0 : TILE_N;
+}
+
+#if defined(HAVE_VNNI)
 /*
- * Batch >= PANEL_MIN (decode at batch 6+, prefill), AVX512-VNNI: a tile of 16 weight rows is
+ * Batch >= TILED_MIN_Q4 (decode at batch 6+, prefill), AVX512-VNNI: a tile of 16 weight rows is
  * unpacked once into a row-interleaved copy (unpack_tile: per block, per group g of 4
  * elements, the 16 rows' 4 u8 side by side: 64 bytes, one register), and each activation
  * dword (4 int8 of one row) is broadcast against it: one vpdpbusd = 4 elements x 16 weight
  * rows (ggml-cpu's repacked GEMM, repack.cpp, with the roles of its operands as here). The
  * 16 lanes are 16 output columns, so a result row is one 64-byte store, and the activations
- * are read as quantize_row wrote them (no interleaved copy). Per block the int32 sums are
- * scaled as everywhere else: acc += float(s) * (dw dx) + cw sx, lane by lane.
+ * are read as quantize_row wrote them (no interleaved copy).
  */
 
 /* 16 weight rows (at src, row_bytes apart; nb blocks of fmt each) -> ut [nb][8][16][4] u8,
@@ -328,10 +461,10 @@ static void unpack_tile(int fmt, const uint8_t *src, int64_t row_bytes, int64_t 
     }
 }
 
-/* out[i * ldo + 16 t + r] for MR activation rows (xq, dx, sx at row m: quantize_row's layout)
- * x NT tiles of 16 weight rows (ut, dwt, cwt for tile t at t * nb * 512, t * nb * 16; the last
- * tile's rows r where rmask is set). Each broadcast activation dword serves the NT tiles:
- * 2 x 5 (10 int32 sums, 10 float sums in registers) measured fastest, ~1.25x 1 x 8. */
+/* out[i * ldo + 16 t + r] for MR activation rows (xq, dx, sx, zq at row m: quantize_row's
+ * layout) x NT tiles of 16 weight rows (ut, dwt, cwt for tile t at t * nb * 512, t * nb * 16;
+ * the last tile's rows r where rmask is set). Each broadcast activation dword serves the NT
+ * tiles: 2 x 5 (10 int32 sums, 10 float sums in registers) measured fastest, ~1.25x 1 x 8. */
 #define TILE_MICRO(NT, MR, ZP, NAME)                                                           \
     static void NAME(const uint8_t *ut, const float *dwt, const float *cwt, int64_t nb,        \
                      const int8_t *xq, const float *dx, const float *sx, const int32_t *zq,    \
@@ -361,7 +494,7 @@ static void unpack_tile(int fmt, const uint8_t *src, int64_t row_bytes, int64_t 
                 const __m512 dwv = _mm512_loadu_ps(dwt + t * nb * 16 + b * 16);                \
                 const __m512 cwv = ZP ? dwv : _mm512_loadu_ps(cwt + t * nb * 16 + b * 16);     \
                 for (int i = 0; i < MR; i++) {                                                 \
-                    const __m512 dxv = _mm512_set1_ps(dx[(i * nb + b) * LANES]);               \
+                    const __m512 dxv = _mm512_set1_ps(dx[i * nb + b]);                         \
                     const __m512 sc = _mm512_mul_ps(dwv, dxv);                                 \
                     acc[t][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[t][i]), sc, acc[t][i]);   \
                     if (!ZP)                                                                   \
@@ -403,7 +536,8 @@ typedef void (*tile_fn)(const uint8_t *, const float *, const float *, int64_t, 
  * activation rows (then 4..1) against both; a lone last tile runs chunks of 8. */
 static void run_tile_rows(const uint8_t *ut, const float *dwt, const float *cwt, int64_t nt,
                           int64_t rows, const int8_t *xq, const float *dx, const float *sx,
-                          const int32_t *zq, int64_t M, int64_t nb, float *out, int64_t ldo) {
+                          const int32_t *zq, int zp, int64_t M, int64_t nb, float *out,
+                          int64_t ldo) {
     static const tile_fn pairs[2][6] = {
         {NULL, tile_2x1, tile_2x2, tile_2x3, tile_2x4, tile_2x5},
         {NULL, tile_2x1_z, tile_2x2_z, tile_2x3_z, tile_2x4_z, tile_2x5_z}};
@@ -411,7 +545,7 @@ static void run_tile_rows(const uint8_t *ut, const float *dwt, const float *cwt,
         {NULL, tile_1x1, tile_1x2, tile_1x2, tile_1x4, tile_1x4, tile_1x4, tile_1x4, tile_1x8},
         {NULL, tile_1x1_z, tile_1x2_z, tile_1x2_z, tile_1x4_z, tile_1x4_z, tile_1x4_z, tile_1x4_z,
          tile_1x8_z}};
-    const tile_fn *pair = pairs[zq != NULL], *one = ones[zq != NULL];
+    const tile_fn *pair = pairs[zp], *one = ones[zp];
     static const int one_rows[9] = {0, 1, 2, 2, 4, 4, 4, 4, 8};
     const int64_t K = nb * QK;
     for (int64_t j = 0; j < nt;) {
@@ -422,9 +556,8 @@ static void run_tile_rows(const uint8_t *ut, const float *dwt, const float *cwt,
             const int64_t left = M - m;
             const int mr = two ? (left >= 5 ? 5 : (int)left) : one_rows[left >= 8 ? 8 : left];
             (two ? pair[mr] : one[mr])(ut + j * nb * 512, dwt + j * nb * 16, cwt + j * nb * 16,
-                                       nb, xq + m * K, dx + m * nb * LANES, sx + m * nb,
-                                       zq ? zq + m * nb : NULL, out + m * ldo + j * TILE_N, ldo,
-                                       rm);
+                                       nb, xq + m * K, dx + m * nb, sx + m * nb, zq + m * nb,
+                                       out + m * ldo + j * TILE_N, ldo, rm);
             m += mr;
         }
         j += 1 + two;
@@ -471,8 +604,8 @@ static int run_tiled(int fmt, const uint8_t *const *parts, const int64_t *part_r
             unpack_tile(fmt, src, row_bytes, nb, ut + j * nb * 512, dwt + j * nb * 16,
                         cwt + j * nb * 16);
         }
-        run_tile_rows(ut, dwt, cwt, nt, rows, xq, dx, sx, zq, M, nb, out + row_start[p] + r0,
-                      ldo);
+        run_tile_rows(ut, dwt, cwt, nt, rows, xq, dx, sx, zq, zero_point(fmt) != 0, M, nb,
+                      out + row_start[p] + r0, ldo);
     }
     free(ut);
     free(dwt);
@@ -480,162 +613,56 @@ static int run_tiled(int fmt, const uint8_t *const *parts, const int64_t *part_r
 }
 
 /*
- * Small batches (M < PANEL_MIN: decode at batch 1-5), AVX512-VNNI: weight rows read straight
- * from the file's blocks, two blocks per 512-bit register, no unpacked copy (batch 1 streams
- * ~96 MB of weights a token: every pass over them counts). A Q4 pair (b, b+1) unpacks to
- * [b 0-15 | b+1 0-15 | b 16-31 | b+1 16-31] (low nibbles, then high); Q8_0 to [b | b+1]; the
- * activations are permuted to match once per call (permute_pairs). Lanes hold one block's
- * 4-element sums, so each pair is scaled by a per-lane dx (precomputed) times a blend of the two
- * blocks' d; the c_w sum(q) term is one more FMA with a per-lane sum(q) dx / 8.
+ * Batch 1-5 (decode), AVX512-VNNI: 16 weight rows read straight from the file's blocks, one
+ * register per row and chunk (4 Q4 blocks: their 16 nibble bytes in the four 128-bit lanes;
+ * 2 Q8_0 blocks: their 32 bytes in the two halves). One or two vpdpbusd leave each block's
+ * integer sum in 4 (Q4) or 8 (Q8_0) dwords of the row's register; transpose_sums4/2 add those
+ * and turn the 16 row registers into one register per block whose lanes are the 16 rows. The
+ * float steps then run per block, lanes = rows, exactly as the tiled path's: the blocks' d
+ * (and Q4_1's m) come from one gather per block for the 16 rows.
  */
 
-static void permute_pairs(int fmt, const int8_t *xq, const float *dx, const float *sx,
-                          int64_t M, int64_t nb, int8_t *xp, float *dxp) {
-    const int64_t np = (nb + 1) / 2;
-    for (int64_t m = 0; m < M; m++)
-        for (int64_t j = 0; j < np; j++) {
-            int8_t *dst = xp + (m * np + j) * PAIR;
-            float *ds = dxp + (m * np + j) * 2 * PANEL; /* 16 dx, then 16 sx / 8 */
-            for (int h = 0; h < 2; h++) {
-                const int64_t b = 2 * j + h;
-                const int8_t *src = xq + m * nb * QK + b * QK;
-                const float d = b < nb ? dx[(m * nb + b) * LANES] : 0.0f;
-                const float sum = b < nb ? sx[m * nb + b] / 8.0f : 0.0f;
-                for (int l = 0; l < 8; l++) {
-                    const int lane = fmt == FMT_Q8_0 ? h * 8 + l : (l / 4) * 8 + h * 4 + l % 4;
-                    ds[lane] = d, ds[PANEL + lane] = sum;
-                }
-                if (fmt == FMT_Q8_0) {
-                    if (b < nb) memcpy(dst + h * QK, src, QK);
-                    else memset(dst + h * QK, 0, QK);
-                } else {
-                    if (b < nb) {
-                        memcpy(dst + h * 16, src, 16);
-                        memcpy(dst + 32 + h * 16, src + 16, 16);
-                    } else {
-                        memset(dst + h * 16, 0, 16);
-                        memset(dst + 32 + h * 16, 0, 16);
-                    }
-                }
-            }
-        }
+/* R[r]: row r's register, 128-bit lane j holding 4 partial sums of block j -> T[j]: block j's
+ * sums of the 16 rows (lane r). Integer adds: exact in any order. */
+static inline __attribute__((always_inline)) void transpose_sums4(const __m512i *R, __m512i *T) {
+    __m512i P[8], Q[4];
+    for (int i = 0; i < 8; i++) /* lane j: [r0 d0+d2, r1 d0+d2, r0 d1+d3, r1 d1+d3] */
+        P[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(R[2 * i], R[2 * i + 1]),
+                                _mm512_unpackhi_epi32(R[2 * i], R[2 * i + 1]));
+    for (int k = 0; k < 4; k++) /* lane j: the sums of rows 4k .. 4k + 3 */
+        Q[k] = _mm512_add_epi32(_mm512_unpacklo_epi64(P[2 * k], P[2 * k + 1]),
+                                _mm512_unpackhi_epi64(P[2 * k], P[2 * k + 1]));
+    const __m512i X0 = _mm512_shuffle_i32x4(Q[0], Q[1], 0x44), X1 = _mm512_shuffle_i32x4(Q[0], Q[1], 0xEE);
+    const __m512i X2 = _mm512_shuffle_i32x4(Q[2], Q[3], 0x44), X3 = _mm512_shuffle_i32x4(Q[2], Q[3], 0xEE);
+    T[0] = _mm512_shuffle_i32x4(X0, X2, 0x88);
+    T[1] = _mm512_shuffle_i32x4(X0, X2, 0xDD);
+    T[2] = _mm512_shuffle_i32x4(X1, X3, 0x88);
+    T[3] = _mm512_shuffle_i32x4(X1, X3, 0xDD);
 }
 
-static inline __attribute__((always_inline)) void load_pair(const int fmt, const uint8_t *b0,
-                                                           int has1, __m512i *wv, __m512 *dwv,
-                                                           __m512 *cwv) {
-    const int bytes = fmt == FMT_Q4_0 ? 18 : fmt == FMT_Q4_1 ? 20 : 34;
-    const uint8_t *b1 = b0 + bytes;
-    const float d0 = half_at(b0), d1 = has1 ? half_at(b1) : 0.0f;
-    if (fmt == FMT_Q8_0) {
-        const __m256i lo = _mm256_loadu_si256((const __m256i *)(b0 + 2));
-        const __m256i hi =
-            has1 ? _mm256_loadu_si256((const __m256i *)(b1 + 2)) : _mm256_setzero_si256();
-        *wv = _mm512_xor_si512(_mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1),
-                               _mm512_set1_epi8((char)0x80));
-        *dwv = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(d0), _mm512_set1_ps(d1));
-        *cwv = _mm512_mul_ps(*dwv, _mm512_set1_ps(-128.0f));
-    } else {
-        const int off = fmt == FMT_Q4_1 ? 4 : 2;
-        const __m128i q0 = _mm_loadu_si128((const __m128i *)(b0 + off));
-        const __m128i q1 =
-            has1 ? _mm_loadu_si128((const __m128i *)(b1 + off)) : _mm_setzero_si128();
-        const __m256i v = _mm256_inserti128_si256(_mm256_castsi128_si256(q0), q1, 1);
-        const __m256i mask = _mm256_set1_epi8(0x0f);
-        const __m256i lo = _mm256_and_si256(v, mask);
-        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
-        *wv = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-        *dwv = _mm512_mask_blend_ps(0xF0F0, _mm512_set1_ps(d0), _mm512_set1_ps(d1));
-        if (fmt == FMT_Q4_1)
-            *cwv = _mm512_mask_blend_ps(0xF0F0, _mm512_set1_ps(half_at(b0 + 2)),
-                                        _mm512_set1_ps(has1 ? half_at(b1 + 2) : 0.0f));
-        else
-            *cwv = _mm512_mul_ps(*dwv, _mm512_set1_ps(-8.0f));
-    }
+/* R[r]: row r's register, lanes 0-1 (128-bit) 8 partial sums of block 0, lanes 2-3 of block
+ * 1 -> T[0], T[1]: each block's sums of the 16 rows (lane r). */
+static inline __attribute__((always_inline)) void transpose_sums2(const __m512i *R, __m512i *T) {
+    __m512i P[8], Q[4];
+    for (int i = 0; i < 8; i++)
+        P[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(R[2 * i], R[2 * i + 1]),
+                                _mm512_unpackhi_epi32(R[2 * i], R[2 * i + 1]));
+    for (int k = 0; k < 4; k++) /* lane j: 4 rows' sums of that lane's 4 dwords */
+        Q[k] = _mm512_add_epi32(_mm512_unpacklo_epi64(P[2 * k], P[2 * k + 1]),
+                                _mm512_unpackhi_epi64(P[2 * k], P[2 * k + 1]));
+    /* [Q0 b, Q0 b+1, Q1 b, Q1 b+1], the same for rows 8-15 */
+    const __m512i Z0 = _mm512_add_epi32(_mm512_shuffle_i32x4(Q[0], Q[1], 0x88),
+                                        _mm512_shuffle_i32x4(Q[0], Q[1], 0xDD));
+    const __m512i Z1 = _mm512_add_epi32(_mm512_shuffle_i32x4(Q[2], Q[3], 0x88),
+                                        _mm512_shuffle_i32x4(Q[2], Q[3], 0xDD));
+    T[0] = _mm512_shuffle_i32x4(Z0, Z1, 0x88);
+    T[1] = _mm512_shuffle_i32x4(Z0, Z1, 0xDD);
 }
 
-/* out[i * ldo] = row . activation row i, i < MR (xp, dxp: permute_pairs' layout). Two
- * accumulators per row (even and odd pairs) keep two FMA chains in flight. */
-#define DIRECT(MR)                                                                             \
-    static inline __attribute__((always_inline)) void direct_##MR(                            \
-        const int fmt, const uint8_t *row, int64_t nb, const int8_t *xp, const float *dxp,    \
-        float *out, int64_t ldo) {                                                             \
-        const int bytes = fmt == FMT_Q4_0 ? 18 : fmt == FMT_Q4_1 ? 20 : 34;                    \
-        const int64_t np = (nb + 1) / 2;                                                       \
-        __m512 acc[2][MR];                                                                     \
-        for (int i = 0; i < MR; i++) acc[0][i] = acc[1][i] = _mm512_setzero_ps();              \
-        for (int64_t j = 0; j < np; j += 2) {                                                  \
-            for (int h = 0; h < 2; h++) {                                                      \
-                if (h == 1 && j + 1 >= np) break;                                              \
-                const int64_t jj = j + h;                                                      \
-                __m512i wv;                                                                    \
-                __m512 dwv, cwv;                                                               \
-                load_pair(fmt, row + 2 * jj * bytes, 2 * jj + 1 < nb, &wv, &dwv, &cwv);        \
-                for (int i = 0; i < MR; i++) {                                                 \
-                    const __m512i xv = _mm512_loadu_si512(xp + (i * np + jj) * PAIR);          \
-                    const __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv, xv);     \
-                    const float *dp = dxp + (i * np + jj) * 2 * PANEL;                         \
-                    const __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(s), _mm512_loadu_ps(dp)); \
-                    acc[h][i] = _mm512_fmadd_ps(f, dwv, acc[h][i]);                            \
-                    acc[h][i] = _mm512_fmadd_ps(cwv, _mm512_loadu_ps(dp + PANEL), acc[h][i]);  \
-                }                                                                              \
-            }                                                                                  \
-        }                                                                                      \
-        for (int i = 0; i < MR; i++)                                                           \
-            out[i * ldo] = _mm512_reduce_add_ps(_mm512_add_ps(acc[0][i], acc[1][i]));          \
-    }
-DIRECT(1)
-DIRECT(2)
-DIRECT(3)
-DIRECT(4)
-DIRECT(5)
-
-/* out[m, r] for rows [0, rows) at src (row_bytes apart), every m < M (< PANEL_MIN). */
-static inline __attribute__((always_inline)) void direct_rows_fmt(
-    const int fmt, const uint8_t *src, int64_t row_bytes, int64_t rows, const int8_t *xp,
-    const float *dxp, int64_t M, int64_t nb, float *out, int64_t ldo) {
-    const int64_t np = (nb + 1) / 2;
-    for (int64_t r = 0; r < rows; r++) {
-        /* NOTE: as in gemv_block_rows: prefetch the next rows (the Q8_0 LM head streams) */
-        for (int64_t line = 0; line < row_bytes; line += 64)
-            _mm_prefetch((const char *)(src + (r + 2) * row_bytes + line), _MM_HINT_T0);
-        for (int64_t m = 0; m < M;) {
-            const int64_t left = M - m;
-            const int8_t *x = xp + m * np * PAIR;
-            const float *d = dxp + m * np * 2 * PANEL;
-            float *o = out + m * ldo + r;
-            if (left >= 5) direct_5(fmt, src + r * row_bytes, nb, x, d, o, ldo);
-            else if (left == 4) direct_4(fmt, src + r * row_bytes, nb, x, d, o, ldo);
-            else if (left == 3) direct_3(fmt, src + r * row_bytes, nb, x, d, o, ldo);
-            else if (left == 2) direct_2(fmt, src + r * row_bytes, nb, x, d, o, ldo);
-            else direct_1(fmt, src + r * row_bytes, nb, x, d, o, ldo);
-            m += left >= 5 ? 5 : left;
-        }
-    }
-}
-
-/* Q8_0 only: the Q4 formats run gemv_rows (below) */
-static void direct_rows(const uint8_t *src, int64_t row_bytes, int64_t rows, const int8_t *xp,
-                        const float *dxp, int64_t M, int64_t nb, float *out, int64_t ldo) {
-    direct_rows_fmt(FMT_Q8_0, src, row_bytes, rows, xp, dxp, M, nb, out, ldo);
-}
-
-/*
- * Batch 1-5 on the Q4 formats ("gemv"): four blocks per register. The 16 nibble bytes of
- * blocks b..b+3 fill the four 128-bit lanes; the low nibbles (elements 0-15 of each block) and
- * the high nibbles (16-31) meet activations laid out the same way (gemv_layout), so two
- * vpdpbusd leave each block's integer sum in its lane's four dwords, and one permute spreads
- * the blocks' d_w dx to those lanes. The fp16 scales of 16 blocks come in one gather (d and m
- * share a dword in Q4_1) and the c_w dx sum(q) term is one FMA per 16 blocks with the
- * activations' block sums: about 3 instructions per block where the pair kernels above need
- * ~12 (the scales' scalar conversions and blends). Same integer sums and float terms.
- */
-
-/* Rows of xq/dx/sx -> xg [M, ceil(nb / 4) * GEMV_GROUP] int8, dxg and sxg [M, ceil(nb / 16)
- * * 16] float (dx and dx sum(q) per block), zero-padded. */
-static void gemv_layout(const int8_t *xq, const float *dx, const float *sx, int64_t M,
-                        int64_t nb, int8_t *xg, float *dxg, float *sxg) {
-    const int64_t ng = (nb + 3) / 4, nc = (nb + 15) / 16;
+/* Rows of xq -> xg [M, ceil(nb / 4) * GEMV_GROUP] int8 (per 4 blocks: elements 0-15 of each,
+ * then 16-31 of each), zero-padded: the Q4 row kernel's activation layout. */
+static void gemv_layout(const int8_t *xq, int64_t M, int64_t nb, int8_t *xg) {
+    const int64_t ng = (nb + 3) / 4;
     for (int64_t m = 0; m < M; m++) {
         int8_t *g = xg + m * ng * GEMV_GROUP;
         memset(g, 0, (size_t)(ng * GEMV_GROUP));
@@ -644,11 +671,6 @@ static void gemv_layout(const int8_t *xq, const float *dx, const float *sx, int6
             int8_t *dst = g + (b / 4) * GEMV_GROUP + (b % 4) * 16;
             memcpy(dst, src, 16);
             memcpy(dst + 64, src + 16, 16);
-        }
-        float *d = dxg + m * nc * 16, *s = sxg + m * nc * 16;
-        for (int64_t b = 0; b < nc * 16; b++) {
-            d[b] = b < nb ? dx[(m * nb + b) * LANES] : 0.0f;
-            s[b] = b < nb ? sx[m * nb + b] : 0.0f;
         }
     }
 }
@@ -665,422 +687,321 @@ static inline __attribute__((always_inline)) __m512i gemv_load4(const uint8_t *b
         w, have > 3 ? _mm_loadu_si128((const __m128i *)(blk + 3 * bytes)) : z, 3);
 }
 
-/* out[r] = weight row r (R rows, row_bytes apart, nb blocks each) . one activation row in
- * gemv_layout; R rows share each activation load and one final horizontal sum (R = 4). */
-static inline __attribute__((always_inline)) void gemv_block_rows(
-    const int fmt, const int R, const uint8_t *rows, int64_t row_bytes, int64_t nb,
-    const int8_t *xg, const float *dxg, const float *sxg, float *out) {
+/* Prefetch this chunk's share of the next tile (16 rows: one contiguous block at ahead): the
+ * bytes [from, from + n) of a row are that fraction of the tile, so the chunks of a tile fetch
+ * the next one in address order (the weights stream from DRAM at every decode step; 16 row
+ * streams at once, or a prefetch per row, read much slower: measured 1.7x at the LM head). */
+static inline __attribute__((always_inline)) void prefetch_rows(const uint8_t *ahead,
+                                                                int64_t row_bytes, int64_t from,
+                                                                int64_t n) {
+    const int64_t start = from * TILE_N, end = (from + n) * TILE_N, tile = TILE_N * row_bytes;
+    for (int64_t line = start & ~(int64_t)63; line < end && line < tile; line += 64)
+        _mm_prefetch((const char *)(ahead + line), _MM_HINT_T0);
+}
+
+/* out[m * ldo + r] (r where rmask is set) for 16 Q4 rows at src (row_bytes apart) and MR (<= 5)
+ * activation rows (xg: gemv_layout; dx, sx, zq: quantize_row's, row stride nb). */
+static inline __attribute__((always_inline)) void q4_rows16(
+    const int fmt, const int MR, const uint8_t *src, int64_t row_bytes, int64_t nb,
+    const int8_t *xg, const float *dx, const float *sx, const int32_t *zq, float *out,
+    int64_t ldo, __mmask16 rmask, const uint8_t *ahead) {
     const int bytes = fmt == FMT_Q4_0 ? 18 : 20, off = fmt == FMT_Q4_1 ? 4 : 2;
+    const int64_t ng = (nb + 3) / 4;
     const __m512i mask = _mm512_set1_epi8(0x0f), zero = _mm512_setzero_si512();
-    const __m512i offsets = _mm512_mullo_epi32(
+    const __m512i rows_at = _mm512_mullo_epi32(
         _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-        _mm512_set1_epi32(bytes));
-    const __m512i lane_block = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+        _mm512_set1_epi32((int32_t)row_bytes));
     const __m512i nibbles_q4_1 =
         _mm512_set_epi32(19, 18, 17, 16, 14, 13, 12, 11, 9, 8, 7, 6, 4, 3, 2, 1);
-    __m512 acc[4], scale[4];
-    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
-    for (int64_t c = 0; c < nb; c += 16) {
-        const int64_t left = nb - c;
-        const __mmask16 k = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
-        const __m512 dx = _mm512_loadu_ps(dxg + c), sx = _mm512_loadu_ps(sxg + c);
-        for (int r = 0; r < R; r++) {
-            /* NOTE: software prefetch of the next R rows' chunk: 20-28% less time at batch 1
-             * with the weights streaming from DRAM (the hardware prefetcher alone lags) */
-            const char *ahead = (const char *)(rows + (r + R) * row_bytes + c * bytes);
-            for (int line = 0; line < 16 * bytes; line += 64)
-                _mm_prefetch(ahead + line, _MM_HINT_T0);
-            const __m512i v =
-                _mm512_mask_i32gather_epi32(zero, k, offsets, rows + r * row_bytes + c * bytes, 1);
-            const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(v));
-            const __m512 cw = fmt == FMT_Q4_1
-                ? _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(v, 16)))
-                : _mm512_mul_ps(d, _mm512_set1_ps(-8.0f));
-            scale[r] = _mm512_mul_ps(d, dx);
-            acc[r] = _mm512_fmadd_ps(cw, sx, acc[r]);
+    __m512 acc[5];
+    for (int i = 0; i < MR; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < nb; c += 4) {
+        const int64_t have = nb - c < 4 ? nb - c : 4;
+        if (ahead) prefetch_rows(ahead, row_bytes, c * bytes, 4 * bytes);
+        __m512 d[4], mw[4];
+        for (int j = 0; j < have; j++) {
+            const __m512i v = _mm512_i32gather_epi32(rows_at, src + (c + j) * bytes, 1);
+            d[j] = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(v));
+            mw[j] = fmt == FMT_Q4_1 ? _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(v, 16)))
+                                    : d[j];
         }
-        const int64_t groups = left >= 16 ? 4 : (left + 3) / 4;
-        for (int64_t q = 0; q < groups; q++) {
-            const int8_t *x = xg + (c / 4 + q) * GEMV_GROUP;
+        for (int i = 0; i < MR; i++) {
+            const int8_t *x = xg + (i * ng + c / 4) * GEMV_GROUP;
             const __m512i xlo = _mm512_loadu_si512(x), xhi = _mm512_loadu_si512(x + 64);
-            const __m512i idx = _mm512_add_epi32(lane_block, _mm512_set1_epi32((int)(4 * q)));
-            for (int r = 0; r < R; r++) {
-                const uint8_t *blk = rows + r * row_bytes + (c + 4 * q) * bytes;
+            __m512i R[16], T[4];
+            for (int r = 0; r < 16; r++) {
+                const uint8_t *blk = src + r * row_bytes + c * bytes;
                 __m512i w;
-                if (fmt == FMT_Q4_1 && left - 4 * q >= 4) {
+                if (fmt == FMT_Q4_1 && have == 4) {
                     /* 4 Q4_1 blocks = 80 bytes; their nibbles start at dwords 1, 6, 11, 16 */
                     const __m512i lo = _mm512_loadu_si512(blk);
                     const __m512i hi =
                         _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(blk + 64)));
                     w = _mm512_permutex2var_epi32(lo, nibbles_q4_1, hi);
                 } else {
-                    w = gemv_load4(blk + off, bytes, left - 4 * q);
+                    w = gemv_load4(blk + off, bytes, have);
                 }
-                __m512i s = _mm512_dpbusd_epi32(zero, _mm512_and_si512(w, mask), xlo);
-                s = _mm512_dpbusd_epi32(s, _mm512_and_si512(_mm512_srli_epi16(w, 4), mask), xhi);
-                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s),
-                                         _mm512_permutexvar_ps(idx, scale[r]), acc[r]);
+                const __m512i s = _mm512_dpbusd_epi32(zero, _mm512_and_si512(w, mask), xlo);
+                R[r] = _mm512_dpbusd_epi32(s, _mm512_and_si512(_mm512_srli_epi16(w, 4), mask), xhi);
+            }
+            transpose_sums4(R, T);
+            for (int j = 0; j < have; j++) {
+                const int64_t b = i * nb + c + j;
+                __m512i S = T[j];
+                if (fmt == FMT_Q4_0) S = _mm512_add_epi32(S, _mm512_set1_epi32(zq[b]));
+                const __m512 sc = _mm512_mul_ps(d[j], _mm512_set1_ps(dx[b]));
+                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(S), sc, acc[i]);
+                if (fmt == FMT_Q4_1) acc[i] = _mm512_fmadd_ps(mw[j], _mm512_set1_ps(sx[b]), acc[i]);
             }
         }
     }
-    if (R == 4)
-        _mm_storeu_ps(out, hsum4(acc[0], acc[1], acc[2], acc[3]));
-    else
-        for (int r = 0; r < R; r++) out[r] = _mm512_reduce_add_ps(acc[r]);
+    for (int i = 0; i < MR; i++) _mm512_mask_storeu_ps(out + i * ldo, rmask, acc[i]);
 }
 
-/* out[m * ldo + r] for rows [0, rows) at src (row_bytes apart), every m < M. */
-static void gemv_rows(int fmt, const uint8_t *src, int64_t row_bytes, int64_t rows,
-                      const int8_t *xg, const float *dxg, const float *sxg, int64_t M,
-                      int64_t nb, float *out, int64_t ldo) {
-    const int64_t ng = (nb + 3) / 4, nc = (nb + 15) / 16;
-    /* weight rows outer: a group of 4 rows stays in L1 for every activation row */
-    for (int64_t r = 0; r < rows;) {
-        const int R = rows - r >= 4 ? 4 : 1;
-        for (int64_t m = 0; m < M; m++) {
-            const int8_t *x = xg + m * ng * GEMV_GROUP;
-            const float *d = dxg + m * nc * 16, *s = sxg + m * nc * 16;
-            float *o = out + m * ldo + r;
-            const uint8_t *w = src + r * row_bytes;
-            if (fmt == FMT_Q4_1 && R == 4)
-                gemv_block_rows(FMT_Q4_1, 4, w, row_bytes, nb, x, d, s, o);
-            else if (fmt == FMT_Q4_1)
-                gemv_block_rows(FMT_Q4_1, 1, w, row_bytes, nb, x, d, s, o);
-            else if (R == 4)
-                gemv_block_rows(FMT_Q4_0, 4, w, row_bytes, nb, x, d, s, o);
-            else
-                gemv_block_rows(FMT_Q4_0, 1, w, row_bytes, nb, x, d, s, o);
-        }
-        r += R;
-    }
-}
-#endif
-
-#if defined(__AVX2__)
-/*
- * The 16-row panels on AVX2 (no VNNI), Q4 formats only (u <= 15, so vpmaddubsw's int16 pair
- * sums, at most 2 * 15 * 127, add up over a block's 8 groups without saturating: <= 30480):
- * each half panel (8 rows) is one ymm; vpmaddubsw per 4 weights x 8 rows, one vpmaddwd per
- * block. NR weight rows x both halves; res[h][r][lane]: rows h * 8 + lane of the panel.
- */
-#define PANEL_AVX2(NR)                                                                         \
-    static void panel2_##NR(const uint8_t *u, const float *dw, const float *cw, int64_t K,     \
-                            const uint8_t *xt, const float *dxt, int64_t nb, float *res) {    \
-        const int64_t ldw = nb * LANES;                                                        \
-        const __m256i ones = _mm256_set1_epi16(1);                                             \
-        __m256 acc[2][NR];                                                                     \
-        for (int h = 0; h < 2; h++)                                                            \
-            for (int r = 0; r < NR; r++) acc[h][r] = _mm256_setzero_ps();                      \
-        for (int64_t b = 0; b < nb; b++) {                                                     \
-            __m256i s[2][NR];                                                                  \
-            for (int h = 0; h < 2; h++)                                                        \
-                for (int r = 0; r < NR; r++) s[h][r] = _mm256_setzero_si256();                 \
-            for (int g = 0; g < QK / 4; g++) {                                                 \
-                const uint8_t *xg = xt + (b * 8 + g) * 64;                                     \
-                const __m256i x0 = _mm256_loadu_si256((const __m256i *)xg);                    \
-                const __m256i x1 = _mm256_loadu_si256((const __m256i *)(xg + 32));            \
-                for (int r = 0; r < NR; r++) {                                                 \
-                    int32_t w4;                                                                \
-                    memcpy(&w4, u + r * K + b * QK + 4 * g, 4);                                \
-                    const __m256i wv = _mm256_set1_epi32(w4);                                  \
-                    s[0][r] = _mm256_add_epi16(s[0][r], _mm256_maddubs_epi16(wv, x0));         \
-                    s[1][r] = _mm256_add_epi16(s[1][r], _mm256_maddubs_epi16(wv, x1));         \
-                }                                                                              \
-            }                                                                                  \
-            for (int h = 0; h < 2; h++) {                                                      \
-                const float *dp = dxt + b * 2 * PANEL + h * 8;                                 \
-                const __m256 dxv = _mm256_loadu_ps(dp), sxv = _mm256_loadu_ps(dp + PANEL);     \
-                for (int r = 0; r < NR; r++) {                                                 \
-                    const __m256 si = _mm256_cvtepi32_ps(_mm256_madd_epi16(s[h][r], ones));    \
-                    const __m256 sc = _mm256_mul_ps(dxv, _mm256_set1_ps(dw[r * ldw + b * LANES])); \
-                    acc[h][r] = _mm256_fmadd_ps(si, sc, acc[h][r]);                            \
-                    const __m256 cv = _mm256_set1_ps(cw[b * TILE_N + r]);                      \
-                    acc[h][r] = _mm256_fmadd_ps(sxv, cv, acc[h][r]);                           \
-                }                                                                              \
-            }                                                                                  \
-        }                                                                                      \
-        for (int h = 0; h < 2; h++)                                                            \
-            for (int r = 0; r < NR; r++) _mm256_storeu_ps(res + (r * 2 + h) * 8, acc[h][r]);   \
-    }
-PANEL_AVX2(2)
-PANEL_AVX2(1)
-
-/* run_panels on AVX2: every panel, weight rows two at a time. */
-static void run_panels_avx2(const uint8_t *u, const float *dw, const float *cw, int64_t rows,
-                            const uint8_t *xt, const float *dxt, int64_t panels, int64_t M,
-                            int64_t K, int64_t nb, float *out, int64_t ldo) {
-    float res[2 * PANEL];
-    for (int64_t p = 0; p < panels; p++) {
-        const uint8_t *xp = xt + p * nb * QK * PANEL;
-        const float *dp = dxt + p * nb * 2 * PANEL;
-        for (int64_t r0 = 0; r0 < rows;) {
-            const int nr = rows - r0 >= 2 ? 2 : 1;
-            if (nr == 2) panel2_2(u + r0 * K, dw + r0 * nb * LANES, cw + r0, K, xp, dp, nb, res);
-            else panel2_1(u + r0 * K, dw + r0 * nb * LANES, cw + r0, K, xp, dp, nb, res);
-            for (int r = 0; r < nr; r++)
-                for (int l = 0; l < PANEL; l++) {
-                    const int64_t m = p * PANEL + l;
-                    if (m < M) out[m * ldo + r0 + r] = res[r * PANEL + l];
-                }
-            r0 += nr;
-        }
-    }
-}
-#endif
-
-/* Activation rows served by the 16-row panels: whole panels, plus a padded last one when it
- * holds at least PANEL_MIN rows (fewer run through the row kernels). */
-static int64_t panel_rows(int64_t M, int isa, int fmt) {
-    const int64_t mp = M % PANEL >= PANEL_MIN ? M : M - M % PANEL;
-#if defined(__AVX2__)
-    if (isa == ISA_AVX2 && fmt != FMT_Q8_0) return mp;
-#endif
-    (void)mp, (void)isa, (void)fmt;
-    return 0;
-}
-
-/* out[m, r] for the tile's rows (u, dw, cw: row strides K, nb * LANES, nb), every m. */
-static void run_tile(const uint8_t *u, const float *dw, const float *cw, int64_t rows,
-                     const int8_t *xq, const float *dx, const float *sx, const uint8_t *xt,
-                     const float *dxt, int64_t M, int64_t K, int64_t nb, float *out, int64_t ldo,
-                     int isa, int fmt) {
-    int64_t r0 = 0, mp = panel_rows(M, isa, fmt);
-#if defined(__AVX2__)
-    if (mp > 0 && isa == ISA_AVX2)
-        run_panels_avx2(u, dw, cw, rows, xt, dxt, (mp + PANEL - 1) / PANEL, M, K, nb, out, ldo);
-#endif
-#ifdef HAVE_MICROKERNEL
-    float tmp[2 * 4];
-    for (; isa >= ISA_AVX512_ROWS && r0 + 4 <= rows; r0 += 4) {
-        const uint8_t *ur = u + r0 * K;
-        const float *dwr = dw + r0 * nb * LANES;
-        int64_t m = mp;
-        for (; m + 2 <= M; m += 2) {
-            micro_4x2(ur, dwr, K, xq + m * K, dx + m * nb * LANES, nb, tmp, 4);
-            for (int i = 0; i < 2; i++)
-                for (int r = 0; r < 4; r++) out[(m + i) * ldo + r0 + r] = tmp[i * 4 + r];
-        }
-        for (; m < M; m++) {
-            micro_4x1(ur, dwr, K, xq + m * K, dx + m * nb * LANES, nb, tmp, 4);
-            for (int r = 0; r < 4; r++) out[m * ldo + r0 + r] = tmp[r];
-        }
-    }
-#endif
-    for (int64_t m = mp; m < M; m++)
-        for (int64_t r = r0; r < rows; r++)
-            out[m * ldo + r] = dot_blocks(u + r * K, dw + r * nb * LANES, xq + m * K,
-                                          dx + m * nb * LANES, nb, isa);
-    for (int64_t m = mp; m < M; m++) { /* cw is [nb, TILE_N]: this loop runs across rows */
-        float acc[TILE_N] = {0};
-        for (int64_t b = 0; b < nb; b++)
-            for (int r = 0; r < TILE_N; r++) acc[r] += sx[m * nb + b] * cw[b * TILE_N + r];
-        for (int64_t r = 0; r < rows; r++) out[m * ldo + r] += acc[r];
-    }
-}
-
-/* Rows [0, mp) of xq/dx interleaved into 16-row panels (PANEL_AVX2's layout); pad rows 0. */
-static void interleave_panels(const int8_t *xq, const float *dx, const float *sx, int64_t mp,
-                              int64_t M, int64_t nb, uint8_t *xt, float *dxt) {
-    const int64_t panels = (mp + PANEL - 1) / PANEL, K = nb * QK;
-    for (int64_t p = 0; p < panels; p++)
-        for (int64_t b = 0; b < nb; b++)
-            for (int l = 0; l < PANEL; l++) {
-                const int64_t m = p * PANEL + l;
-                uint8_t *dst = xt + p * nb * QK * PANEL + b * QK * PANEL + l * 4;
-                for (int g = 0; g < QK / 4; g++) {
-                    if (m < M) memcpy(dst + g * PANEL * 4, xq + m * K + b * QK + g * 4, 4);
-                    else memset(dst + g * PANEL * 4, 0, 4);
-                }
-                dxt[(p * nb + b) * 2 * PANEL + l] = m < M ? dx[(m * nb + b) * LANES] : 0.0f;
-                dxt[(p * nb + b) * 2 * PANEL + PANEL + l] = m < M ? sx[m * nb + b] : 0.0f;
+/* The same for 16 Q8_0 rows, two blocks a chunk (xq: quantize_row's int8 rows, K apart). */
+static inline __attribute__((always_inline)) void q8_rows16(
+    const int MR, const uint8_t *src, int64_t row_bytes, int64_t nb, const int8_t *xq,
+    const float *dx, const int32_t *zq, float *out, int64_t ldo, __mmask16 rmask,
+    const uint8_t *ahead) {
+    const int bytes = 34;
+    const int64_t K = nb * QK;
+    const __m512i zero = _mm512_setzero_si512(), flip = _mm512_set1_epi8((char)0x80);
+    const __m512i rows_at = _mm512_mullo_epi32(
+        _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+        _mm512_set1_epi32((int32_t)row_bytes));
+    __m512 acc[5];
+    for (int i = 0; i < MR; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < nb; c += 2) {
+        const int have = nb - c < 2 ? 1 : 2;
+        if (ahead) prefetch_rows(ahead, row_bytes, c * bytes, 2 * bytes);
+        __m512 d[2];
+        for (int j = 0; j < have; j++)
+            d[j] = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(
+                _mm512_i32gather_epi32(rows_at, src + (c + j) * bytes, 1)));
+        for (int i = 0; i < MR; i++) {
+            const int8_t *x = xq + i * K + c * QK;
+            const __m512i xv = have == 2 ? _mm512_loadu_si512(x)
+                                         : _mm512_maskz_loadu_epi8(0xffffffffull, x);
+            __m512i R[16], T[2];
+            for (int r = 0; r < 16; r++) {
+                const uint8_t *blk = src + r * row_bytes + c * bytes;
+                const __m256i lo = _mm256_loadu_si256((const __m256i *)(blk + 2));
+                const __m256i hi = have == 2 ? _mm256_loadu_si256((const __m256i *)(blk + bytes + 2))
+                                             : _mm256_setzero_si256();
+                const __m512i w = _mm512_xor_si512(
+                    _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1), flip);
+                R[r] = _mm512_dpbusd_epi32(zero, w, xv);
             }
+            transpose_sums2(R, T);
+            for (int j = 0; j < have; j++) {
+                const int64_t b = i * nb + c + j;
+                const __m512i S = _mm512_add_epi32(T[j], _mm512_set1_epi32(zq[b]));
+                const __m512 sc = _mm512_mul_ps(d[j], _mm512_set1_ps(dx[b]));
+                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(S), sc, acc[i]);
+            }
+        }
+    }
+    for (int i = 0; i < MR; i++) _mm512_mask_storeu_ps(out + i * ldo, rmask, acc[i]);
 }
 
-/* Tile t of the parts (tile_end: cumulative tile counts): its part, first row and row count. */
-static inline int64_t locate_tile(int64_t t, const int64_t *tile_end, const int64_t *part_rows,
-                                  int *part, int64_t *r0) {
-    int p = 0;
-    while (t >= tile_end[p]) p++;
-    *part = p;
-    *r0 = (t - (p ? tile_end[p - 1] : 0)) * TILE_N;
-    return part_rows[p] - *r0 < TILE_N ? part_rows[p] - *r0 : TILE_N;
+/* out[m * ldo + r] for a tile of rows (<= 16) at src and every activation row m < M;
+ * pad: scratch of 16 rows for a part's last, partial tile (read zero-padded). */
+static void rows_tile(int fmt, const uint8_t *src, int64_t row_bytes, int64_t rows,
+                      const uint8_t *ahead, int64_t nb, const int8_t *xq, const int8_t *xg,
+                      const float *dx, const float *sx, const int32_t *zq, int64_t M, float *out,
+                      int64_t ldo, uint8_t *pad) {
+    if (rows < TILE_N) {
+        memset(pad, 0, (size_t)(TILE_N * row_bytes));
+        memcpy(pad, src, (size_t)(rows * row_bytes));
+        src = pad;
+    }
+    const __mmask16 rm = rows >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << rows) - 1);
+    const int64_t K = nb * QK, ng = (nb + 3) / 4;
+    for (int64_t m = 0; m < M;) {
+        const int mr = M - m >= 5 ? 5 : (int)(M - m);
+        const float *d = dx + m * nb, *s = sx + m * nb;
+        const int32_t *z = zq + m * nb;
+        float *o = out + m * ldo;
+        const uint8_t *a = m == 0 ? ahead : NULL; /* the first pass streams the rows in */
+#define Q_ROWS(MR_)                                                                            \
+    case MR_:                                                                                  \
+        if (fmt == FMT_Q4_1)                                                                   \
+            q4_rows16(FMT_Q4_1, MR_, src, row_bytes, nb, xg + m * ng * GEMV_GROUP, d, s, z, o, \
+                      ldo, rm, a);                                                             \
+        else if (fmt == FMT_Q4_0)                                                              \
+            q4_rows16(FMT_Q4_0, MR_, src, row_bytes, nb, xg + m * ng * GEMV_GROUP, d, s, z, o, \
+                      ldo, rm, a);                                                             \
+        else                                                                                   \
+            q8_rows16(MR_, src, row_bytes, nb, xq + m * K, d, z, o, ldo, rm, a);               \
+        break;
+        switch (mr) {
+            Q_ROWS(1)
+            Q_ROWS(2)
+            Q_ROWS(3)
+            Q_ROWS(4)
+            Q_ROWS(5)
+        }
+#undef Q_ROWS
+        m += mr;
+    }
 }
+#endif
 
 /*
  * F32 weights (fmt FMT_F32): the rows are float32 as the file stores them, so nothing is
- * quantized; the activations multiply them in float32 with float32 sums. Two kernels:
+ * quantized; the activations multiply them in float32 with float32 sums, in one order per
+ * output (header): 16 lane sums over k = j mod 16, then tree16 (ggml-cpu's ggml_vec_dot_f32
+ * arithmetic, with a fixed tree). Two shapes of the same sums:
  * - One or two activation rows (decode at batch 1-2): the weights stream from DRAM, 4 bytes
- *   each, so the job is keeping the memory busy: each thread reads its rows in address order,
- *   one row at a time (f32_dot, ggml-cpu's ggml_vec_dot_f32 arithmetic: 16 lane sums, then a
- *   tree). A core streams one row at 24-28 GB/s, 4 interleaved rows at 13-15 (measured).
- * - From 3 rows (F32_PANEL_MIN; measured, whole model at batch 3-16: as fast as the row kernel
- *   at 3-4, up to 1.5x faster above; at 2 the panel's 16 lanes cost more than the stream):
- *   the activations are transposed once into panels of 16 rows ([K][16], zero padded), and
- *   each weight element is broadcast against a panel's 16 lanes (f32_panel_micro: up to 16
- *   weight rows x 16 activation rows in 16 registers, one FMA per 2 loads), the layout of
- *   BLIS-style GEMM micro-kernels (Van Zee and van de Geijn, "BLIS", ACM TOMS 41(3), 2015).
- *   Activation panels are taken F32_MCHUNK rows at a time, so a chunk stays in L2 while every
- *   weight tile meets it. Each output sums k in order, one FMA a step, whatever the batch.
- *   The AVX2 and scalar paths run the same panels with a plain-C micro-kernel of 4 weight
- *   rows (f32_panel_micro_c), vectorized by the compiler.
+ *   each, so each thread reads its rows in address order, one row at a time (a core streams
+ *   one row at 24-28 GB/s, 4 interleaved rows at 13-15: measured), and four rows share one
+ *   horizontal sum (hsum4).
+ * - From 3 rows (F32_PANEL_MIN): 4 weight rows x 4 activation rows of lane sums in registers
+ *   (f32_dots), one load per 4 FMAs, F32_MCHUNK activation rows at a time so they stay in L2
+ *   while every weight row of the tile meets them; the next tile is prefetched in order.
  */
 #define F32_PANEL_MIN 3
 #define F32_MCHUNK 64
 
+/* The 16 lane sums' tree: (x_i + x_{i+8}), then pairs, then halves (hsum4's order). */
+static inline float tree16(const float *x) {
+    float a[8];
+    for (int i = 0; i < 8; i++) a[i] = x[i] + x[i + 8];
+    return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
+}
+
 #if defined(__AVX512F__) && defined(__AVX512DQ__)
-/* w row . x row (K floats each, K % 16 == 0). */
-static inline float f32_dot(const float *w, const float *x, int64_t K) {
-    __m512 acc = _mm512_setzero_ps();
+/* out[m * ldo + r] = weight row r . activation row m for r < R, m < MR (<= 4 each); when
+ * ahead is given (R rows of the next tile), R lines of it are prefetched a step, in order. */
+static inline __attribute__((always_inline)) void f32_dots(const int R, const int MR,
+                                                           const float *w, const float *x,
+                                                           int64_t K, float *out, int64_t ldo,
+                                                           const float *ahead) {
+    __m512 acc[4][4];
+    for (int m = 0; m < MR; m++)
+        for (int r = 0; r < R; r++) acc[m][r] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 16) {
+        __m512 wv[4];
+        for (int r = 0; r < R; r++) wv[r] = _mm512_loadu_ps(w + r * K + k);
+        if (ahead) /* the next tile's same R rows: one contiguous block, read in order */
+            for (int r = 0; r < R; r++)
+                _mm_prefetch((const char *)(ahead + R * k + 16 * r), _MM_HINT_T1);
+        for (int m = 0; m < MR; m++) {
+            __m512 xv = _mm512_loadu_ps(x + m * K + k);
+            /* NOTE: keeps xv in a register: gcc otherwise folds the load into each of the R
+             * FMAs, and 5 loads per 4 FMAs bound the loop (2.4x slower, measured) */
+            __asm__("" : "+v"(xv));
+            for (int r = 0; r < R; r++) acc[m][r] = _mm512_fmadd_ps(wv[r], xv, acc[m][r]);
+        }
+    }
+    const __m512 z = _mm512_setzero_ps();
+    for (int m = 0; m < MR; m++) {
+        float four[4];
+        _mm_storeu_ps(four, hsum4(acc[m][0], R > 1 ? acc[m][1] : z, R > 2 ? acc[m][2] : z,
+                                  R > 3 ? acc[m][3] : z));
+        for (int r = 0; r < R; r++) out[m * ldo + r] = four[r];
+    }
+}
+
+/* One weight row's 16 lane sums against MR (<= 2) activation rows. */
+static inline __attribute__((always_inline)) void f32_row_lanes(const int MR, const float *w,
+                                                                const float *x, int64_t K,
+                                                                __m512 *acc) {
+    for (int m = 0; m < MR; m++) acc[m] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 16) {
+        const __m512 wv = _mm512_loadu_ps(w + k);
+        for (int m = 0; m < MR; m++)
+            acc[m] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + m * K + k), acc[m]);
+    }
+}
+#endif
+
+/* One (weight row, activation row) pair's 16 lane sums, without AVX-512. */
+static void f32_lanes_c(const float *w, const float *x, int64_t K, float *lanes) {
+#if defined(HAVE_AVX2)
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k += 16) {
+        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w + k), _mm256_loadu_ps(x + k), a0);
+        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(w + k + 8), _mm256_loadu_ps(x + k + 8), a1);
+    }
+    _mm256_storeu_ps(lanes, a0);
+    _mm256_storeu_ps(lanes + 8, a1);
+#else
+    for (int j = 0; j < 16; j++) lanes[j] = 0.0f;
     for (int64_t k = 0; k < K; k += 16)
-        acc = _mm512_fmadd_ps(_mm512_loadu_ps(w + k), _mm512_loadu_ps(x + k), acc);
-    return _mm512_reduce_add_ps(acc);
-}
-
-/* res[r][l] = w row r . activation row l of the panel xt ([K][16]), r < R (R <= 16); when
- * ahead is given, one cache line of it is prefetched a step (16 rows: K lines, the next tile). */
-static inline __attribute__((always_inline)) void f32_panel_micro(const int R, const float *w,
-                                                                  int64_t K, const float *xt,
-                                                                  float *res, const float *ahead) {
-    __m512 acc[16];
-    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
-    for (int64_t k = 0; k < K; k++) {
-        /* NOTE: 16 interleaved row streams from DRAM read slowly (the F32 comment above);
-         * the next tile is one contiguous block, fetched ahead in order */
-        if (ahead) _mm_prefetch((const char *)(ahead + k * 16), _MM_HINT_T1);
-        const __m512 xv = _mm512_loadu_ps(xt + k * 16);
-        for (int r = 0; r < R; r++)
-            acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(w[r * K + k]), xv, acc[r]);
-    }
-    for (int r = 0; r < R; r++) _mm512_storeu_ps(res + r * 16, acc[r]);
-}
+        for (int j = 0; j < 16; j++) lanes[j] = fmaf(w[k + j], x[k + j], lanes[j]);
 #endif
-
-/* x rows [16 p, 16 p + 16) (those < M; the rest zero) -> xt [K][16], for p < panels. */
-static void f32_transpose_panel(const float *x, int64_t M, int64_t K, int64_t p, float *xt) {
-    const int64_t m0 = 16 * p, have = M - m0 < 16 ? M - m0 : 16;
-    for (int64_t k0 = 0; k0 < K; k0 += 16) {
-        float block[16][16]; /* [row][k]: 16 rows' 16 floats, then read column-wise */
-        for (int l = 0; l < 16; l++)
-            for (int j = 0; j < 16; j++) block[l][j] = l < have ? x[(m0 + l) * K + k0 + j] : 0.0f;
-        for (int j = 0; j < 16; j++)
-            for (int l = 0; l < 16; l++) xt[(k0 + j) * 16 + l] = block[l][j];
-    }
 }
 
-/* f32_panel_micro without intrinsics (the AVX2 and scalar paths): GCC/Clang vector types of 8
- * floats (one ymm on AVX2, two xmm on SSE2), R <= 4 weight rows x the panel's 16 lanes in 8
- * registers. The same sums, k in order. */
-typedef float f32x8 __attribute__((vector_size(32)));
-static inline __attribute__((always_inline)) void f32_panel_micro_c(const int R, const float *w,
-                                                                    int64_t K, const float *xt,
-                                                                    float *res) {
-    f32x8 acc[4][2];
-    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = (f32x8){0};
-    for (int64_t k = 0; k < K; k++) {
-        f32x8 x0, x1;
-        memcpy(&x0, xt + k * 16, sizeof(x0));
-        memcpy(&x1, xt + k * 16 + 8, sizeof(x1));
-        for (int r = 0; r < R; r++) {
-            const float wv = w[r * K + k];
-            acc[r][0] += wv * x0;
-            acc[r][1] += wv * x1;
+/* out[m * ldo + r] for weight rows [0, rows) at w and activation rows [0, M) at x. */
+static void f32_tile(const float *w, int64_t rows, const float *x, int64_t M, int64_t K,
+                     float *out, int64_t ldo, const float *ahead, int isa) {
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+    if (isa >= ISA_AVX512 && M < F32_PANEL_MIN) {
+        for (int64_t r0 = 0; r0 < rows; r0 += 4) { /* rows one at a time, hsum4 per four */
+            const int R = rows - r0 >= 4 ? 4 : (int)(rows - r0);
+            __m512 acc[4][2];
+            const __m512 z = _mm512_setzero_ps();
+            for (int r = 0; r < R; r++) {
+                if (M == 1) f32_row_lanes(1, w + (r0 + r) * K, x, K, acc[r]);
+                else f32_row_lanes(2, w + (r0 + r) * K, x, K, acc[r]);
+            }
+            for (int64_t m = 0; m < M; m++) {
+                float four[4];
+                _mm_storeu_ps(four, hsum4(acc[0][m], R > 1 ? acc[1][m] : z,
+                                          R > 2 ? acc[2][m] : z, R > 3 ? acc[3][m] : z));
+                for (int r = 0; r < R; r++) out[m * ldo + r0 + r] = four[r];
+            }
         }
+        return;
     }
-    for (int r = 0; r < R; r++) memcpy(res + r * 16, acc[r], sizeof(acc[r]));
-}
-
-/* out[m * ldo + r] for the rows (<= 16) of a weight tile at w and the activation rows
- * [0, M) of the panels at xt (M <= F32_MCHUNK). */
-static void f32_panel_tile(const float *w, int64_t rows, const float *xt, int64_t M, int64_t K,
-                           float *out, int64_t ldo, int isa) {
-    float res[16 * 16];
-    int simd = 0;
-#if defined(__AVX512F__) && defined(__AVX512DQ__)
-    simd = isa >= ISA_AVX512_ROWS;
-#endif
-    (void)isa;
-    for (int64_t m0 = 0; m0 < M; m0 += 16) {
-        const float *panel = xt + m0 * K;
-        for (int64_t r = 0; r < rows;) {
-            const int64_t left = rows - r;
-            const int R = simd && left >= 16 ? 16 : simd && left >= 8 ? 8 : left >= 4 ? 4 : 1;
-#if defined(__AVX512F__) && defined(__AVX512DQ__)
-            const float *ahead = m0 == 0 ? w + TILE_N * K : NULL; /* past a part: harmless */
-            if (simd && R == 16) f32_panel_micro(16, w + r * K, K, panel, res, ahead);
-            else if (simd && R == 8) f32_panel_micro(8, w + r * K, K, panel, res, NULL);
-            else if (simd && R == 4) f32_panel_micro(4, w + r * K, K, panel, res, NULL);
-            else if (simd) f32_panel_micro(1, w + r * K, K, panel, res, NULL);
-#endif
-            if (!simd && R == 4) f32_panel_micro_c(4, w + r * K, K, panel, res);
-            else if (!simd) f32_panel_micro_c(1, w + r * K, K, panel, res);
-            const int64_t have = M - m0 < 16 ? M - m0 : 16;
-            for (int64_t l = 0; l < have; l++)
-                for (int j = 0; j < R; j++) out[(m0 + l) * ldo + r + j] = res[j * 16 + l];
-            r += R;
+    if (isa >= ISA_AVX512) {
+        for (int64_t m0 = 0; m0 < M; m0 += F32_MCHUNK) {
+            const int64_t mc = M - m0 < F32_MCHUNK ? M - m0 : F32_MCHUNK;
+            for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+                const int R = rows - r0 >= 4 ? 4 : (int)(rows - r0);
+                const float *wr = w + r0 * K, *a = m0 == 0 ? ahead + r0 * K : NULL;
+                for (int64_t m = m0; m < m0 + mc; m += 4) {
+                    const int MR = m0 + mc - m >= 4 ? 4 : (int)(m0 + mc - m);
+                    float *o = out + m * ldo + r0;
+                    const float *xm = x + m * K, *am = m == m0 ? a : NULL;
+#define F32_DOTS(R_, MR_) if (R == R_ && MR == MR_) f32_dots(R_, MR_, wr, xm, K, o, ldo, am);
+                    F32_DOTS(4, 4) F32_DOTS(4, 3) F32_DOTS(4, 2) F32_DOTS(4, 1)
+                    F32_DOTS(3, 4) F32_DOTS(3, 3) F32_DOTS(3, 2) F32_DOTS(3, 1)
+                    F32_DOTS(2, 4) F32_DOTS(2, 3) F32_DOTS(2, 2) F32_DOTS(2, 1)
+                    F32_DOTS(1, 4) F32_DOTS(1, 3) F32_DOTS(1, 2) F32_DOTS(1, 1)
+#undef F32_DOTS
+                }
+            }
         }
-    }
-}
-
-/* out[m * ldo + r] for weight rows [0, rows) at w and activation rows [0, M) at x, for
- * M < F32_PANEL_MIN: f32_dot on the AVX-512 paths, plain loops on the others. */
-static void f32_rows(const float *w, int64_t rows, const float *x, int64_t M, int64_t K,
-                     float *out, int64_t ldo, int isa) {
-#if defined(__AVX512F__) && defined(__AVX512DQ__)
-    if (isa >= ISA_AVX512_ROWS) {
-        for (int64_t r = 0; r < rows; r++)
-            for (int64_t m = 0; m < M; m++) out[m * ldo + r] = f32_dot(w + r * K, x + m * K, K);
         return;
     }
 #endif
-    (void)isa;
-    for (int64_t r = 0; r < rows; r++)
-        for (int64_t m = 0; m < M; m++) {
-            float acc[16] = {0};
-            for (int64_t k = 0; k < K; k += 16)
-                for (int j = 0; j < 16; j++) acc[j] += w[r * K + k + j] * x[m * K + k + j];
-            float total = 0.0f;
-            for (int j = 0; j < 16; j++) total += acc[j];
-            out[m * ldo + r] = total;
-        }
+    (void)isa, (void)ahead;
+    float lanes[16];
+    for (int64_t m0 = 0; m0 < M; m0 += F32_MCHUNK) {
+        const int64_t mc = M - m0 < F32_MCHUNK ? M - m0 : F32_MCHUNK;
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t m = m0; m < m0 + mc; m++) {
+                f32_lanes_c(w + r * K, x + m * K, K, lanes);
+                out[m * ldo + r] = tree16(lanes);
+            }
+    }
 }
 
 /* tandem_quant_matmul_f32 for F32 weights: tiles of TILE_N rows over the threads. */
 static int f32_matmul(const float *x, const uint8_t *const *parts, const int64_t *part_rows,
                       const int64_t *tile_end, const int64_t *row_start, int64_t tiles,
                       float *out, int64_t M, int64_t K, int64_t ldo, int num_threads, int isa) {
-    const int panels = M >= F32_PANEL_MIN;
-    const int64_t num_panels = (M + 15) / 16;
-    float *xt = panels ? malloc(sizeof(float) * (size_t)(num_panels * 16 * K)) : NULL;
-    if (panels && !xt) return TANDEM_NO_MEMORY;
-#pragma omp parallel num_threads(num_threads)
-    {
-        if (panels) {
-#pragma omp for schedule(static)
-            for (int64_t p = 0; p < num_panels; p++)
-                f32_transpose_panel(x, M, K, p, xt + p * 16 * K);
-            for (int64_t m0 = 0; m0 < M; m0 += F32_MCHUNK) {
-                const int64_t mc = M - m0 < F32_MCHUNK ? M - m0 : F32_MCHUNK;
-#pragma omp for schedule(static)
-                for (int64_t t = 0; t < tiles; t++) {
-                    int p;
-                    int64_t r0;
-                    const int64_t rows = locate_tile(t, tile_end, part_rows, &p, &r0);
-                    f32_panel_tile((const float *)parts[p] + r0 * K, rows, xt + m0 * K, mc, K,
-                                   out + m0 * ldo + row_start[p] + r0, ldo, isa);
-                }
-            }
-        } else {
-#pragma omp for schedule(static)
-            for (int64_t t = 0; t < tiles; t++) {
-                int p;
-                int64_t r0;
-                const int64_t rows = locate_tile(t, tile_end, part_rows, &p, &r0);
-                f32_rows((const float *)parts[p] + r0 * K, rows, x, M, K,
-                         out + row_start[p] + r0, ldo, isa);
-            }
-        }
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t t = 0; t < tiles; t++) {
+        int p;
+        int64_t r0;
+        const int64_t rows = locate_tile(t, tile_end, part_rows, &p, &r0);
+        const float *w = (const float *)parts[p] + r0 * K;
+        /* NOTE: past a part's end the prefetch reads nothing it needs: harmless */
+        f32_tile(w, rows, x, M, K, out + row_start[p] + r0, ldo, w + TILE_N * K, isa);
     }
-    free(xt);
     return TANDEM_OK;
 }
 
@@ -1111,83 +1032,76 @@ int tandem_quant_matmul_f32(const float *x, const uint8_t *const *parts, const i
         return f32_matmul(x, parts, part_rows, tile_end, row_start, tiles, out, M, K,
                           ldo, num_threads, isa);
     const int64_t nb = K / QK, row_bytes = nb * bytes, mp = panel_rows(M, isa, fmt);
-    const int64_t np = (nb + 1) / 2;
     const int64_t padded = (mp + PANEL - 1) / PANEL * PANEL;
-    const int direct = isa >= ISA_AVX512 && M < PANEL_MIN;
-    const int tiled = isa >= ISA_AVX512 && M >= PANEL_MIN; /* unpack_tile + run_tile_rows */
-    const int gemv = direct && fmt != FMT_Q8_0; /* direct Q4: the 4-block kernel */
-    const int64_t ng = (nb + 3) / 4, nc = (nb + 15) / 16;
-    int8_t *xp = direct ? malloc((size_t)(M * (gemv ? ng * GEMV_GROUP : np * PAIR))) : NULL;
-    float *dxp = direct ? malloc(sizeof(float) * (size_t)(M * (gemv ? 2 * nc * 16
-                                                                   : np * 2 * PANEL))) : NULL;
+    const int64_t tiled_min = fmt == FMT_Q8_0 ? TILED_MIN_Q8 : TILED_MIN_Q4;
+    const int rows16 = isa >= ISA_AVX512 && M < tiled_min; /* q4_rows16 / q8_rows16 */
+    const int tiled = isa >= ISA_AVX512 && M >= tiled_min; /* unpack_tile + run_tile_rows */
+    const int xg_needed = rows16 && fmt != FMT_Q8_0;
+    const int64_t ng = (nb + 3) / 4;
+    int8_t *xg = xg_needed ? malloc((size_t)(M * ng * GEMV_GROUP)) : NULL;
     int8_t *xq = malloc((size_t)(M * K));
-    float *dx = malloc(sizeof(float) * (size_t)(M * nb * LANES));
+    float *dx = malloc(sizeof(float) * (size_t)(M * nb));
     float *sx = malloc(sizeof(float) * (size_t)(M * nb));
-    /* Q4_0 / Q8_0 on the tiled path: cw = -z dw, so the cw term joins the integer sum */
-    const int32_t zp = fmt == FMT_Q8_0 ? 128 : fmt == FMT_Q4_0 ? 8 : 0;
-    int32_t *zq = tiled && zp ? malloc(sizeof(int32_t) * (size_t)(M * nb)) : NULL;
+    int32_t *zq = malloc(sizeof(int32_t) * (size_t)(M * nb));
     uint8_t *xt = padded ? malloc((size_t)(padded * K)) : NULL;
     float *dxt = padded ? malloc(sizeof(float) * (size_t)(padded * nb * 2)) : NULL;
-    int failed = !xq || !dx || !sx || (padded && (!xt || !dxt)) || (direct && (!xp || !dxp))
-                 || (tiled && zp && !zq);
+    int32_t *zt = padded ? malloc(sizeof(int32_t) * (size_t)(padded * nb)) : NULL;
+    int failed = !xq || !dx || !sx || !zq || (padded && (!xt || !dxt || !zt))
+                 || (xg_needed && !xg);
     if (failed) goto done;
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
 #pragma omp for schedule(static)
         for (int64_t m = 0; m < M; m++)
-            quantize_row(x + m * K, nb, xq + m * K, dx + m * nb * LANES, sx + m * nb,
-                         zq ? zq + m * nb : NULL, zp);
+            quantize_row(x + m * K, nb, xq + m * K, dx + m * nb, sx + m * nb, zq + m * nb,
+                         zero_point(fmt));
 #pragma omp single
         {
-            if (padded) interleave_panels(xq, dx, sx, mp, M, nb, xt, dxt);
-#ifdef HAVE_MICROKERNEL
-            if (gemv) gemv_layout(xq, dx, sx, M, nb, xp, dxp, dxp + M * nc * 16);
-            else if (direct) permute_pairs(fmt, xq, dx, sx, M, nb, xp, dxp);
+            if (padded) interleave_panels(xq, dx, sx, zq, mp, M, nb, xt, dxt, zt);
+#if defined(HAVE_VNNI)
+            if (xg_needed) gemv_layout(xq, M, nb, xg);
 #endif
         }
-#ifdef HAVE_MICROKERNEL
+#if defined(HAVE_VNNI)
         if (tiled) failed |= run_tiled(fmt, parts, part_rows, row_start, num_parts, xq, dx, sx, zq,
                                        M, nb, out, ldo);
 #endif
-        uint8_t *u = tiled ? NULL : malloc((size_t)(TILE_N * K));
-        float *dw = tiled ? NULL : malloc(sizeof(float) * (size_t)(TILE_N * nb * LANES));
-        float *cw = tiled ? NULL : malloc(sizeof(float) * (size_t)(TILE_N * nb));
-        if (!tiled && (!u || !dw || !cw)) failed = 1;
+        /* scratch of the row paths: a padded tile (rows16), or the unpacked tile and sums */
+        uint8_t *u = tiled ? NULL : malloc((size_t)(TILE_N * (rows16 ? row_bytes : K)));
+        float *dw = tiled || rows16 ? NULL : malloc(sizeof(float) * (size_t)(TILE_N * nb * 2));
+        int32_t *S = tiled || rows16 ? NULL : malloc(sizeof(int32_t) * (size_t)(TILE_N * nb));
+        const int ready = tiled || (u && (rows16 || (dw && S)));
+        if (!ready) failed = 1;
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < (tiled ? 0 : tiles); t++) {
-            if (!u || !dw || !cw) continue;
+            if (!ready) continue;
             int p;
             int64_t r0;
             const int64_t rows = locate_tile(t, tile_end, part_rows, &p, &r0);
             const uint8_t *src = parts[p] + r0 * row_bytes;
-#ifdef HAVE_MICROKERNEL
-            if (gemv) {
-                gemv_rows(fmt, src, row_bytes, rows, xp, dxp, dxp + M * nc * 16, M, nb,
-                          out + row_start[p] + r0, ldo);
-                continue;
-            }
-            if (direct) {
-                direct_rows(src, row_bytes, rows, xp, dxp, M, nb, out + row_start[p] + r0,
-                            ldo);
+#if defined(HAVE_VNNI)
+            if (rows16) {
+                rows_tile(fmt, src, row_bytes, rows, src + TILE_N * row_bytes, nb, xq, xg, dx, sx,
+                          zq, M, out + row_start[p] + r0, ldo, u);
                 continue;
             }
 #endif
+            float *cw = dw + TILE_N * nb;
             if (rows < TILE_N) memset(cw, 0, sizeof(float) * (size_t)(TILE_N * nb));
             for (int64_t r = 0; r < rows; r++)
-                unpack_row(fmt, src + r * row_bytes, nb, u + r * K, dw + r * nb * LANES, cw + r,
-                           TILE_N);
-            run_tile(u, dw, cw, rows, xq, dx, sx, xt, dxt, M, K, nb, out + row_start[p] + r0, ldo,
-                     isa, fmt);
+                unpack_row(fmt, src + r * row_bytes, nb, u + r * K, dw + r * nb, cw + r, TILE_N);
+            run_tile(u, dw, cw, rows, xq, dx, sx, zq, xt, dxt, zt, M, K, nb,
+                     out + row_start[p] + r0, ldo, isa, fmt, S);
         }
         free(u);
         free(dw);
-        free(cw);
+        free(S);
     }
 done:
-    free(xp);
-    free(dxp);
+    free(xg);
     free(xt);
     free(dxt);
+    free(zt);
     free(xq);
     free(dx);
     free(sx);
@@ -1209,16 +1123,16 @@ int tandem_quant_dequantize_rows(const uint8_t *w, const int64_t *ids, float *ou
     }
     const int64_t nb = K / QK;
     uint8_t u[QK];
-    float dw[LANES], cw;
+    float dw, cw;
     for (int64_t r = 0; r < R; r++) {
         const uint8_t *row = w + ids[r] * nb * bytes;
         for (int64_t b = 0; b < nb; b++) {
-            unpack_row(fmt, row + b * bytes, 1, u, dw, &cw, 1);
+            unpack_row(fmt, row + b * bytes, 1, u, &dw, &cw, 1);
             /* the file's own arithmetic (as gguf-py dequantizes), not dw * u + cw */
-            const int zero = fmt == FMT_Q8_0 ? 128 : fmt == FMT_Q4_0 ? 8 : 0;
+            const int zero = zero_point(fmt);
             const float add = fmt == FMT_Q4_1 ? cw : 0.0f;
             for (int j = 0; j < QK; j++)
-                out[r * K + b * QK + j] = dw[0] * (float)((int)u[j] - zero) + add;
+                out[r * K + b * QK + j] = dw * (float)((int)u[j] - zero) + add;
         }
     }
     return TANDEM_OK;

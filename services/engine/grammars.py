@@ -21,35 +21,32 @@ from __future__ import annotations
 import functools
 import json
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from .sampling_params import StructuredOutput
-
 
 @functools.lru_cache(maxsize=256)
-def grammar_of(so: StructuredOutput) -> str:
-    """llguidance's grammar for ``so``, validated. Raises ``ValueError`` naming
-    ``structured_output`` when the spec does not compile (the message says why)."""
+def grammar_of(format: str, spec: str) -> str:
+    """llguidance's grammar for a structured output's ``format`` (json, regex, choice,
+    grammar) and ``spec``, validated. Raises ``ValueError`` naming ``structured_output`` when
+    the spec does not compile (the message says why)."""
     import llguidance
 
-    fmt = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar"}[so.format]
-    if so.format == "choice":
+    fmt = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar"}[format]
+    if format == "choice":
         try:
-            choices = json.loads(so.spec)
+            choices = json.loads(spec)
         except ValueError as exc:
             raise ValueError(f"structured_output: choice must be a JSON list of strings: {exc}") from None
         if not (isinstance(choices, list) and choices and all(isinstance(c, str) for c in choices)):
             raise ValueError("structured_output: choice must be a non-empty list of strings")
     try:
-        grammar = llguidance.grammar_from(fmt, so.spec)
+        grammar = llguidance.grammar_from(fmt, spec)
     except ValueError as exc:
-        raise ValueError(f"structured_output: {so.format}: {exc}") from None
+        raise ValueError(f"structured_output: {format}: {exc}") from None
     error = llguidance.LLMatcher.validate_grammar(grammar)
     if error:
-        raise ValueError(f"structured_output: {so.format}: {error.strip()}")
+        raise ValueError(f"structured_output: {format}: {error.strip()}")
     return grammar
 
 
@@ -80,11 +77,12 @@ class Matchers:
         return llguidance.LLTokenizer(self._tokenizer_json(), n_vocab=self.vocab_size,
                                       eos_token=self.eos_token_id)
 
-    def add(self, request_id: str, so: StructuredOutput) -> None:
-        """Start a matcher for ``request_id`` at the beginning of its output."""
+    def add(self, request_id: str, format: str, spec: str) -> None:
+        """Start a matcher for ``request_id`` at the beginning of its output (``format`` and
+        ``spec`` as ``grammar_of``'s)."""
         import llguidance
 
-        matcher = llguidance.LLMatcher(self._tokenizer, grammar_of(so), log_level=0)
+        matcher = llguidance.LLMatcher(self._tokenizer, grammar_of(format, spec), log_level=0)
         if matcher.is_error():
             raise ValueError(f"structured_output: {matcher.get_error()}")
         self._matchers[request_id] = [matcher, 0]

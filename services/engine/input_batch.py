@@ -170,7 +170,7 @@ class InputBatch:
         if p.structured_output is not None:
             if self.matchers is None:
                 raise ValueError("structured_output: this engine has no tokenizer for grammars")
-            self.matchers.add(r.request_id, p.structured_output)
+            self.matchers.add(r.request_id, p.structured_output.format, p.structured_output.spec)
         row = self._free_rows.pop()
         self.row_of[r.request_id] = row
         self.request_ids[row] = r.request_id

@@ -8,17 +8,23 @@ into C, with every argument prepared once per step:
     x += y; h = rmsnorm(x) w1        kernels.decode_ops.add_rmsnorm (y: last layer's MLP out)
     qkv = h Wqkv^T                   kernels.quant.PreparedMatmul (fused q/k/v)
     q = rope(q); cache <- rope(k), v kernels.decode_ops.rope_write_kv
-    a = attention(q, cache)          kernels.cpu_attention.DecodePlan (+ torch for prefill rows)
+    a = attention(q, cache)          kernels.cpu_attention.AttentionPlan (decode and prefill rows)
     o = a Wo^T; x += o; h = rmsnorm(x) w2; gu = h Wgu^T; m = silu(g) u; y = m Wdown^T
 
 Same math as the module path, in float32; sums run in another order, so results agree to
 float32 rounding, not bit for bit (the float32 ``none`` oracle path never comes here).
+
+Batch invariance: every kernel here computes a token's row in one order whatever the batch,
+and a prompt token's attention is the decode step's (the same C kernel, one query at a time),
+so a request's hidden states, logits and greedy tokens are the same bits alone or in a batch,
+with or without a cached prefix, in one prefill chunk or many, and after a preemption or a
+migration recomputes them (tests/unit/test_batch_invariance.py).
 """
 from __future__ import annotations
 
 import torch
 
-from kernels import cpu_attention, decode_ops, quant, reference
+from kernels import cpu_attention, decode_ops, quant
 from kernels.quant_prepared import PreparedMatmul
 
 from .attention import AttentionMetadata
@@ -70,22 +76,12 @@ class QuantizedForward:
             self._caches = (key, [(kv[0], kv[1]) for kv in kv_cache])
         return self._caches[1]
 
-    def _attention(self, meta: AttentionMetadata, threads: int):
-        """``attend(q, k_cache, v_cache, out)`` for this step: the C kernel for the decode rows,
-        the torch reference for prefill chunks (as ``attention.paged_attention`` on CPU)."""
-        nd = meta.num_decode_seqs
-        plan = cpu_attention.DecodePlan(meta.block_tables[:nd], meta.seq_lens[:nd],
-                                        self.num_heads, self.num_kv_heads, self.scale, threads)
-        if nd == meta.seq_lens.shape[0]:
-            return plan
-        tables, lens, starts = meta.block_tables[nd:], meta.seq_lens[nd:], meta.query_start_loc[nd:]
-
-        def attend(q, k_cache, v_cache, out):
-            plan(q, k_cache, v_cache, out)  # reads and writes the first nd rows only
-            reference.paged_prefill_attention(q, k_cache, v_cache, tables, lens, starts,
-                                              self.scale, out=out)
-            return out
-        return attend
+    def _attention(self, meta: AttentionMetadata, threads: int) -> cpu_attention.AttentionPlan:
+        """The C kernel's plan for this step's tokens: decode rows and prefill chunks alike,
+        each token over the cache up to itself."""
+        return cpu_attention.AttentionPlan.for_tokens(
+            meta.block_tables, meta.seq_lens, meta.query_start_loc, self.num_heads,
+            self.num_kv_heads, self.scale, threads)
 
     def _layer_table(self, kv_cache: torch.Tensor) -> torch.Tensor | None:
         """``[num_layers, len(LAYER_FIELDS)]`` int64 addresses for ``tandem_decode_layers_f32``
@@ -118,8 +114,8 @@ class QuantizedForward:
                        slots: torch.Tensor, meta: AttentionMetadata, kv_cache: torch.Tensor,
                        threads: int) -> None:
         """Every layer of a decode step in one C call (``tandem_decode_layers_f32``)."""
-        plan = cpu_attention.DecodePlan(meta.block_tables, meta.seq_lens, self.num_heads,
-                                        self.num_kv_heads, self.scale, threads)
+        plan = cpu_attention.AttentionPlan(meta.block_tables, meta.seq_lens, self.num_heads,
+                                           self.num_kv_heads, self.scale, threads)
         num_blocks, block_size = kv_cache.shape[2], kv_cache.shape[3]
         decode_ops.check(self._ops.tandem_decode_layers_f32(
             table.data_ptr(), table.shape[0], *b.pointers(), self.norm.data_ptr(), b.t,
@@ -132,7 +128,7 @@ class QuantizedForward:
 
     def _layers(self, b: _Buffers, pos: torch.Tensor, slots: torch.Tensor,
                 meta: AttentionMetadata, kv_cache: torch.Tensor, threads: int) -> None:
-        """The layers call by call (prefill and mixed steps: torch attention for the chunks)."""
+        """The layers call by call (prefill and mixed steps)."""
         ops, t, heads, kv_heads, d = self._ops, b.t, self.num_heads, self.num_kv_heads, self.head_dim
         attend = self._attention(meta, threads)
         caches = self._layer_caches(kv_cache)

@@ -79,7 +79,7 @@ class SamplingParams(BaseModel):
         if v is not None:
             from .grammars import grammar_of
 
-            grammar_of(v)  # ValueError naming structured_output and why
+            grammar_of(v.format, v.spec)  # ValueError naming structured_output and why
         return v
 
     @field_validator("logit_bias")

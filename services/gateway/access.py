@@ -71,8 +71,10 @@ class Access:
             raise
         used, left = [0], [len(records)]
 
+        prompt_tokens = {id(r): len(p.prompt) for r, p in zip(records, choices)}
+
         def finished(record: RequestRecord) -> None:
-            used[0] += len(choices[0].prompt) + record.num_output_tokens
+            used[0] += prompt_tokens[id(record)] + record.num_output_tokens
             left[0] -= 1
             if not left[0]:
                 lease.release(used[0])

@@ -1,12 +1,14 @@
-"""OpenAI's ``n``: one request, n independent choices (vLLM v1's parallel sampling,
-``vllm/v1/engine/parallel_sampling.py``).
+"""OpenAI's ``n`` and a completions batch: one request, n independent choices for each of its
+prompts (vLLM v1's parallel sampling, ``vllm/v1/engine/parallel_sampling.py``).
 
 Each choice is a request of its own through the shared pipeline (its own Redis record, KV
-reservation and decode stream), id ``{request_id}-{index}`` when n > 1; with a seed, choice i
-samples with ``seed + i`` (as vLLM does), so a choice equals a single request with that seed.
-Choices 1..n-1 are dispatched once choice 0 has its first token: by then the prefill worker has
-the prompt's full blocks in its prefix cache, so the others compute only the prompt's last
-partial block (``usage.prompt_tokens_details.cached_tokens`` shows the hits of choice 0).
+reservation and decode stream). Choice ``index`` is ``prompt * n + j`` (OpenAI's order of a
+batch's choices), id ``{request_id}-{index}`` when there is more than one; with a seed, choice
+j of a prompt samples with ``seed + j`` (as vLLM does), so a choice equals a single request for
+its prompt with that seed. A prompt's choices 1..n-1 are dispatched once its choice 0 has its
+first token: by then the prefill worker has the prompt's full blocks in its prefix cache, so
+the others compute only the prompt's last partial block
+(``usage.prompt_tokens_details.cached_tokens`` shows the hits of choice 0).
 A greedy request with n > 1 is allowed (vLLM allows it); its choices are equal.
 
 ``Choices.stream()`` yields ``(index, GenerateResponse)`` in arrival order; the first error of
@@ -30,32 +32,39 @@ SEED_MODULUS = 2**63  # SamplingParams' seed range
 _END = object()  # a choice's stream ended
 
 
-def child_requests(prepared: Prepared, n: int) -> list[Prepared]:
-    """The n choices of ``prepared``: ids ``{id}-{i}`` and seeds ``seed + i`` (n > 1)."""
-    if n == 1:
-        return [prepared]
-    seed = prepared.params.seed
-    return [replace(prepared, request_id=f"{prepared.request_id}-{i}",
-                    params=prepared.params if seed is None else
-                    prepared.params.model_copy(update={"seed": (seed + i) % SEED_MODULUS}))
-            for i in range(n)]
+def child_requests(prompts: list[Prepared], n: int) -> list[Prepared]:
+    """The n choices of each of ``prompts``, by index ``prompt * n + j``: ids ``{id}-{index}``
+    (when there is more than one) and seeds ``seed + j``."""
+    if len(prompts) * n == 1:
+        return list(prompts)
+    children = []
+    for i, prepared in enumerate(prompts):
+        seed = prepared.params.seed
+        children += [replace(prepared, request_id=f"{prepared.request_id}-{i * n + j}",
+                             params=prepared.params if seed is None else
+                             prepared.params.model_copy(update={"seed": (seed + j) % SEED_MODULUS}))
+                     for j in range(n)]
+    return children
 
 
 class Choices:
-    """The admitted choices of one request; ``stream()`` relays them all, merged."""
+    """The admitted choices of one request (``n`` per prompt); ``stream()`` relays them all,
+    merged."""
 
-    def __init__(self, core: GatewayCore, children: list[Prepared], records: list[RequestRecord]) -> None:
+    def __init__(self, core: GatewayCore, children: list[Prepared], records: list[RequestRecord],
+                 n: int = 1) -> None:
         self.core = core
         self.children = children
         self.records = records
+        self.n = n
 
     @classmethod
-    async def admit(cls, core: GatewayCore, prepared: Prepared, n: int, access: Access,
+    async def admit(cls, core: GatewayCore, prompts: list[Prepared], n: int, access: Access,
                     identity: Identity) -> Choices:
-        """Admit the n choices of ``prepared`` for ``identity``'s key, all or none. Raises as
-        ``Access.admit_all``."""
-        children = child_requests(prepared, n)
-        return cls(core, children, await access.admit_all(core, children, identity))
+        """Admit the n choices of each of ``prompts`` for ``identity``'s key, all or none.
+        Raises as ``Access.admit_all``."""
+        children = child_requests(prompts, n)
+        return cls(core, children, await access.admit_all(core, children, identity), n)
 
     async def stream(self) -> AsyncIterator[tuple[int, gateway_pb2.GenerateResponse]]:
         """(choice index, response) as they arrive. Raises the first choice's error."""
@@ -65,8 +74,8 @@ class Choices:
                     yield 0, response
             return
         queue: asyncio.Queue = asyncio.Queue()
-        first_token = asyncio.Event()
-        pumps = [asyncio.ensure_future(self._pump(i, queue, first_token))
+        first_tokens = [asyncio.Event() for _ in range(0, len(self.children), self.n)]  # per prompt
+        pumps = [asyncio.ensure_future(self._pump(i, queue, first_tokens[i // self.n]))
                  for i in range(len(self.children))]
         try:
             left = len(pumps)
@@ -83,10 +92,11 @@ class Choices:
                 pump.cancel()  # each relay records its choice ABORTED unless it finished
 
     async def _pump(self, i: int, queue: asyncio.Queue, first_token: asyncio.Event) -> None:
-        """Relay choice ``i`` into ``queue``; choices after the first wait for its first token."""
+        """Relay choice ``i`` into ``queue``; a prompt's choices after its first wait for that
+        one's first token (``first_token``)."""
         prepared, record = self.children[i], self.records[i]
         try:
-            if i > 0:
+            if i % self.n:
                 try:
                     await first_token.wait()
                 except asyncio.CancelledError:

@@ -5,15 +5,21 @@ worker are live) and ``/metrics`` (Prometheus, ``services/observability/metrics.
 translates formats and errors only; every request goes through the same ``GatewayCore``
 pipeline as gRPC.
 
-Errors use OpenAI's JSON ``{"error": {"message", "type", "param", "code"}}``: 400 bad input
-(``param`` names the field; a prompt over the context has code ``context_length_exceeded``),
-401 no or wrong API key on ``/v1/*`` (``http_auth.py``, before the body is read), 413 body over
-``max_request_bytes`` (refused from Content-Length, or while reading, never read whole), 429
-overload or a per-key limit (``Retry-After``; ``limits.py``), 503 no worker or Redis. An error after a stream started
-is an SSE ``data: {"error": ...}`` event, then ``data: [DONE]``. ``X-Request-Id`` is honoured,
-used as the request's id (Redis, logs; ``{id}-{i}`` for the choices of ``n`` > 1, see
-``choices.py``) and returned on every response. A client gone, from a stream or from a
-non-streaming request, aborts the request: every choice's blocks are freed, Redis says ABORTED.
+Errors use OpenAI's JSON ``{"error": {"message", "type", "param", "code"}}`` on every path:
+400 bad input (``param`` names the field; a prompt over the context has code
+``context_length_exceeded``), 401 no or wrong API key on ``/v1/*`` (``http_auth.py``, before
+the body is read), 404 no such path, 405 a method the path does not serve (with ``Allow``), 413
+body over ``max_request_bytes`` (refused from Content-Length, or while reading, never read
+whole), 415 a body that is declared as something other than JSON, 429 overload or a per-key
+limit (``Retry-After``; ``limits.py``), 503 no worker or Redis. An error after a stream
+started is an SSE ``data: {"error": ...}`` event, then ``data: [DONE]``; so is a request aborted
+before it finished (an Abort call on its id, or the gateway stopping), where gRPC ends with
+finish_reason "abort", which OpenAI's API does not have (503 when nothing was streamed yet).
+
+``X-Request-Id`` is honoured, used as the request's id (Redis, logs; ``{id}-{index}`` for each
+choice when a request has several: ``n`` > 1 or a completions batch, see ``choices.py``) and
+returned on every response. A client gone, from a stream or from a non-streaming request, aborts
+the request: every choice's blocks are freed, Redis says ABORTED.
 """
 from __future__ import annotations
 
@@ -27,14 +33,17 @@ from contextlib import aclosing
 import pydantic
 import uvicorn
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
 
 from services.gateway.access import Access
 from services.gateway.choices import Choices
 from services.gateway.health import ReadinessMonitor
 from services.gateway.http_auth import ApiKeyMiddleware, request_identity
-from services.gateway.openai_api import ChatCompletionRequest, Chunker, CompletionRequest, error_body
-from services.gateway.pipeline import GatewayCore
+from services.gateway.openai_api import ChatCompletionRequest, CompletionRequest
+from services.gateway.openai_responses import Chunker, error_body
+from services.gateway.pipeline import GatewayCore, Prepared
 from services.observability import tracing
 from services.observability.metrics import render
 from services.rpc import ResourceExhausted, Unavailable
@@ -49,12 +58,36 @@ class BodyTooLarge(Exception):
     pass
 
 
+class NotJson(Exception):
+    """A body declared (Content-Type) as something other than JSON: 415."""
+
+
+class RequestAborted(Exception):
+    """A choice ended with finish_reason "abort" (an Abort call on its id, or the gateway
+    stopping): OpenAI's API has no such finish reason, so HTTP answers an error (503)."""
+
+
 def create_app(core: GatewayCore, readiness: ReadinessMonitor, access: Access | None = None) -> FastAPI:
     """The FastAPI application over ``core``; ``readiness`` answers ``/ready``; ``access``: API
     keys (every ``/v1/*`` route) and per-key limits (default: open, unlimited)."""
     app = FastAPI(title="Tandem", docs_url=None, redoc_url=None, openapi_url=None)
     access = access or Access()
     app.add_middleware(ApiKeyMiddleware, access=access)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        """The framework's own errors (404 no such path, 405 wrong method) in OpenAI's shape."""
+        message = (f"{request.method} {request.url.path}: no such path" if exc.status_code == 404 else
+                   f"{request.method} {request.url.path}: method not allowed" if exc.status_code == 405 else
+                   str(exc.detail))
+        return JSONResponse(error_body(message, exc.status_code), status_code=exc.status_code,
+                            headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        message = "; ".join(f"{_field_path(e['loc'])}: {e['msg']}" for e in errors) or "invalid request"
+        return JSONResponse(error_body(message, 422), status_code=422)
 
     @app.get("/health")
     async def health() -> dict:
@@ -93,15 +126,16 @@ async def _complete(core: GatewayCore, request: Request, body_cls, kind: str, ac
     identity = request_identity(request)
     try:
         access.check_request(identity)
+        _check_json(request)
         body = body_cls.model_validate_json(await _read_body(request, core.limits.max_request_bytes))
-        body.check_n(core.limits.max_n)
-        prepared = await core.prepare(body.to_proto(rid),
-                                      request.headers if tracing.enabled() else None)
-        choices = await Choices.admit(core, prepared, body.n, access, identity)
+        protos = body.to_protos(rid, core.limits.max_tokens_cap)
+        body.check_n(core.limits.max_n, len(protos))
+        prompts = await _prepare_all(core, protos, request.headers if tracing.enabled() else None)
+        choices = await Choices.admit(core, prompts, body.n, access, identity)
     except Exception as exc:  # noqa: BLE001 — every failure becomes OpenAI's error JSON
         return _error_response(exc, headers)
-    chunker = Chunker(kind, rid, core.model.name, body.n)
-    responses = choices.stream()
+    chunker = Chunker(kind, rid, core.model.name, body.n, len(prompts))
+    responses = _unless_aborted(choices.stream())
     if body.stream:  # NOTE: up to the first token, a failure still gets its HTTP status
         try:
             first = await anext(responses)
@@ -111,12 +145,80 @@ async def _complete(core: GatewayCore, request: Request, body_cls, kind: str, ac
         return StreamingResponse(_sse(first, responses, chunker, include_usage),
                                  media_type="text/event-stream", headers=headers)
     try:
-        by_choice = await _collect_unless_gone(request, responses, body.n)
+        by_choice = await _collect_unless_gone(request, responses, len(choices.children))
     except Exception as exc:  # noqa: BLE001
         return _error_response(exc, headers)
     if by_choice is None:
         return Response(status_code=CLIENT_CLOSED_REQUEST, headers=headers)
     return JSONResponse(chunker.whole(by_choice), headers=headers)
+
+
+async def _unless_aborted(responses):
+    """``responses`` (index, GenerateResponse) until one ends with finish_reason "abort", which
+    raises RequestAborted (closing the rest)."""
+    async with aclosing(responses) as rs:
+        async for index, msg in rs:
+            if msg.finish_reason == "abort":
+                raise RequestAborted("the request was aborted before it finished (an Abort call "
+                                     "on its id, or the gateway shutting down)")
+            yield index, msg
+
+
+async def _prepare_all(core: GatewayCore, protos: list, carrier) -> list[Prepared]:
+    """``core.prepare`` each prompt of a request, in order. Raises the first failure (naming
+    ``prompt[i]`` in a batch); the prompts prepared before it end their spans failed."""
+    prepared: list[Prepared] = []
+    try:
+        for i, proto in enumerate(protos):
+            try:
+                prepared.append(await core.prepare(proto, carrier))
+            except ValueError as exc:
+                raise ValueError(_prompt_named(str(exc), i if len(protos) > 1 else None)) from None
+    except BaseException as exc:
+        for p in prepared:
+            p.trace.fail(exc)
+        raise
+    return prepared
+
+
+def _prompt_named(message: str, i: int | None) -> str:
+    """A pipeline message about ``prompt`` / ``prompt_token_ids[j]`` renamed to the HTTP body's
+    field: ``prompt``, ``prompt[j]`` (token ids), or, in a batch, ``prompt[i]`` /
+    ``prompt[i][j]``."""
+    field, sep, rest = message.partition(":")
+    if not sep or not (field == "prompt" or field.startswith("prompt_token_ids")):
+        return message
+    at = "" if i is None else f"[{i}]"
+    return "prompt" + at + field.removeprefix("prompt_token_ids").removeprefix("prompt") + sep + rest
+
+
+def _check_json(request: Request) -> None:
+    """Raises NotJson when the body is declared as something other than JSON (no
+    Content-Type is taken as JSON, as curl's users expect)."""
+    declared = request.headers.get("content-type")
+    if declared is None:
+        return
+    media = declared.split(";", 1)[0].strip().lower()
+    if media != "application/json" and not media.endswith("+json"):
+        raise NotJson(f"request body: declared as {media or declared!r}; send JSON "
+                      "(Content-Type: application/json)")
+
+
+def _field_path(loc) -> str:
+    """pydantic's error location as a field path: ``messages[0].content``. Union members'
+    tags (``str``, ``list[int]``, ``function-after[...]``) are not fields and are left out."""
+    path = ""
+    for part in loc:
+        if part == "body":
+            continue
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif part.isidentifier() and part.islower() and part not in _TYPE_TAGS:
+            path += f".{part}" if path else part
+    return path
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 
 
 async def _collect_unless_gone(request: Request, responses, n: int) -> list[list] | None:
@@ -186,9 +288,17 @@ def _status(exc: Exception) -> tuple[int, str, str | None]:
     """(HTTP status, message, OpenAI error code) of a pipeline exception."""
     if isinstance(exc, BodyTooLarge):
         return 413, str(exc), None
+    if isinstance(exc, NotJson):
+        return 415, str(exc), None
+    if isinstance(exc, RequestAborted):
+        return 503, str(exc), None
     if isinstance(exc, pydantic.ValidationError):
         e = exc.errors()[0]
-        loc = ".".join(str(p) for p in e["loc"] if p != "body")
+        if e["type"] == "extra_forbidden":  # as OpenAI's server words it, naming the key
+            key = e["loc"][-1]
+            where = _field_path(e["loc"]) or "request"
+            return 400, f"{where}: unrecognized request argument {key!r}", None
+        loc = _field_path(e["loc"])
         return 400, f"{loc}: {e['msg']}" if loc else e["msg"], None
     if isinstance(exc, ValueError):
         message = str(exc)

@@ -154,20 +154,19 @@ class GatewayCore:
         return record
 
     async def admit_all(self, prepared: list[Prepared], key_id: str = "") -> list[RequestRecord]:
-        """``admit`` each of ``prepared`` (the n choices of one request), all or none: on a
-        failure the ones admitted are released (recorded ABORTED) and it raises as ``admit``."""
-        try:
-            self._check_room(len(prepared))
-        except BaseException as exc:  # full or draining
-            prepared[0].trace.fail(exc)  # the choices share one request span
-            raise
+        """``admit`` each of ``prepared`` (the choices of one request), all or none: on a
+        failure the ones admitted are released (recorded ABORTED), every request span ends
+        failed, and it raises as ``admit``."""
         records: list[RequestRecord] = []
         try:
+            self._check_room(len(prepared))
             for p in prepared:
                 records.append(await self.admit(p, key_id))
-        except BaseException:
+        except BaseException as exc:
             for p, record in zip(prepared, records):
                 self.release(p.request_id, record)
+            for trace in {id(p.trace): p.trace for p in prepared}.values():
+                trace.fail(exc)  # a prompt's choices share one request span
             raise
         return records
 

@@ -18,7 +18,8 @@ from services.gateway.model_card import ModelCard
 from services.rpc import validation_message
 
 DEFAULT_MAX_TOKENS = 256
-CHAT_ROLES = ("system", "user", "assistant")
+# "developer" is OpenAI's newer name for the instructions ("system") role
+CHAT_ROLES = ("developer", "system", "user", "assistant")
 # vLLM's _SAMPLING_EPS: a temperature below it divides logits into overflow; it means greedy.
 GREEDY_TEMPERATURE_EPS = 1e-5
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
@@ -40,13 +41,15 @@ class RequestLimits:
 
 
 def check_request(req: gateway_pb2.GenerateRequest, limits: RequestLimits) -> None:
-    """Cheap checks before any CPU work: one of prompt/messages, their count, finite floats.
+    """Cheap checks before any CPU work: one of prompt/messages/prompt_token_ids, their count,
+    finite floats.
 
-    Raises ValueError naming ``prompt``, ``messages`` or the float field."""
-    if req.prompt and req.messages:
-        raise ValueError("prompt, messages: give exactly one of them, not both")
-    if not req.prompt and not req.messages:
-        raise ValueError("prompt: must not be empty (or give messages)")
+    Raises ValueError naming ``prompt``, ``messages``, ``prompt_token_ids`` or the float field."""
+    given = [name for name in ("prompt", "messages", "prompt_token_ids") if getattr(req, name)]
+    if len(given) > 1:
+        raise ValueError(f"{', '.join(given)}: give exactly one of them")
+    if not given:
+        raise ValueError("prompt: must not be empty (or give messages or prompt_token_ids)")
     if len(req.messages) > limits.max_messages:
         raise ValueError(f"messages: {len(req.messages)} messages exceed the limit of "
                          f"{limits.max_messages} (setting max_messages)")
@@ -61,30 +64,48 @@ def check_request(req: gateway_pb2.GenerateRequest, limits: RequestLimits) -> No
 
 def prompt_token_ids(req: gateway_pb2.GenerateRequest, tokenizer: Tokenizer, max_model_len: int,
                      ) -> list[int]:
-    """Tokenize ``prompt`` as is, or ``messages`` through the chat template. CPU-bound (a long
-    prompt takes seconds): call it off the event loop.
+    """Tokenize ``prompt`` as is, or ``messages`` through the chat template, or check
+    ``prompt_token_ids`` against the vocabulary. CPU-bound (a long prompt takes seconds): call
+    it off the event loop.
 
-    Raises ValueError naming ``prompt``, ``messages`` or ``messages[i].role`` / ``.content``.
+    Raises ValueError naming ``prompt``, ``messages``, ``messages[i].role``, or
+    ``prompt_token_ids`` / ``prompt_token_ids[i]``.
     """
+    field = "messages" if req.messages else "prompt_token_ids" if req.prompt_token_ids else "prompt"
     if req.messages:
-        for i, m in enumerate(req.messages):
-            if m.role not in CHAT_ROLES:
-                raise ValueError(f"messages[{i}].role: {m.role!r} is not one of {', '.join(CHAT_ROLES)}")
-            if not m.content:
-                raise ValueError(f"messages[{i}].content: must not be empty")
-        text = tokenizer.apply_chat_template([{"role": m.role, "content": m.content} for m in req.messages])
+        ids = tokenizer.encode(tokenizer.apply_chat_template(template_messages(req.messages, tokenizer)))
+    elif req.prompt_token_ids:
+        ids = list(req.prompt_token_ids)
+        for i, token_id in enumerate(ids):
+            if token_id >= tokenizer.vocab_size:
+                raise ValueError(f"prompt_token_ids[{i}]: {token_id} is not a token id of the model "
+                                 f"(ids are 0 to {tokenizer.vocab_size - 1})")
     elif req.prompt:
-        text = req.prompt
+        ids = tokenizer.encode(req.prompt)
     else:
-        raise ValueError("prompt: must not be empty (or give messages)")
-    ids = tokenizer.encode(text)
+        raise ValueError("prompt: must not be empty (or give messages or prompt_token_ids)")
     if not ids:
         raise ValueError("prompt: tokenizes to no tokens")
     if len(ids) >= max_model_len:
-        field = "messages" if req.messages else "prompt"
         raise ValueError(f"{field}: {len(ids)} tokens do not fit the model's context of "
                          f"{max_model_len} tokens with at least one output token")
     return ids
+
+
+def template_messages(messages, tokenizer: Tokenizer) -> list[dict[str, str]]:
+    """``messages`` as the chat template's ``{role, content}`` dicts. ``developer`` (OpenAI's
+    newer name for the instructions role) becomes ``system`` unless the template itself knows
+    the developer role (as gpt-oss's does); ChatML and Llama templates know only ``system``.
+
+    Raises ValueError naming ``messages[i].role``."""
+    knows_developer = "developer" in (tokenizer.chat_template or "")
+    out = []
+    for i, m in enumerate(messages):
+        if m.role not in CHAT_ROLES:
+            raise ValueError(f"messages[{i}].role: {m.role!r} is not one of {', '.join(CHAT_ROLES)}")
+        role = "system" if m.role == "developer" and not knows_developer else m.role
+        out.append({"role": role, "content": m.content})
+    return out
 
 
 def sampling_params(req: gateway_pb2.GenerateRequest, num_prompt_tokens: int, model: ModelCard,

@@ -60,6 +60,33 @@ def start_stack(worker_args: list[str], redis_url: str | None,
     return s
 
 
+class HttpStack:
+    """A stack with OpenAI HTTP on: ``url`` (scheme, host, port), ``base_url`` (``url`` + /v1)
+    and the official client on it."""
+
+    def __init__(self, stack: Stack, http_port: int) -> None:
+        self.stack = stack
+        self.url = f"http://127.0.0.1:{http_port}"
+        self.base_url = f"{self.url}/v1"
+
+    def client(self):
+        """An ``openai.AsyncOpenAI`` on the stack (generous timeout, no retries)."""
+        import openai
+
+        return openai.AsyncOpenAI(base_url=self.base_url, api_key="unused", timeout=300, max_retries=0)
+
+
+@contextlib.contextmanager
+def http_stack_with(redis_url: str, gateway_args: list[str]) -> Iterator[HttpStack]:
+    """``start_stack`` with HTTP on a free port and ``gateway_args``; stopped after the block."""
+    port = free_port()
+    s = start_stack(WORKER_ARGS, redis_url, gateway_args=["--http-port", str(port), *gateway_args])
+    try:
+        yield HttpStack(s, port)
+    finally:
+        s.stop()
+
+
 @contextlib.contextmanager
 def running(s: Stack) -> Iterator[Stack]:
     """``s`` started and ready for the block; stopped after it, whatever happens."""

@@ -111,7 +111,7 @@ def test_streaming_sse_framing_and_usage(http, stack):
     assert len({c["id"] for c in chunks}) == 1
     usage_chunk = chunks[-1]
     assert usage_chunk["choices"] == [] and usage_chunk["usage"]["completion_tokens"] == 8
-    assert all(c["usage"] is None for c in chunks[:-1])
+    assert all("usage" not in c for c in chunks[:-1])
     assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks[:-1]) == expected
     assert chunks[-2]["choices"][0]["finish_reason"] == "length"
 

@@ -1,6 +1,6 @@
 """OpenAI HTTP on the wire, below any client library: the exact SSE framing of chat and
 completions streams (n = 1 and n > 1), an error after the stream started (an injected engine
-fault) as an error event then ``[DONE]``, a 10 MB body refused with 413 from its header alone,
+fault) as an error event then ``[DONE]``, and so a request aborted by id, a 10 MB body refused with 413 from its header alone,
 and clients that go away (non-streaming; streaming with n > 1) abort every choice: all blocks
 free on both workers (GetLoad) and Redis says ABORTED."""
 from __future__ import annotations
@@ -77,7 +77,7 @@ def test_chat_stream_framing(http_stack):
     assert len({c["id"] for c in chunks}) == 1 and chunks[0]["id"].startswith("chatcmpl-")
     assert len({c["created"] for c in chunks}) == 1 and isinstance(chunks[0]["created"], int)
     assert {c["model"] for c in chunks} == {MODEL}
-    assert all(c["usage"] is None and len(c["choices"]) == 1 for c in chunks)
+    assert all("usage" not in c and len(c["choices"]) == 1 for c in chunks)
     assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
     assert all("role" not in c["choices"][0]["delta"] for c in chunks[1:])
     reasons = [c["choices"][0]["finish_reason"] for c in chunks]
@@ -97,7 +97,7 @@ def test_completions_stream_framing_with_usage(http_stack):
     assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 5
     assert usage["usage"]["total_tokens"] == usage["usage"]["prompt_tokens"] + 5
     assert "cached_tokens" in usage["usage"]["prompt_tokens_details"]
-    assert all(c["usage"] is None and "text" in c["choices"][0] for c in content)
+    assert all("usage" not in c and "text" in c["choices"][0] for c in content)
     assert content[-1]["choices"][0]["finish_reason"] == "length"
 
 
@@ -127,6 +127,35 @@ def test_error_after_the_stream_started_is_an_error_event_then_done(http_stack):
     *content, error = [json.loads(e) for e in events[:-1]]
     assert content and all("choices" in c for c in content)  # tokens went out before the fault
     assert set(error) == {"error"} and error["error"]["message"] and error["error"]["type"]
+    asyncio.run(assert_all_blocks_freed(http_stack.stack, timeout_s=DEADLINE_S))
+
+
+def test_an_aborted_stream_ends_with_an_error_event_not_an_abort_finish_reason(http_stack):
+    """OpenAI's finish reasons have no "abort": a request aborted by id (gRPC Abort) is an
+    error event on its HTTP stream, then ``[DONE]``."""
+    import grpc
+
+    from services.api import gateway_pb2, gateway_pb2_grpc
+
+    rid = f"sse-abort-{uuid.uuid4().hex[:8]}"
+
+    async def scenario() -> list[str]:
+        async with httpx.AsyncClient(timeout=300) as client, grpc.aio.insecure_channel(http_stack.stack.address) as ch:
+            async with client.stream("POST", f"{http_stack.url}/v1/chat/completions", headers={"X-Request-Id": rid},
+                                     json=chat_body(max_tokens=2000)) as r:
+                assert r.status_code == 200
+                lines = r.aiter_lines()
+                events = [await anext(lines)]  # the first chunk
+                found = await gateway_pb2_grpc.GatewayStub(ch).Abort(gateway_pb2.AbortRequest(request_id=rid))
+                assert found.found
+                events += [line async for line in lines if line]
+        return [e.removeprefix("data: ") for e in events]
+
+    events = asyncio.run(scenario())
+    assert events[-1] == "[DONE]"
+    *content, error = [json.loads(e) for e in events[:-1]]
+    assert all(c["choices"][0]["finish_reason"] is None for c in content), content[-1]
+    assert "aborted" in error["error"]["message"] and error["error"]["type"] == "server_error"
     asyncio.run(assert_all_blocks_freed(http_stack.stack, timeout_s=DEADLINE_S))
 
 

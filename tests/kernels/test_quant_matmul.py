@@ -194,18 +194,19 @@ def test_other_activation_dtypes_come_back_in_their_dtype():
 
 
 def test_default_path_can_be_set_for_benchmarks():
+    """``set_default_isa`` picks the path ``quant_matmul`` and ``PreparedMatmul`` pass to the
+    kernel when not told (the paths give the same bits, so the argument is what shows)."""
     w = make_weight("q4_1", 40, 96)
     x = torch.randn(3, 96, generator=torch.Generator().manual_seed(3))
-    # the paths round differently, so an ignored setting would show
-    assert not torch.equal(quant.quant_matmul(x, w, isa="scalar"), quant.quant_matmul(x, w))
     try:
         quant.set_default_isa("scalar")
+        assert quant.isa_level() == quant.ISAS.index("scalar")
         assert torch.equal(quant.quant_matmul(x, w), quant.quant_matmul(x, w, isa="scalar"))
         with pytest.raises(ValueError, match="isa"):
             quant.set_default_isa("avx1024")
     finally:
         quant.set_default_isa(None)
-    assert torch.equal(quant.quant_matmul(x, w), quant.quant_matmul(x, w, isa=quant.isa()))
+    assert quant.isa_level() == quant.ISAS.index(quant.isa())
 
 
 def _cpu_flags() -> set[str]:

@@ -122,3 +122,19 @@ def test_gateway_imports_no_torch_engine_kernels_or_worker_runtime():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+# -- prompt token ids ----------------------------------------------------------------------------
+def test_prompt_token_ids_are_a_prompt_of_their_own_checked_against_the_vocabulary():
+    from types import SimpleNamespace
+
+    tok = SimpleNamespace(vocab_size=100)
+    req = gateway_pb2.GenerateRequest(prompt_token_ids=[5, 99, 0])
+    validation.check_request(req, RequestLimits())
+    assert validation.prompt_token_ids(req, tok, max_model_len=64) == [5, 99, 0]
+    with pytest.raises(ValueError, match=r"^prompt_token_ids\[1\]: 100 is not a token id"):
+        validation.prompt_token_ids(gateway_pb2.GenerateRequest(prompt_token_ids=[5, 100]), tok, 64)
+    with pytest.raises(ValueError, match=r"^prompt_token_ids: 64 tokens do not fit"):
+        validation.prompt_token_ids(gateway_pb2.GenerateRequest(prompt_token_ids=[1] * 64), tok, 64)
+    with pytest.raises(ValueError, match=r"^prompt, prompt_token_ids: give exactly one of them"):
+        validation.check_request(gateway_pb2.GenerateRequest(prompt="x", prompt_token_ids=[1]), RequestLimits())

@@ -10,7 +10,8 @@ from services.api import gateway_pb2
 from services.engine.request import Request
 from services.engine.sampling_params import SamplingParams
 from services.gateway.choices import child_requests
-from services.gateway.openai_api import ChatCompletionRequest, Chunker, CompletionRequest, usage
+from services.gateway.openai_api import ChatCompletionRequest, CompletionRequest
+from services.gateway.openai_responses import Chunker, usage
 from services.gateway.pipeline import Prepared
 from tests.unit.test_scheduler import EOS, SYSTEM, create_scheduler, step
 
@@ -23,22 +24,37 @@ def final(completion: int, prompt: int = 10, cached: int = 0, text: str = "x") -
 
 def test_choices_get_their_own_ids_and_consecutive_seeds():
     p = Prepared("req", [1, 2, 3], SamplingParams(seed=41, temperature=1.0))
-    children = child_requests(p, 3)
+    children = child_requests([p], 3)
     assert [c.request_id for c in children] == ["req-0", "req-1", "req-2"]
     assert [c.params.seed for c in children] == [41, 42, 43]
     assert all(c.prompt == [1, 2, 3] and c.params.temperature == 1.0 for c in children)
-    assert child_requests(p, 1) == [p]  # n = 1: the request itself, its id unchanged
-    unseeded = child_requests(Prepared("u", [1], SamplingParams()), 2)
+    assert child_requests([p], 1) == [p]  # n = 1: the request itself, its id unchanged
+    unseeded = child_requests([Prepared("u", [1], SamplingParams())], 2)
     assert [c.params.seed for c in unseeded] == [None, None]
-    wrapped = child_requests(Prepared("w", [1], SamplingParams(seed=2**63 - 1)), 2)
+    wrapped = child_requests([Prepared("w", [1], SamplingParams(seed=2**63 - 1))], 2)
     assert [c.params.seed for c in wrapped] == [2**63 - 1, 0]
 
 
+def test_a_batch_orders_choices_by_prompt_then_choice_as_openai_does():
+    a = Prepared("req", [1, 2], SamplingParams(seed=7, temperature=1.0))
+    b = Prepared("req", [3], SamplingParams(seed=7, temperature=1.0))
+    children = child_requests([a, b], 2)
+    assert [c.request_id for c in children] == ["req-0", "req-1", "req-2", "req-3"]
+    assert [c.prompt for c in children] == [[1, 2], [1, 2], [3], [3]]  # index = prompt * n + j
+    assert [c.params.seed for c in children] == [7, 8, 7, 8]  # choice j: seed + j, per prompt
+    assert [c.request_id for c in child_requests([a, b], 1)] == ["req-0", "req-1"]
+
+
 def test_usage_counts_the_prompt_once_and_sums_completions():
-    u = usage({0: final(5, cached=8), 1: final(7, cached=0), 2: final(3, cached=8)})
+    u = usage({0: final(5, cached=8), 1: final(7, cached=0), 2: final(3, cached=8)}, n=3)
     assert u == {"prompt_tokens": 10, "completion_tokens": 15, "total_tokens": 25,
                  "prompt_tokens_details": {"cached_tokens": 8}}
-    assert usage({}) is None
+    assert usage({}, n=1) is None
+    # a batch of two prompts, n = 2: each prompt counted once (by its first choice)
+    batch = usage({0: final(5, prompt=10, cached=8), 1: final(7, prompt=10, cached=8),
+                   2: final(3, prompt=4), 3: final(1, prompt=4)}, n=2)
+    assert batch == {"prompt_tokens": 14, "completion_tokens": 16, "total_tokens": 30,
+                     "prompt_tokens_details": {"cached_tokens": 8}}
 
 
 def test_chat_chunks_carry_their_choice_and_each_choice_starts_with_the_role():
@@ -49,7 +65,7 @@ def test_chat_chunks_carry_their_choice_and_each_choice_starts_with_the_role():
     assert [x["choices"][0]["index"] for x in (first0, first1, later0)] == [0, 1, 0]
     assert first0["choices"][0]["delta"] == {"content": "a", "role": "assistant"}
     assert first1["choices"][0]["delta"] == {"content": "b", "role": "assistant"}
-    assert later0["choices"][0]["delta"] == {"content": "c"} and later0["usage"] is None
+    assert later0["choices"][0]["delta"] == {"content": "c"} and "usage" not in later0
     c.chunk(1, final(4, text="d"))
     last = c.usage_chunk()
     assert last["choices"] == [] and last["usage"]["completion_tokens"] == 6
@@ -76,6 +92,7 @@ def test_whole_response_lists_every_choice_in_index_order():
     c = Chunker("chat", "r", "m", n=2)
     body = c.whole([[gateway_pb2.GenerateResponse(text="a"), final(2, text="b")], [final(1, text="z")]])
     assert [(x["index"], x["message"]["content"]) for x in body["choices"]] == [(0, "ab"), (1, "z")]
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": "ab", "refusal": None}
     assert body["object"] == "chat.completion" and body["usage"]["completion_tokens"] == 3
 
 
@@ -83,7 +100,7 @@ def test_whole_response_lists_every_choice_in_index_order():
     ({"n": 0}, "n"),
     ({"max_tokens": 2**31}, "max_tokens"),
     ({"top_k": 2**40}, "top_k"),
-    ({"seed": 2**63}, "seed"),
+    ({"seed": 2**64}, "seed"),
     ({"stop_token_ids": [2**32]}, "stop_token_ids"),
 ])
 def test_out_of_range_numbers_fail_validation_naming_the_field(body, field):
@@ -95,10 +112,10 @@ def test_out_of_range_numbers_fail_validation_naming_the_field(body, field):
 def test_n_over_the_limit_names_n_and_content_parts_are_joined():
     req = ChatCompletionRequest.model_validate({"n": 5, "messages": [
         {"role": "user", "content": [{"type": "text", "text": "Hello, "}, {"type": "text", "text": "you"}]}]})
-    with pytest.raises(ValueError, match=r"^n: 5 choices exceed .* limit of 4 \(setting max_n\)"):
+    with pytest.raises(ValueError, match=r"^n: 5 choices exceed .* limit of 4 choices per request \(setting max_n\)"):
         req.check_n(4)
-    assert req.to_proto("r").messages[0].content == "Hello, you"
-    assert CompletionRequest.model_validate({"prompt": "x", "logprobs": 3}).to_proto("r").top_logprobs == 3
+    assert req.to_protos("r")[0].messages[0].content == "Hello, you"
+    assert CompletionRequest.model_validate({"prompt": "x", "logprobs": 3}).to_protos("r")[0].top_logprobs == 3
 
 
 def test_a_request_records_its_prefix_cache_hits_when_first_admitted():

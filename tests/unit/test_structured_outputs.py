@@ -135,7 +135,7 @@ def test_bad_specs_are_refused_naming_the_field(so, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         SamplingParams(structured_output=so)
     with pytest.raises(ValueError, match=message):
-        grammar_of(so)
+        grammar_of(so.format, so.spec)
 
 
 @pytest.mark.parametrize("bias,message", [(((5, 101.0),), "within"), (((-1, 1.0),), ">= 0"),
