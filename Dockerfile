@@ -2,8 +2,8 @@
 # one container: `tandem up --host 0.0.0.0`), two targets:
 #   docker build --target cpu  -t REGISTRY/tandem:0.1.0-cpu  .   Debian + CPU torch
 #   docker build --target cuda -t REGISTRY/tandem:0.1.0-cuda .   CUDA 13 + torch, triton, NIXL
-# Layers, least often changed first: the Python dependencies (from pyproject.toml alone, so a
-# code edit rebuilds none of them), the model file, the CPU kernels, then Tandem itself.
+# Layers, least often changed first: the Python dependencies (from pyproject.toml's lists alone,
+# so a code edit rebuilds none of them), the model file, the CPU kernels, then Tandem itself.
 # Python packages come from scripts/python_packages.sh, the list scripts/setup.sh runs too.
 # The CPU kernels are compiled here once per CPU family (x86-64, AVX2, AVX-512, AVX-512 VNNI,
 # AVX-512 BF16; kernels/native.py) and a worker loads the best its CPU runs: the CPU runtime
@@ -20,14 +20,22 @@ ARG CUDA_BASE=nvidia/cuda:13.0.0-base-ubuntu24.04
 ARG TANDEM_UID=10001
 
 # ---------------------------------------------------------------- CPU
+# pyproject.toml's dependency lists alone: the layer below changes only when they do
+FROM ${CPU_BASE} AS cpu-requirements
+WORKDIR /src
+COPY pyproject.toml ./
+COPY scripts/python_packages.sh scripts/
+RUN scripts/python_packages.sh --requirements python3 "" > /requirements.txt
+
 FROM ${CPU_BASE} AS cpu-deps
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /src
-COPY pyproject.toml ./
+COPY --from=cpu-requirements /requirements.txt ./
 COPY scripts/python_packages.sh scripts/
 RUN python3 -m venv /opt/venv \
- && TANDEM_TORCH_INDEX_URL="${TORCH_INDEX_URL}" scripts/python_packages.sh --deps /opt/venv/bin/python "" \
+ && TANDEM_TORCH_INDEX_URL="${TORCH_INDEX_URL}" \
+    scripts/python_packages.sh --deps /opt/venv/bin/python requirements.txt \
  && /opt/venv/bin/python -c "import torch; assert '+cpu' in torch.__version__, torch.__version__"
 
 FROM cpu-deps AS cpu-model
@@ -86,16 +94,22 @@ RUN apt-get update \
     libgomp1 redis-server \
  && apt-get clean && rm -rf /var/lib/apt/lists/*
 
+FROM cuda-base AS cuda-requirements
+WORKDIR /src
+COPY pyproject.toml ./
+COPY scripts/python_packages.sh scripts/
+RUN scripts/python_packages.sh --requirements python3 "[gpu,nixl]" > /requirements.txt
+
 FROM cuda-base AS cuda-deps
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /src
-COPY pyproject.toml ./
+COPY --from=cuda-requirements /requirements.txt ./
 COPY scripts/python_packages.sh scripts/
 COPY docker/cuda-constraints.txt docker/
 # torch from pip's default index: the CUDA build, with its CUDA libraries as wheels
 RUN python3 -m venv /opt/venv \
  && PIP_CONSTRAINT=docker/cuda-constraints.txt \
-    scripts/python_packages.sh --deps /opt/venv/bin/python "[gpu,nixl]"
+    scripts/python_packages.sh --deps /opt/venv/bin/python requirements.txt
 
 FROM cuda-deps AS cuda-model
 RUN scripts/python_packages.sh --model /opt/venv/bin/python /opt/tandem-model

