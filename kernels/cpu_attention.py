@@ -20,23 +20,20 @@ if the build fails, ``paged_decode_attention`` falls back to the torch reference
 once. It runs float32 CPU tensors; anything else takes the reference too. OpenMP threads:
 ``torch.get_num_threads()``; the library links ``libgomp.so.1``, so in a process that imported
 torch it shares torch's OpenMP runtime (one thread pool, no oversubscription).
+
+Where a library prebuilt for this CPU's family exists (the image ships them; ``kernels.native``),
+it is loaded instead and nothing is compiled.
 """
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 
-from kernels import reference
+from kernels import native, reference
 
 log = logging.getLogger(__name__)
 
@@ -53,57 +50,29 @@ _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 
 
 def cache_dir() -> Path:
-    """Where built kernels live: ``$TANDEM_CACHE_DIR/kernels`` or ``~/.cache/tandem/kernels``."""
-    root = os.environ.get("TANDEM_CACHE_DIR") or Path.home() / ".cache" / "tandem"
-    return Path(root) / "kernels"
-
-
-def _cpu_id() -> str:
-    """The CPU model and flags (``-march=native`` code is only valid on such a CPU)."""
-    try:
-        info = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return platform.processor() or platform.machine()
-    return "\n".join(sorted({ln for ln in info if ln.startswith(("model name", "flags"))}))
+    """Where kernels built here live (``kernels.native.cache_dir``)."""
+    return native.cache_dir()
 
 
 def build(compiler: str | None = None) -> Path:
-    """Compile the kernel (unless already cached) and return the shared library's path.
-
-    Raises ``RuntimeError`` (with the compiler's output) when no compiler is found or the build
-    fails."""
+    """The kernel's shared library (prebuilt for this CPU's family, or compiled here unless
+    cached; see ``build_shared_library``). Raises ``RuntimeError`` (with the compiler's output)
+    when there is neither a fitting prebuilt library nor a compiler, or the build fails."""
     return build_shared_library(SOURCE, compiler)
 
 
 def build_shared_library(source: Path, compiler: str | None = None) -> Path:
-    """Compile the C file ``source`` with ``CFLAGS``/``LDFLAGS`` into a shared library cached in
-    ``cache_dir()`` under a hash of the source, the headers beside it (``csrc/*.h``), the flags
-    and this CPU; returns its path.
+    """The shared library of the C file ``source`` with ``CFLAGS``/``LDFLAGS``: the one
+    prebuilt for the best CPU family this CPU runs (the image's; ``kernels.native``), else one
+    compiled here (``-march=native``) and cached in ``cache_dir()`` under a hash of the source,
+    the headers beside it (``csrc/*.h``), the compiler, the flags and this CPU; returns its path.
+    A ``compiler`` given always compiles here.
 
-    Raises ``RuntimeError`` (with the compiler's output) when no compiler is found or the build
-    fails. Safe under concurrent builds: each compiles to a temporary file and renames it.
+    Raises ``RuntimeError`` (with the compiler's output) when nothing fits and no compiler is
+    found or the build fails; ``OSError`` when the cache cannot be written or the library does
+    not load. Safe under concurrent builds: each compiles to a temporary file and renames it.
     """
-    cc = compiler or os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if not cc:
-        raise RuntimeError("no C compiler found (set $CC, or install gcc)")
-    headers = [h.read_bytes() for h in sorted(source.parent.glob("*.h"))]
-    key = hashlib.sha256(b"\0".join([source.read_bytes(), *headers,
-                                     " ".join((cc, *CFLAGS, *LDFLAGS)).encode(),
-                                     _cpu_id().encode()])).hexdigest()[:16]
-    target = cache_dir() / f"{source.stem}-{key}.so"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        obj, lib = Path(tmp) / "kernel.o", Path(tmp) / target.name
-        for cmd in ([cc, *CFLAGS, "-c", str(source), "-o", str(obj)],
-                    [cc, *LDFLAGS, str(obj), "-o", str(lib), "-lm"]):
-            proc = subprocess.run(cmd, capture_output=True, text=True)
-            if proc.returncode != 0:
-                raise RuntimeError(f"building {source.name} failed: {' '.join(cmd)}\n"
-                                   f"{proc.stderr.strip()}")
-        os.replace(lib, target)
-    return target
+    return native.shared_library(source, CFLAGS, LDFLAGS, compiler)
 
 
 @functools.cache

@@ -122,6 +122,10 @@ def _within_cpu_budget(num_threads: int) -> int:
 
 def _load_engine(opts: WorkerOptions):
     """``(engine, warm-up seconds)``: the role's engine, loaded and warmed up."""
+    if opts.engine.device == "cpu":
+        from kernels import cpu_kernels
+
+        cpu_kernels.log_loaded()  # which build each C kernel uses; a WARNING if one is missing
     from services.engine.engine import LLMEngine
 
     engine = LLMEngine(role_engine_config(opts), fault_injection=opts.fault_injection,

@@ -30,7 +30,7 @@ def create_transport(
     see ``KVTransport``.
 
     Raises ValueError for an unknown backend or when ``kv_cache`` disagrees with ``layout``;
-    ImportError ("NIXL is not installed (pip install nixl-cu12); use --kv-transport tcp") for
+    ImportError (``NIXL_MISSING``: the package to install, and ``--kv-transport tcp``) for
     "nixl" without NIXL; KVTransferError when the NIXL agent cannot start.
     """
     if backend == "tcp":

@@ -21,8 +21,10 @@ from services.kv_transfer.base import KVTransferError, layout_from_dict, layout_
 
 logger = logging.getLogger(__name__)
 
-NIXL_MISSING = "NIXL is not installed (pip install nixl-cu12); use --kv-transport tcp"
-_MODULES = ("nixl_cu12", "nixl._api")  # the wheel we depend on, then the `nixl` meta package
+NIXL_MISSING = ("NIXL is not installed (pip install nixl-cu13, or nixl-cu12 beside a CUDA 12 "
+                "torch); use --kv-transport tcp")
+# the wheels we depend on (the CUDA image's, the CPU tests'), then the `nixl` meta package
+_MODULES = ("nixl_cu13", "nixl_cu12", "nixl._api")
 
 
 def load_nixl() -> ModuleType:

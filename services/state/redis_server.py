@@ -29,7 +29,8 @@ from services.process import die_with_parent, free_port
 
 REDIS_BINARY = "redis-server"
 INSTALL_HINT = ("install it with `apt-get install -y redis-server` (Debian/Ubuntu) "
-                "or `brew install redis` (macOS)")
+                "or `brew install redis` (macOS), or set REDIS_URL to a running Redis "
+                "(`tandem up` then starts none)")
 _PORT_ATTEMPTS = 3  # a free port picked by us can be taken before redis binds it; retry then
 
 

@@ -346,9 +346,9 @@ def test_create_transport_rejects_unknown_and_unavailable_backends(monkeypatch):
     cache = make_cache(LAYOUT, 2, 0)
     with pytest.raises(ValueError, match="tcp"):
         create_transport("carrier-pigeon", cache, LAYOUT, host="127.0.0.1", port=0)
-    for module in ("nixl_cu12", "nixl", "nixl._api"):  # None in sys.modules: import fails
+    for module in ("nixl_cu13", "nixl_cu12", "nixl", "nixl._api"):  # None in sys.modules: import fails
         monkeypatch.setitem(sys.modules, module, None)
-    with pytest.raises(ImportError, match=r"not installed \(pip install nixl-cu12\).*tcp"):
+    with pytest.raises(ImportError, match=r"not installed \(pip install nixl-cu13.*\).*tcp"):
         create_transport("nixl", cache, LAYOUT, host="127.0.0.1", port=0)
 
 

@@ -346,3 +346,13 @@ async def test_check_redis_on_closed_port() -> None:
     with pytest.raises(ConnectionError, match=re.escape(url)):
         # the outer bound only ends a check that would hang; its own 1 s timeout must end it
         await asyncio.wait_for(check_redis(url, timeout_s=1.0), 30)
+
+
+def test_without_redis_server_the_error_names_the_install_and_redis_url(monkeypatch):
+    """`tandem up` in an image without redis-server: the message says what to do instead."""
+    from services.state import redis_server
+
+    monkeypatch.setenv("PATH", "/nonexistent")
+    with pytest.raises(RuntimeError, match=r"`redis-server` was not found on PATH; install it "
+                       r"with `apt-get install -y redis-server`.* or set REDIS_URL"):
+        redis_server.start_redis_server()
