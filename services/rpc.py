@@ -128,7 +128,10 @@ def create_server(
     interceptors: list[grpc.aio.ServerInterceptor] = [*first, StatusInterceptor()]
     if internal_secret is not None:
         interceptors.insert(0, InternalAuthInterceptor(internal_secret))
-    server = grpc.aio.server(interceptors=interceptors, options=list(options))
+    # no SO_REUSEPORT (gRPC's default): bound to port 0, Linux may hand out a port another
+    # process's reuseport listener holds, and the two then split the connections
+    server = grpc.aio.server(interceptors=interceptors,
+                             options=[("grpc.so_reuseport", 0), *options])
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = [*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME]

@@ -53,14 +53,16 @@ class TracedStack:
             self.receiver.stop()
 
     async def trace(self, trace_id: str, names: set[str], min_count: dict | None = None) -> list[Span]:
-        """The spans of ``trace_id`` once each of ``names`` arrived (``min_count``: at least so
-        many spans of a name)."""
+        """The spans of ``trace_id`` once the gateway's root span and each of ``names`` arrived
+        (``min_count``: at least so many spans of a name). Each process exports on its own, so
+        the root may come after the workers' spans."""
         need = {name: 1 for name in names} | (min_count or {})
 
         async def arrived():
             spans = [s for s in self.receiver.spans() if s.trace_id == trace_id]
             got = {n: sum(s.name == n for s in spans) for n in need}
-            return spans if all(got[n] >= k for n, k in need.items()) else None
+            has_root = any(s.attributes.get("gen_ai.operation.name") for s in spans)
+            return spans if has_root and all(got[n] >= k for n, k in need.items()) else None
         return await wait_until(arrived, SPAN_TIMEOUT_S, f"spans {need} of trace {trace_id}", poll_s=0.2)
 
 

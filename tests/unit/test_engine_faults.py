@@ -112,8 +112,8 @@ def test_a_fault_injected_request_fails_alone_while_eight_streams_finish_exactly
 
 def test_a_step_where_every_request_fails_alone_kills_the_engine(prompts):
     engine = make_engine(fault_injection=True)
-    for i in range(2):
-        engine.add_request(engine.make_request(f"r{i}+raise_in_step", prompts[i], GREEDY))
+    for i in range(2):  # a first token of its own: no shared prefix for one to wait on
+        engine.add_request(engine.make_request(f"r{i}+raise_in_step", [100 + i, *prompts[i]], GREEDY))
     with pytest.raises(EngineDeadError, match="every request"):
         engine.step()
 
