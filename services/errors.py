@@ -42,6 +42,9 @@ class InvalidArgument(ServiceError, ValueError):
         super().__init__(f"{param}: {reason}")
         self.param, self.reason, self.code = param, reason, code
 
+    def __reduce__(self):  # pickles with its fields, not its message
+        return type(self), (self.param, self.reason, self.code)
+
     def renamed(self, param: str) -> InvalidArgument:
         """The same error about ``param`` (a field of another request format)."""
         return type(self)(param, self.reason, self.code)

@@ -4,7 +4,9 @@ HTTP front end), ``param`` naming the field it was raised with, never read from 
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
+import pickle
 
 import grpc
 import pydantic
@@ -175,3 +177,10 @@ def test_a_workers_invalid_argument_keeps_its_field_across_grpc(exc):
 def test_a_workers_plain_value_error_stays_plain_across_grpc():
     again = asyncio.run(_over_grpc(ValueError("request 7: unknown KV notification status 'x'")))
     assert type(again) is ValueError and str(again) == "request 7: unknown KV notification status 'x'"
+
+
+def test_invalid_argument_copies_whole():
+    exc = BodyTooLarge("request", "big", "some_code")
+    for again in (copy.copy(exc), pickle.loads(pickle.dumps(exc))):
+        assert type(again) is BodyTooLarge
+        assert (again.param, again.reason, again.code) == ("request", "big", "some_code")
