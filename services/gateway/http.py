@@ -78,7 +78,7 @@ def create_app(core: GatewayCore, readiness: ReadinessMonitor, access: Access | 
     async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         errors = exc.errors()
         message = "; ".join(f"{_field_path(e['loc'])}: {e['msg']}" for e in errors) or "invalid request"
-        param = _field_path(errors[0]["loc"]) or None if errors else None
+        param = (_field_path(errors[0]["loc"]) or None) if errors else None
         return JSONResponse(error_body(message, 422, param), status_code=422)
 
     @app.get("/health")
