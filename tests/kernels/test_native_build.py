@@ -180,7 +180,7 @@ def test_a_cpu_worker_reports_its_kernels_before_loading_the_engine(monkeypatch,
     monkeypatch.setattr(cpu_kernels, "log_loaded", lambda: calls.append("kernels"))
 
     class FakeEngine:
-        def __init__(self, config, fault_injection):
+        def __init__(self, config, fault_injection, kv_events):
             calls.append("engine")
 
         def warm_up(self):
@@ -188,6 +188,7 @@ def test_a_cpu_worker_reports_its_kernels_before_loading_the_engine(monkeypatch,
 
     monkeypatch.setattr(engine_module, "LLMEngine", FakeEngine)
     monkeypatch.setattr(serve, "role_engine_config", lambda opts: opts.engine)
-    opts = SimpleNamespace(engine=SimpleNamespace(device=device), fault_injection=False)
+    opts = SimpleNamespace(engine=SimpleNamespace(device=device), fault_injection=False,
+                           publish_kv_events=False)
     serve._load_engine(opts)
     assert calls == (["kernels", "engine"] if reported else ["engine"])
