@@ -3,9 +3,9 @@ proves, so no other local process or pod can drive a worker (reserve blocks, pre
 or write its KV cache.
 
 - The secret reaches a process as ``internal_secret: str | None``, read by
-  ``read_internal_secret`` from ``TANDEM_INTERNAL_SECRET`` or from the file named by
-  ``TANDEM_INTERNAL_SECRET_FILE`` (a mounted Kubernetes Secret); ``tandem up`` generates one
-  per run. None: internal ports are unauthenticated (today's behaviour, logged as a warning).
+  ``read_internal_secret`` (through ``Settings.internal_secret()``) from
+  ``TANDEM_INTERNAL_SECRET`` or from the file named by ``TANDEM_INTERNAL_SECRET_FILE`` (a
+  mounted Kubernetes Secret); ``tandem up`` generates one per run. None: internal ports are unauthenticated (today's behaviour, logged as a warning).
 - gRPC: clients send it as ``x-tandem-internal-secret`` metadata (``internal_channel``);
   workers check it in ``InternalAuthInterceptor`` before any handler runs (constant-time
   comparison, never logged). Health and reflection stay open for probes.
@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import hmac
 import logging
-import os
-from collections.abc import Mapping
 from dataclasses import dataclass
 
 import grpc
@@ -34,13 +32,14 @@ OPEN_SERVICES = ("grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflect
                  "grpc.reflection.v1.ServerReflection")
 
 
-def read_internal_secret(env: Mapping[str, str] = os.environ) -> str | None:
-    """The internal secret from ``TANDEM_INTERNAL_SECRET``, else from the file named by
-    ``TANDEM_INTERNAL_SECRET_FILE`` (surrounding whitespace stripped), else None.
+def read_internal_secret(value: str | None, path: str | None) -> str | None:
+    """The internal secret: ``value`` (setting ``transport.internal_secret``, env
+    ``TANDEM_INTERNAL_SECRET``), else the contents of the file ``path``
+    (``transport.internal_secret_file``, env ``TANDEM_INTERNAL_SECRET_FILE``: a mounted
+    Kubernetes Secret), surrounding whitespace stripped; None when neither is set.
 
     Raises ValueError naming the variable when both are set, the file cannot be read, or the
     secret is shorter than 16 characters."""
-    value, path = env.get(SECRET_ENV), env.get(SECRET_FILE_ENV)
     if value is not None and path:
         raise ValueError(f"{SECRET_ENV}: set it or {SECRET_FILE_ENV}, not both")
     name = SECRET_ENV

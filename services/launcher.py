@@ -132,7 +132,7 @@ class Stack:
         log.info("children read their settings from %s", self.settings_file)
         names = {leaf.env for leaf in leaves()}
         self.child_env = {k: v for k, v in os.environ.items() if k not in names}
-        # NOTE: also in the environment, where services.auth.read_internal_secret looks for it
+        # NOTE: also in the environment, where the settings of any child process look for it
         self.child_env["TANDEM_INTERNAL_SECRET"] = secret
         self.child_env.update(self.opts.env or {})
 

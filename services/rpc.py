@@ -1,8 +1,7 @@
 """gRPC plumbing shared by the three services: server set-up, health, reflection, and an
-interceptor that turns exceptions into status codes (no stack traces reach clients)."""
+interceptor that turns exceptions into status codes (``services.errors.error_status``; no
+stack traces reach clients)."""
 from __future__ import annotations
-
-import asyncio
 
 import contextlib
 import logging
@@ -10,64 +9,17 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import grpc
-import pydantic
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from services.auth import InternalAuthInterceptor
+from services.errors import InvalidArgument, error_status
 
 log = logging.getLogger(__name__)
 
-
-class ResourceExhausted(Exception):
-    """No capacity right now (KV blocks, queue); maps to RESOURCE_EXHAUSTED."""
-
-
-class Unavailable(Exception):
-    """A dependency (Redis, every worker of a role) cannot be reached; maps to UNAVAILABLE."""
-
-
-class RequestFailed(Exception):
-    """The engine failed this request alone (running it raised; its blocks are freed); maps to
-    INTERNAL with the cause, which names no internal class beyond the exception's type."""
-
-
-class Aborted(Exception):
-    """A worker gave a request up (KV handoff failed or cancelled, lease ended, policy
-    ``fail``); maps to ABORTED."""
-
-
-def validation_message(exc: pydantic.ValidationError) -> str:
-    """``'temperature: Input should be greater than or equal to 0'`` for each error."""
-    parts = []
-    for e in exc.errors():
-        msg = str(e.get("ctx", {}).get("error", e["msg"]))  # our own ValueError text, unprefixed
-        loc = ".".join(str(p) for p in e["loc"])
-        parts.append(f"{loc}: {msg}" if loc else msg)  # model-level checks name their fields
-    return "; ".join(parts)
-
-
-def status_name(exc: BaseException) -> str:
-    """The gRPC status code name a front end answers ``exc`` with (CANCELLED: the caller left)."""
-    return "CANCELLED" if isinstance(exc, asyncio.CancelledError) else status_for(exc)[0].name
-
-
-def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
-    if isinstance(exc, pydantic.ValidationError):
-        return grpc.StatusCode.INVALID_ARGUMENT, validation_message(exc)
-    if isinstance(exc, ValueError):
-        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
-    if isinstance(exc, ResourceExhausted):
-        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
-    if isinstance(exc, TimeoutError):
-        return grpc.StatusCode.DEADLINE_EXCEEDED, str(exc) or "timed out"
-    if isinstance(exc, Unavailable):
-        return grpc.StatusCode.UNAVAILABLE, str(exc)
-    if isinstance(exc, Aborted):
-        return grpc.StatusCode.ABORTED, str(exc)
-    if isinstance(exc, RequestFailed):
-        return grpc.StatusCode.INTERNAL, str(exc)
-    return grpc.StatusCode.INTERNAL, f"internal error ({type(exc).__name__})"
+# trailing metadata of an INVALID_ARGUMENT: the InvalidArgument's field and OpenAI code, so the
+# gateway answers a worker's error as the worker raised it (``invalid_argument``)
+PARAM_KEY, CODE_KEY = "tandem-error-param", "tandem-error-code"
 
 
 class StatusInterceptor(grpc.aio.ServerInterceptor):
@@ -108,10 +60,23 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
 async def _abort(context: grpc.aio.ServicerContext, exc: Exception, method: str) -> None:
     if isinstance(exc, grpc.aio.AbortError):  # context.abort() already set the status
         raise exc
-    code, message = status_for(exc)
-    if code == grpc.StatusCode.INTERNAL:
+    status = error_status(exc)
+    if status.internal:
         log.exception("%s failed", method)
-    await context.abort(code, message)
+    if status.param is not None:
+        context.set_trailing_metadata(((PARAM_KEY, status.param),)
+                                      + (((CODE_KEY, status.code),) if status.code else ()))
+    await context.abort(grpc.StatusCode[status.grpc_code], status.message)
+
+
+def invalid_argument(details: str, trailing_metadata) -> ValueError:
+    """A peer's INVALID_ARGUMENT as the error its server raised: ``InvalidArgument`` with the
+    field (and code) of its ``PARAM_KEY`` (``CODE_KEY``) metadata, else a plain ValueError."""
+    fields = dict(trailing_metadata or ())
+    param = fields.get(PARAM_KEY)
+    if param is None or not details.startswith(f"{param}: "):
+        return ValueError(details)
+    return InvalidArgument(param, details[len(param) + 2:], fields.get(CODE_KEY))
 
 
 def create_server(

@@ -2,14 +2,13 @@
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import functools
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 from services.api import worker_pb2, worker_pb2_grpc
-from services.auth import read_internal_secret, warn_if_open
+from services.auth import warn_if_open
 from services.drain import STOP_GRACE_S, Signals, drain_worker
 from services.rpc import bind, create_server, mark_not_serving, mark_serving
 from services.state.redis_server import check_redis
@@ -64,8 +63,6 @@ async def serve_worker(opts: WorkerOptions, num_threads: int) -> None:
     from services.worker import WorkerRuntime
 
     torch.set_num_threads(_within_cpu_budget(num_threads))
-    if opts.internal_secret is None:
-        opts = dataclasses.replace(opts, internal_secret=read_internal_secret())
     warn_if_open(opts.internal_secret, f"{opts.role} worker")
     await check_redis(opts.redis_url)
     engine, warm_up_s = await on_passing_thread(_load_engine, opts)
@@ -160,13 +157,10 @@ async def _wait_for_signal_or(signalled: asyncio.Event, event: asyncio.Event) ->
 
 async def serve_gateway(opts: GatewayOptions) -> None:
     """Run the public Gateway (``services.gateway.app``) until signalled, then drain it
-    (``services.drain.drain_gateway``; a second signal cuts the drain short). With no
-    ``opts.internal_secret``, the one from ``services.auth.read_internal_secret`` (if any) is
-    sent on every call to a worker."""
+    (``services.drain.drain_gateway``; a second signal cuts the drain short).
+    ``opts.internal_secret`` (if any) is sent on every call to a worker."""
     from services.gateway.app import run_gateway
 
-    if opts.internal_secret is None:
-        opts = dataclasses.replace(opts, internal_secret=read_internal_secret())
     warn_if_open(opts.internal_secret, "gateway")
     signals = Signals()
     await run_gateway(opts, signals.received.wait(), signals.again)

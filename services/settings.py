@@ -14,6 +14,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from services.auth import read_internal_secret
 from services.engine.engine_config import EngineConfig
 from services.settings_choices import (  # noqa: F401 - re-exported: callers name them from here
     Device, DType, KVFailurePolicy, KVTransportKind, Layout, LogFormat, LogLevel, Quantization,
@@ -290,18 +291,12 @@ class Settings(BaseSettings):
         return (init_settings,)
 
     def internal_secret(self) -> str | None:
-        """The internal secret: ``internal_secret``, else the first line of
-        ``internal_secret_file``. Raises ValueError naming the file if it cannot be read."""
+        """The internal secret (``services.auth.read_internal_secret``: ``internal_secret`` or
+        the contents of ``internal_secret_file``, at least 16 characters). Raises ValueError
+        naming the variable."""
         t = self.transport
-        if t.internal_secret is not None:
-            return t.internal_secret.get_secret_value()
-        if t.internal_secret_file:
-            try:
-                with open(t.internal_secret_file) as f:
-                    return f.readline().strip()
-            except OSError as exc:
-                raise ValueError(f"transport.internal_secret_file: {exc}") from exc
-        return None
+        given = t.internal_secret.get_secret_value() if t.internal_secret is not None else None
+        return read_internal_secret(given, t.internal_secret_file)
 
 
 SECTIONS = ("engine", "worker", "gateway", "state", "transport", "supervisor", "up",

@@ -24,7 +24,7 @@ from services.engine.engine_loop import EngineLoop
 from services.engine.outputs import EngineDeadError, RequestOutput
 from services.engine.request import Request, RequestStatus
 from services.kv_transfer import KVTransport, create_transport
-from services.rpc import RequestFailed, ResourceExhausted, Unavailable
+from services.errors import InvalidArgument, RequestFailed, ResourceExhausted, Unavailable
 from services.state.client import redis_client
 from services.state.kv_events import KVEventPublisher
 from services.state.registry import Heartbeater, WorkerInfo, WorkerRegistry
@@ -177,7 +177,7 @@ class WorkerRuntime:
             raise Unavailable(f"{self.options.role} worker {self.worker_id} is draining "
                               "(shutting down): use another worker")
         if request_id in self.streams:
-            raise ValueError(f"request_id: {request_id!r} is already in flight on this worker")
+            raise InvalidArgument("request_id", f"{request_id!r} is already in flight on this worker")
         if self.num_queued() >= self.options.max_waiting:
             raise ResourceExhausted(f"{self.options.role} worker {self.worker_id}: "
                                     f"{self.options.max_waiting} requests already queued")

@@ -26,7 +26,7 @@ from services.engine.sampler import TokenLogprobs
 from services.kv_transfer.grants import new_token
 from services.observability import tracing
 from services.observability.logs import bind_request
-from services.rpc import Aborted, ResourceExhausted, Unavailable
+from services.errors import Aborted, InvalidArgument, ResourceExhausted, Unavailable
 from services.api.convert import logprobs_to_proto, params_from_proto, prompt_logprobs_to_proto
 from services.worker import WorkerRuntime
 
@@ -105,7 +105,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         rid = request.request_id
         params = params_from_proto(request.sampling_params)
         if rid in self.reservations:
-            raise ValueError(f"request_id: {rid!r} still holds a reservation on this worker")
+            raise InvalidArgument("request_id", f"{rid!r} still holds a reservation on this worker")
         queue = self.rt.open_stream(rid)
         owned = finished = False  # owned: the engine may hold a request of ours under rid
         lease = _StreamLease(self.rt, rid, queue, self.rt.options.kv_lease_s)

@@ -23,6 +23,8 @@ import uuid
 
 import torch
 
+from services.errors import InvalidArgument
+
 from . import kv_sizing
 from .block_manager import BlockManager
 from .config import KVCacheLayout, ModelConfig
@@ -142,20 +144,20 @@ class LLMEngine:
     ) -> Request:
         """Validate and build a request. Raises ``ValueError`` naming the offending field."""
         if not prompt_token_ids:
-            raise ValueError("prompt: must not be empty")
+            raise InvalidArgument("prompt", "must not be empty")
         if len(prompt_token_ids) >= self.max_model_len:
-            raise ValueError(f"prompt: {len(prompt_token_ids)} tokens leave no room for output "
-                             f"within the context length of {self.max_model_len} tokens")
+            raise InvalidArgument("prompt", f"{len(prompt_token_ids)} tokens leave no room for output "
+                                  f"within the context length of {self.max_model_len} tokens")
         vocab = self.model_config.vocab_size
         if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
-            raise ValueError(f"prompt_token_ids: ids must be in [0, {vocab})")
+            raise InvalidArgument("prompt_token_ids", f"ids must be in [0, {vocab})")
         if self.block_manager.blocks_needed(len(prompt_token_ids) + 1) > self.block_manager.num_blocks:
-            raise ValueError(f"prompt: {len(prompt_token_ids)} tokens exceed this worker's KV cache")
+            raise InvalidArgument("prompt", f"{len(prompt_token_ids)} tokens exceed this worker's KV cache")
         if params.num_prior_output_tokens >= len(prompt_token_ids):
-            raise ValueError(f"num_prior_output_tokens: {params.num_prior_output_tokens} must be "
-                             f"below the prompt's {len(prompt_token_ids)} tokens")
+            raise InvalidArgument("num_prior_output_tokens", f"{params.num_prior_output_tokens} must be "
+                                  f"below the prompt's {len(prompt_token_ids)} tokens")
         if request_id in self.scheduler.requests:
-            raise ValueError(f"request_id: {request_id!r} is already in use")
+            raise InvalidArgument("request_id", f"{request_id!r} is already in use")
         self.check_params(params)
         cfg = self.model_config
         more_eos = [t for t in cfg.eos_token_ids if t != cfg.eos_token_id]
@@ -171,10 +173,10 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         bad = [t for t in params.stop_token_ids if not 0 <= t < vocab]
         if bad:
-            raise ValueError(f"stop_token_ids: {bad[:5]} outside the vocabulary [0, {vocab})")
+            raise InvalidArgument("stop_token_ids", f"{bad[:5]} outside the vocabulary [0, {vocab})")
         bad = [t for t, _ in params.logit_bias if not 0 <= t < vocab]
         if bad:
-            raise ValueError(f"logit_bias: token ids {bad[:5]} outside the vocabulary [0, {vocab})")
+            raise InvalidArgument("logit_bias", f"token ids {bad[:5]} outside the vocabulary [0, {vocab})")
 
     def add_request(self, request: Request) -> None:
         """Queue a request. Raises ``ValueError`` naming a field the model cannot serve."""

@@ -23,6 +23,8 @@ import json
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from services.errors import InvalidArgument
+
 if TYPE_CHECKING:
     import numpy as np
 
@@ -30,7 +32,7 @@ if TYPE_CHECKING:
 @functools.lru_cache(maxsize=256)
 def grammar_of(format: str, spec: str) -> str:
     """llguidance's grammar for a structured output's ``format`` (json, regex, choice,
-    grammar) and ``spec``, validated. Raises ``ValueError`` naming ``structured_output`` when
+    grammar) and ``spec``, validated. Raises ``InvalidArgument`` naming ``structured_output`` when
     the spec does not compile (the message says why)."""
     import llguidance
 
@@ -39,16 +41,17 @@ def grammar_of(format: str, spec: str) -> str:
         try:
             choices = json.loads(spec)
         except ValueError as exc:
-            raise ValueError(f"structured_output: choice must be a JSON list of strings: {exc}") from None
+            raise InvalidArgument("structured_output",
+                                  f"choice must be a JSON list of strings: {exc}") from None
         if not (isinstance(choices, list) and choices and all(isinstance(c, str) for c in choices)):
-            raise ValueError("structured_output: choice must be a non-empty list of strings")
+            raise InvalidArgument("structured_output", "choice must be a non-empty list of strings")
     try:
         grammar = llguidance.grammar_from(fmt, spec)
     except ValueError as exc:
-        raise ValueError(f"structured_output: {format}: {exc}") from None
+        raise InvalidArgument("structured_output", f"{format}: {exc}") from None
     error = llguidance.LLMatcher.validate_grammar(grammar)
     if error:
-        raise ValueError(f"structured_output: {format}: {error.strip()}")
+        raise InvalidArgument("structured_output", f"{format}: {error.strip()}")
     return grammar
 
 

@@ -9,6 +9,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from services.errors import InvalidArgument
+
 
 class StructuredOutput(BaseModel):
     """A constraint on the whole output (vLLM's ``structured_outputs``, OpenAI's
@@ -95,8 +97,8 @@ class SamplingParams(BaseModel):
     @model_validator(mode="after")
     def _min_le_max(self) -> SamplingParams:
         if self.max_tokens == 0 and self.prompt_logprobs is None:
-            raise ValueError("max_tokens: must be > 0 unless prompt_logprobs are asked for "
-                             "(scoring a prompt)")
+            raise InvalidArgument("max_tokens", "must be > 0 unless prompt_logprobs are asked for "
+                                  "(scoring a prompt)")
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         return self

@@ -36,12 +36,13 @@ from typing import Any
 import grpc
 
 from services.api import worker_pb2, worker_pb2_grpc
+from services.errors import ResourceExhausted, Unavailable
 from services.gateway.resume import only_new, resumed_params
 from services.gateway.router import Route, Router, Ticket
 from services.gateway.routing import WorkerPool
 from services.gateway.scoring import FALLBACK
 from services.observability.tracing import NO_TRACE
-from services.rpc import ResourceExhausted, Unavailable
+from services.rpc import invalid_argument
 from services.state.registry import WorkerInfo
 
 log = logging.getLogger(__name__)
@@ -349,7 +350,7 @@ def _status_error(worker: WorkerInfo, exc: grpc.aio.AioRpcError) -> Exception:
     """A worker's error status as the gateway's own exception (same status to the client)."""
     code, details = exc.code(), exc.details()
     if code == grpc.StatusCode.INVALID_ARGUMENT:
-        return ValueError(details)
+        return invalid_argument(details, exc.trailing_metadata())
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
         return ResourceExhausted(details)
     return Unavailable(f"{worker.role} worker {worker.worker_id} failed: {code.name}: {details}")

@@ -38,6 +38,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from services.errors import (Aborted, BodyTooLarge, ErrorStatus, InvalidArgument, NotJson,
+                             error_status)
 from services.gateway.access import Access
 from services.gateway.choices import Choices
 from services.gateway.health import ReadinessMonitor
@@ -49,25 +51,11 @@ from services.gateway.responses_api import ResponseBuilder, ResponsesRequest
 from services.gateway.tokenize_api import DetokenizeRequest, TokenizeRequest
 from services.observability import tracing
 from services.observability.metrics import render
-from services.rpc import ResourceExhausted, Unavailable
 
 log = logging.getLogger(__name__)
 
 RETRY_AFTER_S = 1
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client gone before the answer (never sent)
-
-
-class BodyTooLarge(Exception):
-    pass
-
-
-class NotJson(Exception):
-    """A body declared (Content-Type) as something other than JSON: 415."""
-
-
-class RequestAborted(Exception):
-    """A choice ended with finish_reason "abort" (an Abort call on its id, or the gateway
-    stopping): OpenAI's API has no such finish reason, so HTTP answers an error (503)."""
 
 
 def create_app(core: GatewayCore, readiness: ReadinessMonitor, access: Access | None = None) -> FastAPI:
@@ -90,7 +78,8 @@ def create_app(core: GatewayCore, readiness: ReadinessMonitor, access: Access | 
     async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         errors = exc.errors()
         message = "; ".join(f"{_field_path(e['loc'])}: {e['msg']}" for e in errors) or "invalid request"
-        return JSONResponse(error_body(message, 422), status_code=422)
+        param = (_field_path(errors[0]["loc"]) or None) if errors else None
+        return JSONResponse(error_body(message, 422, param), status_code=422)
 
     @app.get("/health")
     async def health() -> dict:
@@ -119,8 +108,7 @@ def create_app(core: GatewayCore, readiness: ReadinessMonitor, access: Access | 
     @app.post("/tokenize")
     async def tokenize(request: Request):
         try:
-            _check_json(request)
-            body = TokenizeRequest.model_validate_json(await _read_body(request, core.limits.max_request_bytes))
+            body = await _parse(request, TokenizeRequest, core.limits.max_request_bytes)
             ids = await core.tokenize(body.to_proto())
         except Exception as exc:  # noqa: BLE001
             return _error_response(exc, {})
@@ -129,8 +117,7 @@ def create_app(core: GatewayCore, readiness: ReadinessMonitor, access: Access | 
     @app.post("/detokenize")
     async def detokenize(request: Request):
         try:
-            _check_json(request)
-            body = DetokenizeRequest.model_validate_json(await _read_body(request, core.limits.max_request_bytes))
+            body = await _parse(request, DetokenizeRequest, core.limits.max_request_bytes)
             return body.answer(core.model, core.tokenizer)
         except Exception as exc:  # noqa: BLE001
             return _error_response(exc, {})
@@ -152,8 +139,7 @@ async def _complete(core: GatewayCore, request: Request, body_cls, kind: str, ac
     identity = request_identity(request)
     try:
         access.check_request(identity)
-        _check_json(request)
-        body = body_cls.model_validate_json(await _read_body(request, core.limits.max_request_bytes))
+        body = await _parse(request, body_cls, core.limits.max_request_bytes)
         protos = body.to_protos(rid, core.limits.max_tokens_cap)
         body.check_n(core.limits.max_n, len(protos))
         prompts = await _prepare_all(core, protos, request.headers if tracing.enabled() else None)
@@ -187,8 +173,7 @@ async def _respond(core: GatewayCore, request: Request, access: Access):
     identity = request_identity(request)
     try:
         access.check_request(identity)
-        _check_json(request)
-        body = ResponsesRequest.model_validate_json(await _read_body(request, core.limits.max_request_bytes))
+        body = await _parse(request, ResponsesRequest, core.limits.max_request_bytes)
         prompts = await _prepare_all(core, [body.to_proto(rid)],
                                      request.headers if tracing.enabled() else None)
         choices = await Choices.admit(core, prompts, 1, access, identity)
@@ -222,9 +207,9 @@ async def _response_events(first, responses, builder: ResponseBuilder):
                 for event in builder.delta_events(msg):
                     yield _named_event(event)
     except Exception as exc:  # noqa: BLE001 — the stream has started: an error event
-        status, message, code = _status(exc)
+        status = _status(exc)
         yield _named_event({"type": "error", "sequence_number": builder._sequence,
-                            "code": code, "message": message, "param": None})
+                            "code": status.code, "message": status.message, "param": status.param})
 
 
 def _named_event(event: dict) -> str:
@@ -232,13 +217,14 @@ def _named_event(event: dict) -> str:
 
 
 async def _unless_aborted(responses):
-    """``responses`` (index, GenerateResponse) until one ends with finish_reason "abort", which
-    raises RequestAborted (closing the rest)."""
+    """``responses`` (index, GenerateResponse) until one ends with finish_reason "abort" (an
+    Abort call on its id, or the gateway stopping), which raises Aborted (closing the rest):
+    OpenAI's API has no such finish reason, so HTTP answers an error (503)."""
     async with aclosing(responses) as rs:
         async for index, msg in rs:
             if msg.finish_reason == "abort":
-                raise RequestAborted("the request was aborted before it finished (an Abort call "
-                                     "on its id, or the gateway shutting down)")
+                raise Aborted("the request was aborted before it finished (an Abort call "
+                              "on its id, or the gateway shutting down)")
             yield index, msg
 
 
@@ -250,8 +236,8 @@ async def _prepare_all(core: GatewayCore, protos: list, carrier) -> list[Prepare
         for i, proto in enumerate(protos):
             try:
                 prepared.append(await core.prepare(proto, carrier))
-            except ValueError as exc:
-                raise ValueError(_prompt_named(str(exc), i if len(protos) > 1 else None)) from None
+            except InvalidArgument as exc:
+                raise exc.renamed(_prompt_field(exc.param, i if len(protos) > 1 else None)) from None
     except BaseException as exc:
         for p in prepared:
             p.trace.fail(exc)
@@ -259,15 +245,29 @@ async def _prepare_all(core: GatewayCore, protos: list, carrier) -> list[Prepare
     return prepared
 
 
-def _prompt_named(message: str, i: int | None) -> str:
-    """A pipeline message about ``prompt`` / ``prompt_token_ids[j]`` renamed to the HTTP body's
-    field: ``prompt``, ``prompt[j]`` (token ids), or, in a batch, ``prompt[i]`` /
-    ``prompt[i][j]``."""
-    field, sep, rest = message.partition(":")
-    if not sep or not (field == "prompt" or field.startswith("prompt_token_ids")):
-        return message
+def _prompt_field(field: str, i: int | None) -> str:
+    """The pipeline's ``prompt`` / ``prompt_token_ids[j]`` as the HTTP body's field: ``prompt``,
+    ``prompt[j]`` (token ids), or, in a batch, ``prompt[i]`` / ``prompt[i][j]``."""
+    if not (field == "prompt" or field.startswith("prompt_token_ids")):
+        return field
     at = "" if i is None else f"[{i}]"
-    return "prompt" + at + field.removeprefix("prompt_token_ids").removeprefix("prompt") + sep + rest
+    return "prompt" + at + field.removeprefix("prompt_token_ids").removeprefix("prompt")
+
+
+async def _parse(request: Request, body_cls: type[pydantic.BaseModel], max_bytes: int):
+    """The request's JSON body as ``body_cls``. Raises NotJson, BodyTooLarge, or
+    InvalidArgument naming the first field at fault (ValueError when none is)."""
+    _check_json(request)
+    data = await _read_body(request, max_bytes)
+    try:
+        return body_cls.model_validate_json(data)
+    except pydantic.ValidationError as exc:
+        e = exc.errors()[0]
+        loc = _field_path(e["loc"])
+        if e["type"] == "extra_forbidden":  # as OpenAI's server words it, naming the key
+            raise InvalidArgument(loc or "request",
+                                  f"unrecognized request argument {e['loc'][-1]!r}") from None
+        raise (InvalidArgument(loc, e["msg"]) if loc else ValueError(e["msg"])) from None
 
 
 def _check_json(request: Request) -> None:
@@ -332,13 +332,13 @@ async def _read_body(request: Request, max_bytes: int) -> bytes:
     """The body, refused (BodyTooLarge) as soon as it is known to exceed ``max_bytes``."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > max_bytes:
-        raise BodyTooLarge(f"request: {declared} bytes exceed the gateway's limit of {max_bytes} "
+        raise BodyTooLarge("request", f"{declared} bytes exceed the gateway's limit of {max_bytes} "
                            "bytes (setting max_request_bytes)")
     parts, size = [], 0
     async for part in request.stream():
         size += len(part)
         if size > max_bytes:
-            raise BodyTooLarge(f"request: more than {max_bytes} bytes, the gateway's limit "
+            raise BodyTooLarge("request", f"more than {max_bytes} bytes, the gateway's limit "
                                "(setting max_request_bytes)")
         parts.append(part)
     return b"".join(parts)
@@ -353,8 +353,8 @@ async def _sse(first, responses, chunker: Chunker, include_usage: bool):
         if include_usage:
             yield _event(chunker.usage_chunk())
     except Exception as exc:  # noqa: BLE001 — the stream has started: an error event
-        status, message, code = _status(exc)
-        yield _event(error_body(message, status, code))
+        status = _status(exc)
+        yield _event(error_body(status.message, status.http_status, status.param, status.code))
     yield "data: [DONE]\n\n"
 
 
@@ -362,42 +362,20 @@ def _event(obj: dict) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
 
-def _status(exc: Exception) -> tuple[int, str, str | None]:
-    """(HTTP status, message, OpenAI error code) of a pipeline exception."""
-    if isinstance(exc, BodyTooLarge):
-        return 413, str(exc), None
-    if isinstance(exc, NotJson):
-        return 415, str(exc), None
-    if isinstance(exc, RequestAborted):
-        return 503, str(exc), None
-    if isinstance(exc, pydantic.ValidationError):
-        e = exc.errors()[0]
-        if e["type"] == "extra_forbidden":  # as OpenAI's server words it, naming the key
-            key = e["loc"][-1]
-            where = _field_path(e["loc"]) or "request"
-            return 400, f"{where}: unrecognized request argument {key!r}", None
-        loc = _field_path(e["loc"])
-        return 400, f"{loc}: {e['msg']}" if loc else e["msg"], None
-    if isinstance(exc, ValueError):
-        message = str(exc)
-        over_context = "do not fit the model's context" in message or "exceed the model's context" in message
-        code = "context_length_exceeded" if over_context else None
-        return 400, message, code
-    if isinstance(exc, ResourceExhausted):  # a per-key limit: OpenAI's rate_limit_exceeded
-        return 429, str(exc), getattr(exc, "openai_code", None)
-    if isinstance(exc, Unavailable):
-        return 503, str(exc), None
-    if isinstance(exc, TimeoutError):
-        return 504, str(exc) or "timed out", None
-    log.exception("HTTP request failed")
-    return 500, f"internal error ({type(exc).__name__})", None
+def _status(exc: Exception) -> ErrorStatus:
+    """``services.errors.error_status``, the traceback logged for an internal error."""
+    status = error_status(exc)
+    if status.internal:
+        log.exception("HTTP request failed")
+    return status
 
 
 def _error_response(exc: Exception, headers: dict) -> JSONResponse:
-    status, message, code = _status(exc)
-    if status == 429:  # a per-key limit knows when it passes (services/gateway/limits.py)
+    status = _status(exc)
+    if status.http_status == 429:  # a per-key limit knows when it passes (services/gateway/limits.py)
         headers = {**headers, "Retry-After": str(getattr(exc, "retry_after_s", RETRY_AFTER_S))}
-    return JSONResponse(error_body(message, status, code), status_code=status, headers=headers)
+    return JSONResponse(error_body(status.message, status.http_status, status.param, status.code),
+                        status_code=status.http_status, headers=headers)
 
 
 class HttpServer(uvicorn.Server):

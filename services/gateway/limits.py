@@ -26,13 +26,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from services.rpc import ResourceExhausted
+from services.errors import ResourceExhausted
 
 
 class RateLimited(ResourceExhausted):
     """A key is over one of its limits; ``retry_after_s``: whole seconds until it may pass."""
 
-    openai_code = "rate_limit_exceeded"  # the error code OpenAI's API answers a 429 with
+    code = "rate_limit_exceeded"  # the error code OpenAI's API answers a 429 with
 
     def __init__(self, message: str, retry_after_s: int) -> None:
         super().__init__(message)

@@ -27,6 +27,7 @@ from typing import Annotated, Any, ClassVar
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from services.api import gateway_pb2
+from services.errors import InvalidArgument
 from services.gateway import tool_calls
 from services.gateway.openai_responses import Presentation
 from services.gateway.validation import check_structured
@@ -114,7 +115,7 @@ def refuse(fields: dict, refused: dict[str, Refused], prefix: str = "") -> None:
     for name, value in fields.items():
         rule = refused.get(name)
         if rule is not None and value is not None and not rule.noop(value):
-            raise ValueError(f"{prefix}{name}: {rule.reason}")
+            raise InvalidArgument(f"{prefix}{name}", rule.reason)
 
 
 class OpenAIObject(BaseModel):
@@ -147,8 +148,8 @@ class ChatMessage(OpenAIObject):
         or part, or a malformed content."""
         where = f"messages[{i}]"
         if self.role in REFUSED_ROLES:
-            raise ValueError(f"{where}.role: {self.role!r} messages belong to "
-                             f"{REFUSED_ROLES[self.role]}")
+            raise InvalidArgument(f"{where}.role", f"{self.role!r} messages belong to "
+                                  f"{REFUSED_ROLES[self.role]}")
         extra = self.model_extra or {}
         allowed = ({"name"} | ({"refusal", "audio", "tool_calls", "function_call"}
                                if self.role == "assistant" else set())
@@ -156,18 +157,18 @@ class ChatMessage(OpenAIObject):
         for key in extra:
             if key not in allowed:
                 at = f".{key}" if key.isidentifier() else f"[{key!r}]"
-                raise ValueError(f"{where}{at}: unrecognized for role {self.role!r}")
+                raise InvalidArgument(f"{where}{at}", f"unrecognized for role {self.role!r}")
         refuse(extra, MESSAGE_REFUSED, where + ".")
         refusal = extra.get("refusal")
         if refusal is not None and not isinstance(refusal, str):
-            raise ValueError(f"{where}.refusal: must be a string")
+            raise InvalidArgument(f"{where}.refusal", "must be a string")
         calls = _tool_calls(extra.get("tool_calls"), where + ".tool_calls")
         call_id = extra.get("tool_call_id")
         if self.role == "tool" and not isinstance(call_id, str):
-            raise ValueError(f"{where}.tool_call_id: required for role 'tool' (a string)")
+            raise InvalidArgument(f"{where}.tool_call_id", "required for role 'tool' (a string)")
         if self.content is None:
             if self.role != "assistant":
-                raise ValueError(f"{where}.content: required for role {self.role!r}")
+                raise InvalidArgument(f"{where}.content", f"required for role {self.role!r}")
             text = refusal or ""
         else:
             text = _content_text(self.content, self.role, where + ".content") + (refusal or "")
@@ -181,17 +182,17 @@ def _tool_calls(calls: Any, where: str) -> list[gateway_pb2.ToolCall]:
     if calls is None:
         return []
     if not isinstance(calls, list):
-        raise ValueError(f"{where}: must be a list of tool calls")
+        raise InvalidArgument(where, "must be a list of tool calls")
     out = []
     for j, call in enumerate(calls):
         at = f"{where}[{j}]"
         if not isinstance(call, dict) or call.get("type") != "function":
-            raise ValueError(f"{at}.type: only function calls are accepted (type 'function')")
+            raise InvalidArgument(f"{at}.type", "only function calls are accepted (type 'function')")
         fn = call.get("function")
         if not (isinstance(fn, dict) and isinstance(fn.get("name"), str)
                 and isinstance(fn.get("arguments"), str) and isinstance(call.get("id"), str)):
-            raise ValueError(f"{at}: needs an id and a function with a name and arguments "
-                             "(JSON text)")
+            raise InvalidArgument(at, "needs an id and a function with a name and arguments "
+                                  "(JSON text)")
         out.append(gateway_pb2.ToolCall(id=call["id"], name=fn["name"], arguments=fn["arguments"]))
     return out
 
@@ -202,25 +203,25 @@ def _content_text(content: Any, role: str, where: str) -> str:
     if isinstance(content, str):
         return content
     if not isinstance(content, list) or not content:
-        raise ValueError(f"{where}: must be a string or a non-empty list of content parts")
+        raise InvalidArgument(where, "must be a string or a non-empty list of content parts")
     texts = []
     for j, part in enumerate(content):
         at = f"{where}[{j}]"
         if not isinstance(part, dict):
-            raise ValueError(f"{at}: must be an object with a type")
+            raise InvalidArgument(at, "must be an object with a type")
         kind = part.get("type")
         key = "refusal" if kind == "refusal" and role == "assistant" else "text" if kind == "text" else None
         if key is None:
-            raise ValueError(f"{at}.type: {kind!r} parts are not accepted here: the model reads "
-                             "text only (text parts; refusal parts in an assistant's message)")
+            raise InvalidArgument(f"{at}.type", f"{kind!r} parts are not accepted here: the model reads "
+                                  "text only (text parts; refusal parts in an assistant's message)")
         rest = {k: v for k, v in part.items() if k not in ("type", key)}
         if kind == "text":
             refuse(rest, TEXT_PART_REFUSED, at + ".")
         unknown = [k for k, v in rest.items() if v is not None and k not in TEXT_PART_REFUSED]
         if unknown:
-            raise ValueError(f"{at}.{unknown[0]}: unrecognized in a {kind} part")
+            raise InvalidArgument(f"{at}.{unknown[0]}", f"unrecognized in a {kind} part")
         if not isinstance(part.get(key), str):
-            raise ValueError(f"{at}.{key}: must be a string")
+            raise InvalidArgument(f"{at}.{key}", "must be a string")
         texts.append(part[key])
     return "".join(texts)
 
@@ -259,8 +260,8 @@ class _Common(OpenAIObject):
         ``max_n`` (setting max_n)."""
         if self.n * num_prompts > max_n:
             what = f"{self.n} choices" if num_prompts == 1 else f"{num_prompts} prompts x {self.n} choices"
-            raise ValueError(f"n: {what} exceed the gateway's limit of {max_n} choices per request "
-                             "(setting max_n)")
+            raise InvalidArgument("n", f"{what} exceed the gateway's limit of {max_n} choices per request "
+                                  "(setting max_n)")
 
     def check_refused(self, accepted: tuple[str, ...] = ()) -> None:
         """Raises ValueError naming the first field (but ``accepted``) set to something Tandem
@@ -298,8 +299,8 @@ def _logit_bias(bias: dict[str, float]) -> dict[int, float]:
     out = {}
     for key, value in bias.items():
         if not key.isdigit() or int(key) >= 2**32:
-            raise ValueError(f"logit_bias: {key!r} is not a token id (keys are token ids, as "
-                             "strings of digits)")
+            raise InvalidArgument("logit_bias", f"{key!r} is not a token id (keys are token ids, as "
+                                  "strings of digits)")
         out[int(key)] = value
     return out
 
@@ -311,11 +312,11 @@ def _structured_outputs(so: dict[str, Any]) -> gateway_pb2.StructuredOutputs:
     known = ("json", "regex", "choice", "grammar", "json_object")
     for key in so:
         if key not in known:
-            raise ValueError(f"structured_outputs.{key}: not supported (Tandem takes one of "
-                             f"{', '.join(known)})")
+            raise InvalidArgument(f"structured_outputs.{key}", "not supported (Tandem takes one of "
+                                  f"{', '.join(known)})")
     given = [k for k, v in so.items() if v is not None and v is not False]
     if len(given) != 1:
-        raise ValueError(f"structured_outputs: give exactly one of {', '.join(known)}")
+        raise InvalidArgument("structured_outputs", f"give exactly one of {', '.join(known)}")
     kind, value = given[0], so[given[0]]
     where = f"structured_outputs.{kind}"
     if kind in ("json", "json_object"):
@@ -325,10 +326,10 @@ def _structured_outputs(so: dict[str, Any]) -> gateway_pb2.StructuredOutputs:
         return gateway_pb2.StructuredOutputs(json=spec)
     if kind == "choice":
         if not (isinstance(value, list) and value and all(isinstance(c, str) for c in value)):
-            raise ValueError(f"{where}: must be a non-empty list of strings")
+            raise InvalidArgument(where, "must be a non-empty list of strings")
         return gateway_pb2.StructuredOutputs(choice=value)
     if not isinstance(value, str) or not value:
-        raise ValueError(f"{where}: must be a non-empty string")
+        raise InvalidArgument(where, "must be a non-empty string")
     check_structured(kind, value, where)
     return gateway_pb2.StructuredOutputs(**{kind: value})
 
@@ -340,9 +341,9 @@ def _schema(value: Any, where: str) -> dict:
         try:
             value = json.loads(value)
         except ValueError as exc:
-            raise ValueError(f"{where}: not JSON ({exc})") from None
+            raise InvalidArgument(where, f"not JSON ({exc})") from None
     if not isinstance(value, dict):
-        raise ValueError(f"{where}: a JSON schema must be an object")
+        raise InvalidArgument(where, "a JSON schema must be an object")
     return value
 
 
@@ -380,7 +381,7 @@ class ChatCompletionRequest(_Common):
         default applies, bounded by ``max_tokens_cap``). Raises ValueError naming the field."""
         self.check_refused()
         if not self.messages:
-            raise ValueError("messages: must not be empty")
+            raise InvalidArgument("messages", "must not be empty")
         messages = [m.to_proto(i) for i, m in enumerate(self.messages)]
         fields = self._common_fields()
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -392,8 +393,8 @@ class ChatCompletionRequest(_Common):
         constraint = self._constraint(tools)
         if constraint is not None:
             if "structured_outputs" in fields:
-                raise ValueError(f"structured_outputs: cannot be combined with "
-                                 f"{'response_format' if self.response_format else 'tool_choice'}")
+                raise InvalidArgument("structured_outputs", "cannot be combined with "
+                                      f"{'response_format' if self.response_format else 'tool_choice'}")
             fields["structured_outputs"] = constraint
         return [gateway_pb2.GenerateRequest(
             request_id=request_id, logprobs=self.logprobs, messages=messages,
@@ -415,20 +416,20 @@ class ChatCompletionRequest(_Common):
         if self.tools is None:
             return []
         if not isinstance(self.tools, list):
-            raise ValueError("tools: must be a list of tools")
+            raise InvalidArgument("tools", "must be a list of tools")
         names = set()
         for i, tool in enumerate(self.tools):
             at = f"tools[{i}]"
             if not isinstance(tool, dict) or tool.get("type") != "function":
-                raise ValueError(f"{at}.type: only function tools are supported (type 'function')")
+                raise InvalidArgument(f"{at}.type", "only function tools are supported (type 'function')")
             fn = tool.get("function")
             if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
-                raise ValueError(f"{at}.function.name: required (a non-empty string)")
+                raise InvalidArgument(f"{at}.function.name", "required (a non-empty string)")
             unknown = set(fn) - {"name", "description", "parameters", "strict"}
             if unknown:
-                raise ValueError(f"{at}.function.{sorted(unknown)[0]}: unrecognized")
+                raise InvalidArgument(f"{at}.function.{sorted(unknown)[0]}", "unrecognized")
             if fn["name"] in names:
-                raise ValueError(f"{at}.function.name: {fn['name']!r} is given twice")
+                raise InvalidArgument(f"{at}.function.name", f"{fn['name']!r} is given twice")
             names.add(fn["name"])
             if fn.get("parameters") is not None:
                 params = _schema(fn["parameters"], f"{at}.function.parameters")
@@ -444,17 +445,18 @@ class ChatCompletionRequest(_Common):
             return ("auto" if tools else "none"), None
         if isinstance(choice, str):
             if choice not in ("none", "auto", "required"):
-                raise ValueError(f"tool_choice: {choice!r} is not none, auto, required or a named function")
+                raise InvalidArgument("tool_choice",
+                                      f"{choice!r} is not none, auto, required or a named function")
             if choice != "none" and not tools:
-                raise ValueError(f"tool_choice: {choice!r} needs tools")
+                raise InvalidArgument("tool_choice", f"{choice!r} needs tools")
             return choice, None
         fn = choice.get("function") if isinstance(choice, dict) else None
         if not (isinstance(choice, dict) and choice.get("type") == "function" and isinstance(fn, dict)
                 and isinstance(fn.get("name"), str)):
-            raise ValueError("tool_choice: must be none, auto, required or {\"type\": \"function\", "
-                             "\"function\": {\"name\": ...}}")
+            raise InvalidArgument("tool_choice", "must be none, auto, required or {\"type\": \"function\", "
+                                  "\"function\": {\"name\": ...}}")
         if fn["name"] not in {t["function"]["name"] for t in tools}:
-            raise ValueError(f"tool_choice.function.name: {fn['name']!r} is not one of the tools")
+            raise InvalidArgument("tool_choice.function.name", f"{fn['name']!r} is not one of the tools")
         return "required", fn["name"]
 
     def _constraint(self, tools: list[dict]) -> gateway_pb2.StructuredOutputs | None:
@@ -465,8 +467,8 @@ class ChatCompletionRequest(_Common):
         if mode != "required":
             return fmt
         if fmt is not None:
-            raise ValueError("tool_choice: a required or named tool call cannot be combined with "
-                             "response_format")
+            raise InvalidArgument("tool_choice", "a required or named tool call cannot be combined with "
+                                  "response_format")
         if named is not None:
             fn = next(t["function"] for t in tools if t["function"]["name"] == named)
             schema = _schema(fn.get("parameters") or tool_calls.JSON_OBJECT, "tools")
@@ -487,15 +489,15 @@ def response_format_constraint(fmt: Any) -> gateway_pb2.StructuredOutputs | None
     if kind == "json_object":
         return gateway_pb2.StructuredOutputs(json=tool_calls.json_schema_spec(tool_calls.JSON_OBJECT))
     if kind != "json_schema":
-        raise ValueError(f"response_format.type: {kind!r} is not text, json_object or json_schema")
+        raise InvalidArgument("response_format.type", f"{kind!r} is not text, json_object or json_schema")
     js = fmt.get("json_schema")
     if not isinstance(js, dict) or not isinstance(js.get("name"), str):
-        raise ValueError("response_format.json_schema: needs a name and a schema")
+        raise InvalidArgument("response_format.json_schema", "needs a name and a schema")
     unknown = set(js) - {"name", "description", "schema", "strict"}
     if unknown:
-        raise ValueError(f"response_format.json_schema.{sorted(unknown)[0]}: unrecognized")
+        raise InvalidArgument(f"response_format.json_schema.{sorted(unknown)[0]}", "unrecognized")
     if js.get("strict") not in (None, True, False):
-        raise ValueError("response_format.json_schema.strict: must be a boolean")
+        raise InvalidArgument("response_format.json_schema.strict", "must be a boolean")
     where = "response_format.json_schema.schema"
     spec = tool_calls.json_schema_spec(_schema(js.get("schema", tool_calls.JSON_OBJECT), where))
     check_structured("json", spec, where)
@@ -522,19 +524,19 @@ class CompletionRequest(_Common):
         if isinstance(p, str):
             return [p]
         if not isinstance(p, list) or not p:
-            raise ValueError("prompt: must be a string, or a non-empty list of strings, of token "
-                             "ids, or of token-id lists")
+            raise InvalidArgument("prompt", "must be a string, or a non-empty list of strings, of token "
+                                  "ids, or of token-id lists")
         if all(_is_token_id(t) for t in p):
             return [p]
         if all(isinstance(s, str) for s in p):
             return list(p)
         for i, ids in enumerate(p):
             if not isinstance(ids, list) or not ids:
-                raise ValueError(f"prompt[{i}]: a list prompt holds strings, token ids or non-empty "
-                                 "token-id lists, one kind throughout")
+                raise InvalidArgument(f"prompt[{i}]", "a list prompt holds strings, token ids or non-empty "
+                                      "token-id lists, one kind throughout")
             for j, t in enumerate(ids):
                 if not _is_token_id(t):
-                    raise ValueError(f"prompt[{i}][{j}]: must be a token id (an integer >= 0)")
+                    raise InvalidArgument(f"prompt[{i}][{j}]", "must be a token id (an integer >= 0)")
         return list(p)
 
     def presentation(self, decode: Callable[[list[int]], str]) -> Presentation:
@@ -550,7 +552,7 @@ class CompletionRequest(_Common):
         """As ``_Common``'s; ``best_of`` equal to ``n`` asks for nothing more than n choices."""
         best_of = self.best_of
         if type(best_of) is int and best_of < self.n:
-            raise ValueError(f"best_of: {best_of} is less than n ({self.n}); it must be at least n")
+            raise InvalidArgument("best_of", f"{best_of} is less than n ({self.n}); it must be at least n")
         super().check_refused(accepted + (("best_of",) if type(best_of) is int and best_of == self.n else ()))
 
     def to_protos(self, request_id: str, max_tokens_cap: int | None = None,

@@ -20,10 +20,9 @@ from services.api import gateway_pb2
 _ERROR_TYPES = {401: "invalid_request_error", 429: "rate_limit_error"}
 
 
-def error_body(message: str, status: int, code: str | None = None) -> dict:
-    """OpenAI's error JSON; ``param`` is the field our messages start with (``name: ...``)."""
-    head = message.split(":", 1)[0]
-    param = head if ":" in message and " " not in head else None
+def error_body(message: str, status: int, param: str | None = None, code: str | None = None) -> dict:
+    """OpenAI's error JSON: ``param`` names the field at fault, ``code`` is OpenAI's error code
+    (``services.errors``)."""
     kind = _ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 

@@ -32,6 +32,7 @@ from services.api.convert import params_to_proto
 from services.engine.output_processor import OutputProcessor
 from services.engine.sampling_params import SamplingParams
 from services.engine.tokenizer import Tokenizer
+from services.errors import InvalidArgument, ResourceExhausted, Unavailable, error_status
 from services.gateway import validation
 from services.gateway.dispatch import Dispatcher, Job
 from services.gateway.model_card import ModelCard
@@ -42,7 +43,6 @@ from services.gateway.validation import RequestLimits
 from services.observability import tracing
 from services.observability.logs import bind_request
 from services.observability.metrics import GatewayMetrics, TokenClock
-from services.rpc import ResourceExhausted, Unavailable, status_name
 from services.state.store import RequestState, RequestStateStore
 
 log = logging.getLogger(__name__)
@@ -115,7 +115,8 @@ class GatewayCore:
                                       self.model.name)
         try:
             if request.model and request.model != self.model.name:
-                raise ValueError(f"model: {request.model!r} is not served here (serving {self.model.name!r})")
+                raise InvalidArgument("model",
+                                      f"{request.model!r} is not served here (serving {self.model.name!r})")
             validation.check_request(request, self.limits)
             rid = request.request_id or uuid.uuid4().hex
             bind_request(rid, trace)
@@ -127,7 +128,7 @@ class GatewayCore:
                                                 self.limits.max_tokens_cap)
         except BaseException as exc:
             trace.fail(exc)
-            self.metrics.request_ended(status_name(exc))
+            self.metrics.request_ended(error_status(exc).grpc_code)
             raise
         trace.requested(rid, params, len(prompt))
         return Prepared(rid, prompt, params, trace, t0)
@@ -136,7 +137,8 @@ class GatewayCore:
         """The prompt's token ids, exactly as ``prepare`` makes them (chat template, tools),
         off the event loop. Raises ValueError naming the field."""
         if request.model and request.model != self.model.name:
-            raise ValueError(f"model: {request.model!r} is not served here (serving {self.model.name!r})")
+            raise InvalidArgument("model",
+                                  f"{request.model!r} is not served here (serving {self.model.name!r})")
         validation.check_request(request, self.limits)
         return await asyncio.get_running_loop().run_in_executor(
             self._tokenize, validation.prompt_token_ids, request, self.tokenizer,
@@ -164,7 +166,7 @@ class GatewayCore:
                                                model=self.model.name, key_id=key_id))
         except BaseException as exc:
             del self._inflight[rid]
-            self.metrics.request_ended(status_name(exc))
+            self.metrics.request_ended(error_status(exc).grpc_code)
             raise
         return record
 
@@ -216,7 +218,7 @@ class GatewayCore:
             raise Unavailable(f"worker failed: {exc.details()}") from exc
         except Exception as exc:
             record.error = f"{type(exc).__name__}: {exc}"
-            code = status_name(exc)
+            code = error_status(exc).grpc_code
             raise
         finally:
             clock.ended(code)
@@ -266,7 +268,7 @@ class GatewayCore:
 
     def _check_new(self, rid: str) -> None:
         if rid in self._inflight:
-            raise ValueError(f"request_id: {rid!r} is already in flight")
+            raise InvalidArgument("request_id", f"{rid!r} is already in flight")
 
     def _response(self, prepared: Prepared, record: RequestRecord, text_out: OutputProcessor,
                   msg: worker_pb2.DecodeResponse) -> gateway_pb2.GenerateResponse:

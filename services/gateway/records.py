@@ -11,7 +11,7 @@ from typing import Any
 import redis
 
 from services.api import gateway_pb2
-from services.rpc import Unavailable
+from services.errors import InvalidArgument, Unavailable
 from services.state.store import RequestState, RequestStateStore
 
 log = logging.getLogger(__name__)
@@ -115,5 +115,5 @@ async def redis_call(coro: Awaitable, raise_: bool = True):
         log.warning("request-state store (Redis) write failed: %s", exc)
     except KeyError as exc:
         if raise_:
-            raise ValueError(f"request_id: {exc.args[0]}") from None
+            raise InvalidArgument("request_id", str(exc.args[0])) from None
         log.warning("request-state store (Redis): %s", exc.args[0])

@@ -17,6 +17,7 @@ import time
 from typing import Any
 
 from services.api import gateway_pb2
+from services.errors import InvalidArgument
 from services.gateway.openai_api import (ChatMessage, Int32, Refused, equal_to, OpenAIObject,
                                          refuse, response_format_constraint)
 
@@ -97,26 +98,26 @@ class ResponsesRequest(OpenAIObject):
         if isinstance(self.input, str):
             return [gateway_pb2.ChatMessage(role="user", content=self.input)]
         if not isinstance(self.input, list) or not self.input:
-            raise ValueError("input: must be a string or a non-empty list of messages")
+            raise InvalidArgument("input", "must be a string or a non-empty list of messages")
         out = []
         for i, item in enumerate(self.input):
             at = f"input[{i}]"
             if not isinstance(item, dict) or item.get("type", "message") != "message":
-                raise ValueError(f"{at}.type: only messages are accepted (text in, text out)")
+                raise InvalidArgument(f"{at}.type", "only messages are accepted (text in, text out)")
             unknown = set(item) - {"type", "role", "content", "id", "status"}
             if unknown:
-                raise ValueError(f"{at}.{sorted(unknown)[0]}: unrecognized")
+                raise InvalidArgument(f"{at}.{sorted(unknown)[0]}", "unrecognized")
             content = item.get("content")
             if isinstance(content, list):
                 for j, part in enumerate(content):
                     if not isinstance(part, dict) or part.get("type") not in _PART_TYPES:
-                        raise ValueError(f"{at}.content[{j}].type: only text parts are accepted "
-                                         "(input_text, output_text): the model reads text only")
+                        raise InvalidArgument(f"{at}.content[{j}].type", "only text parts are accepted "
+                                              "(input_text, output_text): the model reads text only")
                 content = [{"type": "text", "text": part.get("text")} for part in content]
             message = ChatMessage.model_validate({"role": item.get("role"), "content": content})
             proto = message.to_proto(i)
             if proto.role == "tool":
-                raise ValueError(f"{at}.role: tool results are served on /v1/chat/completions")
+                raise InvalidArgument(f"{at}.role", "tool results are served on /v1/chat/completions")
             out.append(proto)
         return out
 
@@ -127,15 +128,15 @@ class ResponsesRequest(OpenAIObject):
             return None
         unknown = set(self.text) - {"format", "verbosity"}
         if unknown or self.text.get("verbosity") not in (None, "medium"):
-            raise ValueError(f"text.{sorted(unknown)[0] if unknown else 'verbosity'}: not supported")
+            raise InvalidArgument(f"text.{sorted(unknown)[0] if unknown else 'verbosity'}", "not supported")
         fmt = self.text.get("format")
         if isinstance(fmt, dict) and fmt.get("type") == "json_schema":
             fmt = {"type": "json_schema", "json_schema": {k: v for k, v in fmt.items() if k != "type"}}
         try:
             return response_format_constraint(fmt)
-        except ValueError as exc:
-            raise ValueError(str(exc).replace("response_format.json_schema", "text.format", 1)
-                             .replace("response_format", "text.format", 1)) from None
+        except InvalidArgument as exc:  # named as chat's response_format: renamed
+            raise exc.renamed(exc.param.replace("response_format.json_schema", "text.format", 1)
+                              .replace("response_format", "text.format", 1)) from None
 
 
 class ResponseBuilder:

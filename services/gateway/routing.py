@@ -11,7 +11,7 @@ import grpc
 import redis
 
 from services.auth import InternalTls, internal_channel
-from services.rpc import Unavailable
+from services.errors import Unavailable
 from services.state.registry import TTL_HEARTBEATS, WorkerInfo, WorkerRegistry
 
 log = logging.getLogger(__name__)

@@ -15,6 +15,7 @@ from typing import Any
 
 from services.api import gateway_pb2
 from services.engine.tokenizer import Tokenizer
+from services.errors import InvalidArgument
 from services.gateway.model_card import ModelCard
 from services.gateway.openai_api import ChatCompletionRequest, ChatMessage, OpenAIObject
 
@@ -30,13 +31,13 @@ class TokenizeRequest(OpenAIObject):
     def to_proto(self) -> gateway_pb2.GenerateRequest:
         """The prompt as the gateway's request. Raises ValueError naming the field."""
         if (self.prompt is None) == (self.messages is None):
-            raise ValueError("prompt: give exactly one of prompt and messages")
+            raise InvalidArgument("prompt", "give exactly one of prompt and messages")
         if not self.add_generation_prompt:
-            raise ValueError("add_generation_prompt: only true (what chat completions render) "
-                             "is supported")
+            raise InvalidArgument("add_generation_prompt", "only true (what chat completions render) "
+                                  "is supported")
         if self.prompt is not None:
             if self.tools is not None:
-                raise ValueError("tools: need messages")
+                raise InvalidArgument("tools", "need messages")
             return gateway_pb2.GenerateRequest(model=self.model or "", prompt=self.prompt)
         chat = ChatCompletionRequest.model_validate(
             {"messages": [m.model_dump(exclude_none=True) for m in self.messages], "tools": self.tools})
@@ -56,9 +57,9 @@ class DetokenizeRequest(OpenAIObject):
     def answer(self, model: ModelCard, tokenizer: Tokenizer) -> dict:
         """``{"prompt": text}``. Raises ValueError naming ``model`` or ``tokens[i]``."""
         if self.model and self.model != model.name:
-            raise ValueError(f"model: {self.model!r} is not served here (serving {model.name!r})")
+            raise InvalidArgument("model", f"{self.model!r} is not served here (serving {model.name!r})")
         for i, t in enumerate(self.tokens):
             if not 0 <= t < model.vocab_size:
-                raise ValueError(f"tokens[{i}]: {t} is not a token id of the model (ids are 0 to "
-                                 f"{model.vocab_size - 1})")
+                raise InvalidArgument(f"tokens[{i}]", f"{t} is not a token id of the model (ids are 0 to "
+                                      f"{model.vocab_size - 1})")
         return {"prompt": tokenizer.decode(self.tokens, skip_special_tokens=False)}

@@ -25,6 +25,8 @@ import re
 import uuid
 from dataclasses import dataclass, field
 
+from services.errors import InvalidArgument
+
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 JSON_OBJECT = {"type": "object"}
 # llguidance's JSON options: no free whitespace (a small model can loop on newlines), the
@@ -93,9 +95,9 @@ def _arguments(text: str, where: str) -> dict:
     try:
         value = json.loads(text or "{}")
     except ValueError as exc:
-        raise ValueError(f"{where}: not JSON ({exc})") from None
+        raise InvalidArgument(where, f"not JSON ({exc})") from None
     if not isinstance(value, dict):
-        raise ValueError(f"{where}: must be a JSON object")
+        raise InvalidArgument(where, "must be a JSON object")
     return value
 
 

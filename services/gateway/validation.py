@@ -16,9 +16,9 @@ from services.api import gateway_pb2
 from services.engine.grammars import grammar_of
 from services.engine.sampling_params import SamplingParams, StructuredOutput
 from services.engine.tokenizer import Tokenizer
+from services.errors import CONTEXT_LENGTH_EXCEEDED, InvalidArgument, from_validation
 from services.gateway import tool_calls
 from services.gateway.model_card import ModelCard
-from services.rpc import validation_message
 
 DEFAULT_MAX_TOKENS = 256
 # "developer" is OpenAI's newer name for the instructions ("system") role; "tool" answers a call
@@ -52,19 +52,19 @@ def check_request(req: gateway_pb2.GenerateRequest, limits: RequestLimits) -> No
     Raises ValueError naming ``prompt``, ``messages``, ``prompt_token_ids`` or the float field."""
     given = [name for name in ("prompt", "messages", "prompt_token_ids") if getattr(req, name)]
     if len(given) > 1:
-        raise ValueError(f"{', '.join(given)}: give exactly one of them")
+        raise ValueError(f"{', '.join(given)}: give exactly one of them")  # no one field at fault
     if not given:
-        raise ValueError("prompt: must not be empty (or give messages or prompt_token_ids)")
+        raise InvalidArgument("prompt", "must not be empty (or give messages or prompt_token_ids)")
     if len(req.messages) > limits.max_messages:
-        raise ValueError(f"messages: {len(req.messages)} messages exceed the limit of "
-                         f"{limits.max_messages} (setting max_messages)")
+        raise InvalidArgument("messages", f"{len(req.messages)} messages exceed the limit of "
+                              f"{limits.max_messages} (setting max_messages)")
     cap = limits.max_tokens_cap
     if cap is not None and req.HasField("max_tokens") and req.max_tokens > cap:
-        raise ValueError(f"max_tokens: {req.max_tokens} exceeds the gateway's limit of {cap} "
-                         "(setting max_tokens_cap)")
+        raise InvalidArgument("max_tokens", f"{req.max_tokens} exceeds the gateway's limit of {cap} "
+                              "(setting max_tokens_cap)")
     for name in _FLOAT_FIELDS:
         if req.HasField(name) and not math.isfinite(getattr(req, name)):
-            raise ValueError(f"{name}: must be a finite number, got {getattr(req, name)}")
+            raise InvalidArgument(name, f"must be a finite number, got {getattr(req, name)}")
 
 
 def prompt_token_ids(req: gateway_pb2.GenerateRequest, tokenizer: Tokenizer, max_model_len: int,
@@ -78,7 +78,7 @@ def prompt_token_ids(req: gateway_pb2.GenerateRequest, tokenizer: Tokenizer, max
     """
     field = "messages" if req.messages else "prompt_token_ids" if req.prompt_token_ids else "prompt"
     if req.tools and not req.messages:
-        raise ValueError("tools: are shown to the model through the chat template: send messages")
+        raise InvalidArgument("tools", "are shown to the model through the chat template: send messages")
     if req.messages:
         messages, tools = tool_calls.template_inputs(template_messages(req.messages, tokenizer),
                                                      list(req.tools), tokenizer.chat_template)
@@ -87,17 +87,18 @@ def prompt_token_ids(req: gateway_pb2.GenerateRequest, tokenizer: Tokenizer, max
         ids = list(req.prompt_token_ids)
         for i, token_id in enumerate(ids):
             if token_id >= tokenizer.vocab_size:
-                raise ValueError(f"prompt_token_ids[{i}]: {token_id} is not a token id of the model "
-                                 f"(ids are 0 to {tokenizer.vocab_size - 1})")
+                raise InvalidArgument(f"prompt_token_ids[{i}]", f"{token_id} is not a token id of the model "
+                                      f"(ids are 0 to {tokenizer.vocab_size - 1})")
     elif req.prompt:
         ids = tokenizer.encode(req.prompt)
     else:
-        raise ValueError("prompt: must not be empty (or give messages or prompt_token_ids)")
+        raise InvalidArgument("prompt", "must not be empty (or give messages or prompt_token_ids)")
     if not ids:
-        raise ValueError("prompt: tokenizes to no tokens")
+        raise InvalidArgument("prompt", "tokenizes to no tokens")
     if len(ids) >= max_model_len:
-        raise ValueError(f"{field}: {len(ids)} tokens do not fit the model's context of "
-                         f"{max_model_len} tokens with at least one output token")
+        raise InvalidArgument(field, f"{len(ids)} tokens do not fit the model's context of "
+                              f"{max_model_len} tokens with at least one output token",
+                              code=CONTEXT_LENGTH_EXCEEDED)
     return ids
 
 
@@ -113,9 +114,9 @@ def template_messages(messages, tokenizer: Tokenizer) -> list[dict]:
     out = []
     for i, m in enumerate(messages):
         if m.role not in CHAT_ROLES:
-            raise ValueError(f"messages[{i}].role: {m.role!r} is not one of {', '.join(CHAT_ROLES)}")
+            raise InvalidArgument(f"messages[{i}].role", f"{m.role!r} is not one of {', '.join(CHAT_ROLES)}")
         if m.tool_calls and m.role != "assistant":
-            raise ValueError(f"messages[{i}].tool_calls: only an assistant's message makes tool calls")
+            raise InvalidArgument(f"messages[{i}].tool_calls", "only an assistant's message makes tool calls")
         role = "system" if m.role == "developer" and not knows_developer else m.role
         out.append(tool_calls.template_message(m, role, f"messages[{i}]"))
     return out
@@ -132,19 +133,20 @@ def sampling_params(req: gateway_pb2.GenerateRequest, num_prompt_tokens: int, mo
     if req.HasField("max_tokens"):
         max_tokens = req.max_tokens
         if max_tokens > room:
-            raise ValueError(f"max_tokens: {max_tokens} plus the prompt's {num_prompt_tokens} "
-                             f"tokens exceed the model's context of {model.max_model_len} tokens")
+            raise InvalidArgument("max_tokens", f"{max_tokens} plus the prompt's {num_prompt_tokens} "
+                                  f"tokens exceed the model's context of {model.max_model_len} tokens",
+                                  code=CONTEXT_LENGTH_EXCEEDED)
     else:
         max_tokens = min(DEFAULT_MAX_TOKENS, room, max_tokens_cap or room)
     top_k = req.top_k if req.HasField("top_k") else 0
     if top_k == -1:
         top_k = 0
     if req.HasField("top_logprobs") and not req.logprobs:
-        raise ValueError("top_logprobs: needs logprobs set to true")
+        raise InvalidArgument("top_logprobs", "needs logprobs set to true")
     for i, token_id in enumerate(req.stop_token_ids):
         if token_id >= model.vocab_size:
-            raise ValueError(f"stop_token_ids[{i}]: {token_id} is not a token id of the model "
-                             f"(ids are 0 to {model.vocab_size - 1})")
+            raise InvalidArgument(f"stop_token_ids[{i}]", f"{token_id} is not a token id of the model "
+                                  f"(ids are 0 to {model.vocab_size - 1})")
     fields = {"max_tokens": max_tokens, "top_k": top_k, "ignore_eos": req.ignore_eos,
               "stop_token_ids": tuple(req.stop_token_ids), "stop": tuple(req.stop),
               "logprobs": (req.top_logprobs if req.HasField("top_logprobs") else 0) if req.logprobs else None,
@@ -161,7 +163,7 @@ def sampling_params(req: gateway_pb2.GenerateRequest, num_prompt_tokens: int, mo
     try:
         return SamplingParams(**fields)
     except pydantic.ValidationError as exc:
-        raise ValueError(_request_named(exc)) from None
+        raise from_validation(exc, _REQUEST_NAMES) from None
 
 
 def structured_output(so: gateway_pb2.StructuredOutputs, field: str = "structured_outputs",
@@ -171,8 +173,8 @@ def structured_output(so: gateway_pb2.StructuredOutputs, field: str = "structure
     ValueError naming ``field`` (or ``field.KIND``) and why."""
     given = [kind for kind in STRUCTURED_KINDS if getattr(so, kind)]
     if len(given) != 1:
-        raise ValueError(f"{field}: give exactly one of {', '.join(STRUCTURED_KINDS)}"
-                         + (f" (got {', '.join(given)})" if given else ""))
+        raise InvalidArgument(field, f"give exactly one of {', '.join(STRUCTURED_KINDS)}"
+                              + (f" (got {', '.join(given)})" if given else ""))
     kind = given[0]
     spec = json.dumps(list(so.choice)) if kind == "choice" else getattr(so, kind)
     check_structured(kind, spec, f"{field}.{kind}")
@@ -184,8 +186,8 @@ def check_structured(kind: str, spec: str, field: str) -> None:
     cached: the worker's own check costs nothing more). Raises ValueError naming ``field``."""
     try:
         grammar_of(kind, spec)
-    except ValueError as exc:
-        raise ValueError(f"{field}: {str(exc).removeprefix('structured_output: ')}") from None
+    except InvalidArgument as exc:
+        raise exc.renamed(field) from None
 
 
 def logit_bias(bias, vocab_size: int) -> tuple[tuple[int, float], ...]:
@@ -193,18 +195,9 @@ def logit_bias(bias, vocab_size: int) -> tuple[tuple[int, float], ...]:
     [-100, 100] (OpenAI's range). Raises ValueError naming ``logit_bias`` and the id."""
     for token_id, value in sorted(bias.items()):
         if token_id >= vocab_size:
-            raise ValueError(f"logit_bias: {token_id} is not a token id of the model (ids are 0 "
-                             f"to {vocab_size - 1})")
+            raise InvalidArgument("logit_bias", f"{token_id} is not a token id of the model (ids are 0 "
+                                  f"to {vocab_size - 1})")
         if not (math.isfinite(value) and -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS):
-            raise ValueError(f"logit_bias: the bias of token {token_id} must be within "
-                             f"[-100, 100], got {value}")
+            raise InvalidArgument("logit_bias", f"the bias of token {token_id} must be within "
+                                  f"[-100, 100], got {value}")
     return tuple(sorted(bias.items()))
-
-
-def _request_named(exc: pydantic.ValidationError) -> str:
-    """pydantic's message with each SamplingParams field renamed to the request's field."""
-    message = validation_message(exc)
-    for internal, public in _REQUEST_NAMES.items():
-        if any(e["loc"][:1] == (internal,) for e in exc.errors()):
-            message = message.replace(f"{internal}:", f"{public}:")
-    return message

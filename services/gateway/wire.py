@@ -9,6 +9,8 @@ from typing import TypeVar
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.message import DecodeError, Message
 
+from services.errors import BodyTooLarge, InvalidArgument
+
 M = TypeVar("M", bound=Message)
 _LENGTH_DELIMITED = 2
 
@@ -22,16 +24,16 @@ def parse_body(message_cls: type[M], data: bytes, max_bytes: int) -> M:
             UTF-8 is named (``prompt``, ``messages[2].content``), anything else is "malformed".
     """
     if len(data) > max_bytes:
-        raise ValueError(f"request: {len(data)} bytes exceed the gateway's limit of {max_bytes} "
-                         "bytes (setting max_request_bytes)")
+        raise BodyTooLarge("request", f"{len(data)} bytes exceed the gateway's limit of {max_bytes} "
+                           "bytes (setting max_request_bytes)")
     try:
         return message_cls.FromString(data)
     except DecodeError:
         field = invalid_utf8_field(message_cls.DESCRIPTOR, data)
         if field is not None:
-            raise ValueError(f"{field}: is not valid UTF-8") from None
-        raise ValueError(f"request: not a well-formed {message_cls.DESCRIPTOR.name} "
-                         "(protobuf wire format)") from None
+            raise InvalidArgument(field, "is not valid UTF-8") from None
+        raise InvalidArgument("request", f"not a well-formed {message_cls.DESCRIPTOR.name} "
+                              "(protobuf wire format)") from None
 
 
 def invalid_utf8_field(descriptor: Descriptor, data: bytes, prefix: str = "") -> str | None:

@@ -24,7 +24,7 @@ from services.kv_transfer import KVLeaseRefusedError, KVTransferError
 from services.observability import tracing
 from services.observability.logs import bind_request
 from services.prefill.faults import Faults
-from services.rpc import Aborted, Unavailable
+from services.errors import Aborted, InvalidArgument, Unavailable
 from services.api.convert import params_from_proto, prompt_logprobs_to_proto
 from services.worker import WorkerRuntime
 
@@ -81,10 +81,10 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
     async def Prefill(self, request: worker_pb2.PrefillRequest, context):
         rid, dest = request.request_id, request.destination
         if dest.transport != self.rt.options.kv_transport:
-            raise ValueError(f"destination.transport: {dest.transport!r}, this worker sends "
-                             f"with {self.rt.options.kv_transport!r}")
+            raise InvalidArgument("destination.transport", f"{dest.transport!r}, this worker sends "
+                                  f"with {self.rt.options.kv_transport!r}")
         if rid in self._handoffs:
-            raise ValueError(f"request_id: {rid!r} is already in flight on this worker")
+            raise InvalidArgument("request_id", f"{rid!r} is already in flight on this worker")
         if self.rt.draining:  # the decode worker frees the reservation now, not at its lease's end
             why = f"prefill worker {self.rt.worker_id} is draining (shutting down)"
             await self._send_not_written(dest, rid, why)
@@ -176,9 +176,9 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         first = dest.num_cached_blocks
         n_blocks = self.rt.engine.block_manager.blocks_needed(num_tokens) - first
         if n_blocks < 1 or len(dest.block_ids) != n_blocks:
-            raise ValueError(f"destination.block_ids: {len(dest.block_ids)} blocks for "
-                             f"{num_tokens} prompt tokens after {first} cached blocks, "
-                             f"expected {max(n_blocks, 1)}")
+            raise InvalidArgument("destination.block_ids", f"{len(dest.block_ids)} blocks for "
+                                  f"{num_tokens} prompt tokens after {first} cached blocks, "
+                                  f"expected {max(n_blocks, 1)}")
         return first, n_blocks
 
     def _count_transfer(self, seconds: float, num_blocks: int, failure: str | None) -> None:

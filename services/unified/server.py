@@ -15,6 +15,7 @@ from __future__ import annotations
 from services.api import worker_pb2
 from services.decode.reservations import Reservations
 from services.decode.server import DecodeServicer
+from services.errors import InvalidArgument
 from services.worker import WorkerRuntime
 
 
@@ -36,7 +37,7 @@ class UnifiedServicer(DecodeServicer):
 
     async def Decode(self, request: worker_pb2.DecodeRequest, context):
         if not request.local_prefill:
-            raise ValueError(f"local_prefill: unified worker {self.rt.worker_id} computes every "
-                             "prompt itself; it takes no KV reservation (send local_prefill=true)")
+            raise InvalidArgument("local_prefill", f"unified worker {self.rt.worker_id} computes every "
+                                  "prompt itself; it takes no KV reservation (send local_prefill=true)")
         async for msg in super().Decode(request, context):
             yield msg

@@ -17,19 +17,24 @@ SECRET = "internal-secret-0123456789"
 SERVICE = worker_pb2.DESCRIPTOR.services_by_name["DecodeWorker"].full_name
 
 
-def test_secret_from_env_or_file(tmp_path):
-    assert read_internal_secret({}) is None
-    assert read_internal_secret({"TANDEM_INTERNAL_SECRET": f" {SECRET}\n"}) == SECRET
+def test_secret_from_value_or_file(tmp_path):
+    assert read_internal_secret(None, None) is None
+    assert read_internal_secret(None, "") is None  # an empty file setting is no file
+    assert read_internal_secret(f" {SECRET}\n", None) == SECRET
     path = tmp_path / "secret"
-    path.write_text(SECRET + "\n")
-    assert read_internal_secret({"TANDEM_INTERNAL_SECRET_FILE": str(path)}) == SECRET
+    path.write_text(f"\n{SECRET}\n")  # the whole file, stripped (not its first line)
+    assert read_internal_secret(None, str(path)) == SECRET
     with pytest.raises(ValueError, match="^TANDEM_INTERNAL_SECRET_FILE: cannot read"):
-        read_internal_secret({"TANDEM_INTERNAL_SECRET_FILE": str(tmp_path / "missing")})
+        read_internal_secret(None, str(tmp_path / "missing"))
     with pytest.raises(ValueError, match="^TANDEM_INTERNAL_SECRET: .*not both"):
-        read_internal_secret({"TANDEM_INTERNAL_SECRET": SECRET,
-                              "TANDEM_INTERNAL_SECRET_FILE": str(path)})
+        read_internal_secret(SECRET, str(path))
     with pytest.raises(ValueError, match="^TANDEM_INTERNAL_SECRET: .*16 characters"):
-        read_internal_secret({"TANDEM_INTERNAL_SECRET": "short"})
+        read_internal_secret("short", None)
+    with pytest.raises(ValueError, match="^TANDEM_INTERNAL_SECRET: .*16 characters"):
+        read_internal_secret(" " * 20, None)
+    path.write_text("fifteen-chars!!\n")
+    with pytest.raises(ValueError, match="^TANDEM_INTERNAL_SECRET_FILE: .*16 characters"):
+        read_internal_secret(None, str(path))
 
 
 class FakeDecode(worker_pb2_grpc.DecodeWorkerServicer):

@@ -48,10 +48,10 @@ def test_secret_is_new_per_run_unless_one_is_given(monkeypatch):
         assert a.settings.internal_secret() != b.settings.internal_secret()
     finally:
         a.stop(), b.stop()
-    monkeypatch.setenv("TANDEM_INTERNAL_SECRET", "given")
+    monkeypatch.setenv("TANDEM_INTERNAL_SECRET", "given-0123456789")
     c = make_stack(monkeypatch)
     try:
-        assert c.settings.internal_secret() == "given" == c.child_env["TANDEM_INTERNAL_SECRET"]
+        assert c.settings.internal_secret() == "given-0123456789" == c.child_env["TANDEM_INTERNAL_SECRET"]
     finally:
         c.stop()
 

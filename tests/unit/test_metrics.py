@@ -13,11 +13,10 @@ from prometheus_client import generate_latest
 from services.engine import metrics as em
 from services.engine.metrics import EngineMetrics, Histogram, buckets_1_2_5
 from services.engine.sampling_params import SamplingParams
-from services.rpc import status_name as _code
 from services.observability.metrics import TokenClock
 from services.observability.metrics import GatewayMetrics, WorkerMetrics
 from services.observability.scrape import scrape_config, write_scrape_config
-from services.rpc import ResourceExhausted, Unavailable
+from services.errors import ResourceExhausted, Unavailable, error_status
 from tests.unit.test_engine import make_engine
 
 LABELS = {"model_name": "m", "role": "decode", "worker_id": "w0"}
@@ -250,6 +249,9 @@ def test_gateway_token_clock_observes_ttft_once_and_itl_per_later_token():
 
 
 def test_gateway_status_codes_of_pipeline_errors():
+    def _code(exc: BaseException) -> str:
+        return error_status(exc).grpc_code
+
     assert _code(ValueError("prompt: empty")) == "INVALID_ARGUMENT"
     assert _code(ResourceExhausted("full")) == "RESOURCE_EXHAUSTED"
     assert _code(Unavailable("redis")) == "UNAVAILABLE"

@@ -272,5 +272,6 @@ def test_completion_responses_validate_against_the_specification(with_logprobs):
 
 def test_errors_validate_against_the_specification():
     for status in (400, 404, 405, 413, 415, 422, 429, 500, 503):
-        validator("ErrorResponse").validate(error_body("n: too many", status))
-    assert error_body("n: too many", 400)["error"]["param"] == "n"
+        validator("ErrorResponse").validate(error_body("n: too many", status, "n", "some_code"))
+        validator("ErrorResponse").validate(error_body("too many", status))
+    assert error_body("n: too many", 400, "n")["error"]["param"] == "n"

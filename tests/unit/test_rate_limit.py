@@ -8,7 +8,7 @@ import json
 import pytest
 
 from services.gateway.limits import KeyLimiter, KeyLimits, RateLimited, TokenBucket
-from services.rpc import ResourceExhausted
+from services.errors import ResourceExhausted
 
 
 class Clock:

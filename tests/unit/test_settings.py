@@ -108,29 +108,41 @@ def test_enums_and_log_level_case():
 
 
 def test_show_masks_secrets_and_redis_password():
-    loaded = load_settings(environ={"TANDEM_INTERNAL_SECRET": "hunter2",
+    loaded = load_settings(environ={"TANDEM_INTERNAL_SECRET": "hunter2-hunter2-hunter2",
                                     "REDIS_URL": "redis://:pw123@10.0.0.1:6379/0"})
     text = "\n".join(show_lines(loaded))
-    assert "hunter2" not in text and "pw123" not in text
+    assert "hunter2-hunter2-hunter2" not in text and "pw123" not in text
     assert 'state.redis_url = "redis://:***@10.0.0.1:6379/0"  # env REDIS_URL' in text
     assert 'transport.internal_secret = "***"  # env TANDEM_INTERNAL_SECRET' in text
-    assert loaded.settings.internal_secret() == "hunter2"
+    assert loaded.settings.internal_secret() == "hunter2-hunter2-hunter2"
     with pytest.raises(SettingsError) as err:
         load_settings(environ={"REDIS_URL": "redis://:pw123@h:1/0", "TANDEM_PORT": "x"})
     assert "pw123" not in str(err.value)
 
 
 def test_internal_secret_file(tmp_path):
-    (tmp_path / "s").write_text("from-a-file\n")
+    (tmp_path / "s").write_text("from-a-file-0123456789\n")
     s = load_settings(environ={"TANDEM_INTERNAL_SECRET_FILE": str(tmp_path / "s")}).settings
-    assert s.internal_secret() == "from-a-file"
+    assert s.internal_secret() == "from-a-file-0123456789"
     missing = load_settings(environ={"TANDEM_INTERNAL_SECRET_FILE": str(tmp_path / "no")}).settings
-    with pytest.raises(ValueError, match="transport.internal_secret_file"):
+    with pytest.raises(ValueError, match="^TANDEM_INTERNAL_SECRET_FILE: cannot read"):
         missing.internal_secret()
 
 
+def test_internal_secret_follows_the_workers_rules(tmp_path):
+    """The settings tree reads the secret as services.auth does: 16+ characters, one source."""
+    (tmp_path / "s").write_text("from-a-file-0123456789\n")
+    both = load_settings(environ={"TANDEM_INTERNAL_SECRET": "from-env-0123456789",
+                                  "TANDEM_INTERNAL_SECRET_FILE": str(tmp_path / "s")}).settings
+    with pytest.raises(ValueError, match="^TANDEM_INTERNAL_SECRET: .*not both"):
+        both.internal_secret()
+    short = load_settings(environ={"TANDEM_INTERNAL_SECRET": "hunter2"}).settings
+    with pytest.raises(ValueError, match="^TANDEM_INTERNAL_SECRET: .*16 characters"):
+        short.internal_secret()
+
+
 def test_children_file_round_trips_with_secrets_and_is_private(tmp_path):
-    env = {"TANDEM_INTERNAL_SECRET": "hunter2", "REDIS_URL": "redis://:pw@h:1/0",
+    env = {"TANDEM_INTERNAL_SECRET": "hunter2-hunter2-hunter2", "REDIS_URL": "redis://:pw@h:1/0",
            "TANDEM_DTYPE": "bfloat16", "TANDEM_NUM_KV_BLOCKS": "12"}
     original = load_settings(environ=env).settings
     path = tmp_path / "settings.json"
@@ -138,7 +150,7 @@ def test_children_file_round_trips_with_secrets_and_is_private(tmp_path):
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
     again = load_settings(None, path, {})
     assert again.settings == original
-    assert again.settings.internal_secret() == "hunter2"
+    assert again.settings.internal_secret() == "hunter2-hunter2-hunter2"
     assert again.source("engine.dtype") == f"file {path} line {_line_of(path, 'dtype')}"
 
 

@@ -10,7 +10,7 @@ import redis.asyncio as aioredis
 
 from services.gateway.health import ReadinessMonitor
 from services.gateway.routing import WorkerPool
-from services.rpc import Unavailable
+from services.errors import Unavailable
 from services.state.registry import WorkerInfo, WorkerRegistry
 
 
