@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import statistics
 import time
 from collections.abc import Awaitable, Callable
@@ -25,7 +26,7 @@ import redis
 import redis.asyncio as aioredis
 
 from services.api import worker_pb2, worker_pb2_grpc
-from services.auth import internal_channel, read_internal_secret
+from services.auth import SECRET_ENV, SECRET_FILE_ENV, internal_channel, read_internal_secret
 from services.state.registry import ROLES, WorkerRegistry
 
 logger = logging.getLogger(__name__)
@@ -65,7 +66,8 @@ class ServerView:
     def __post_init__(self) -> None:
         if self.interval_s <= 0:
             raise ValueError(f"server_poll_s must be > 0 seconds, got {self.interval_s}")
-        self._secret = read_internal_secret()
+        # the stack's secret as its processes read it (``tandem up`` passes it in the env)
+        self._secret = read_internal_secret(os.environ.get(SECRET_ENV), os.environ.get(SECRET_FILE_ENV))
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run(), name="server-view")
