@@ -7,7 +7,7 @@ llama.cpp's and vLLM's ``guidance`` backend): JSON schema (``format="json"``), R
 (``regex``), a JSON list of strings (``choice``), and Lark or llama.cpp's GBNF (``grammar``).
 Chosen over xgrammar on what it costs the runtime: llguidance's wheel needs no other package,
 where xgrammar requires transformers, triton and apache-tvm-ffi; both compute a mask in tens of
-microseconds (llguidance: 28 us for one row's mask under a small JSON schema over the built-in model's
+microseconds (llguidance: 7 us for one row's mask under a small JSON schema over the built-in model's
 49,152 tokens, AMD EPYC 2 cores, `python -m scripts.bench_structured`).
 
 ``grammar_of`` compiles (and validates: ``ValueError`` naming ``structured_output``) once per
