@@ -33,6 +33,7 @@ from services.state.registry import ROLES, WorkerInfo, WorkerRegistry
 log = logging.getLogger(__name__)
 
 MODES = ("random", "load", "kv")
+STOP_TIMEOUT_S = 2.0  # longest wait for the KV event follower to end (``Router.stop``)
 
 
 @dataclass(frozen=True)
@@ -110,6 +111,7 @@ class Router:
         self.index = PrefixIndex()
         self._sent: dict[str, list[Ticket]] = {}
         self._task: asyncio.Task | None = None
+        self._stopping = False
         self._ignored: set[str] = set()  # workers whose streams name another model or hash
         self._suspects: dict[str, float] = {}  # worker id -> monotonic time it is trusted again
         self.num_events = 0  # event batches applied
@@ -128,9 +130,13 @@ class Router:
             self._task = asyncio.get_running_loop().create_task(self._follow(), name="kv-index")
 
     async def stop(self) -> None:
+        """Stop following. Bounded: a cancellation that lands in redis-py's socket timeout can
+        come out as ``redis.TimeoutError`` (Python 3.11's ``asyncio.timeout``), which the
+        follower would take for an outage and retry; it also ends on ``_stopping``."""
+        self._stopping = True
         if self._task is not None:
             self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+            await asyncio.wait({self._task}, timeout=STOP_TIMEOUT_S)
             self._task = None
 
     # -- ranking -------------------------------------------------------------------------------
@@ -249,7 +255,7 @@ class Router:
         workers that left the registry. Survives Redis outages (retries every second)."""
         reader = KVEventReader(self.registry.redis)
         failing = False
-        while True:
+        while not self._stopping:
             try:
                 now = time.monotonic()
                 self._suspects = {w: t for w, t in self._suspects.items() if t > now}
