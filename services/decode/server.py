@@ -238,9 +238,14 @@ class _StreamLease:
 
 
 async def _batches(queue: asyncio.Queue[RequestOutput]):
-    """Yield every output queued so far as one list."""
+    """Yield every output queued so far as one list, in output order. The first token's output
+    is queued by ``_start`` once the landing command returns, which can be after the engine's
+    next step already queued the second token's; both are queued before the stream first
+    reads, so ordering what is there by ``num_output_tokens`` restores the sequence (taken as
+    they came, the stream once sent token #0 and lost #1)."""
     while True:
         outs = [await queue.get()]
-        while not queue.empty() and outs[-1].finish_reason is None:
+        while not queue.empty():
             outs.append(queue.get_nowait())
+        outs.sort(key=lambda o: o.num_output_tokens)
         yield outs
