@@ -242,10 +242,12 @@ async def _batches(queue: asyncio.Queue[RequestOutput]):
     is queued by ``_start`` once the landing command returns, which can be after the engine's
     next step already queued the second token's; both are queued before the stream first
     reads, so ordering what is there by ``num_output_tokens`` restores the sequence (taken as
-    they came, the stream once sent token #0 and lost #1)."""
+    they came, the stream once sent token #0 and lost #1). A finished output goes last whatever
+    its count: an abort queued by the lease or ``Abort`` carries none, and sorted first it would
+    leave the stream waiting for an end it already had."""
     while True:
         outs = [await queue.get()]
         while not queue.empty():
             outs.append(queue.get_nowait())
-        outs.sort(key=lambda o: o.num_output_tokens)
+        outs.sort(key=lambda o: (o.finish_reason is not None, o.num_output_tokens))
         yield outs

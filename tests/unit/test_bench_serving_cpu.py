@@ -29,7 +29,7 @@ def test_engine_named_threads_are_counted_as_the_model():
     finally:
         measured.set()
         t.join()
-    assert engine >= 0.2 and total >= engine  # the busy thread's CPU, at clock-tick resolution
+    assert engine >= 0.2 and total >= engine - 1e-6  # the busy thread's CPU, at clock-tick resolution
 
 
 def test_per_token_splits_workers_and_sums_what_is_outside_the_model():

@@ -19,3 +19,17 @@ def test_outputs_queued_out_of_order_leave_in_order():
     outs = asyncio.run(run())
     assert [t for o in outs for t in o.new_token_ids] == [10, 11, 12]
     assert outs[-1].finish_reason == "length" and outs[-1].num_output_tokens == 3
+
+
+def test_an_abort_behind_unread_tokens_still_ends_the_batch():
+    """The lease's abort carries no tokens (count 0); it must still be the batch's last output,
+    or the stream never sees its end."""
+    async def run():
+        queue: asyncio.Queue = asyncio.Queue()
+        queue.put_nowait(RequestOutput("r", [10], None, 5, 1))
+        queue.put_nowait(RequestOutput("r", [11], None, 5, 2))
+        queue.put_nowait(RequestOutput("r", [], "abort"))
+        return await anext(_batches(queue))
+    outs = asyncio.run(run())
+    assert [t for o in outs for t in o.new_token_ids] == [10, 11]
+    assert outs[-1].finish_reason == "abort"
