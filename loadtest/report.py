@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from dataclasses import asdict
 from datetime import datetime, timezone
 from pathlib import Path
@@ -39,6 +40,19 @@ def build_result(outcome: RunOutcome, run_info: dict, slos: dict[str, float],
     return result
 
 
+NO_PLOTS = "no PNG plots: matplotlib is missing (pip install 'tandem[bench]'); the JSON is written"
+
+
+def plots_available() -> bool:
+    """Whether matplotlib (the optional ``bench`` extra) is installed; when not, says so on
+    stderr at once, before a run that may take minutes."""
+    import importlib.util
+    if importlib.util.find_spec("matplotlib") is not None:
+        return True
+    print(NO_PLOTS, file=sys.stderr)
+    return False
+
+
 def write_result(result: dict, outcome: RunOutcome, result_dir: Path, name: str) -> list[Path]:
     """Write ``name``.json and its PNGs (``name``-latency_cdf.png, -timeline.png,
     -throughput.png; only when matplotlib is installed) into ``result_dir``; returns the paths
@@ -49,7 +63,7 @@ def write_result(result: dict, outcome: RunOutcome, result_dir: Path, name: str)
     try:
         from loadtest import plot
     except ImportError:  # matplotlib is the optional `bench` extra
-        print("no PNG plots: matplotlib is missing (pip install 'tandem[bench]')")
+        print(NO_PLOTS, file=sys.stderr)
         return [json_path]
     pngs = [result_dir / f"{name}-{kind}.png" for kind in ("latency_cdf", "timeline", "throughput")]
     plot.latency_cdfs([(name, detail_arrays(outcome.records))], pngs[0])

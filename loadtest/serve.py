@@ -20,7 +20,8 @@ from pathlib import Path
 from loadtest.arrivals import RAMPS, ArrivalSchedule
 from loadtest.datasets import DATASETS, DatasetOptions, build_dataset
 from loadtest.metrics import parse_goodput
-from loadtest.report import build_result, json_number, print_summary, write_result
+from loadtest.report import (build_result, json_number, plots_available, print_summary,
+                             write_result)
 from loadtest.runner import RunConfig, rate_label, run_benchmark
 
 
@@ -152,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as exc:
         parser.error(str(exc))
     name = args.result_name or f"serve-rate-{rate_label(args.request_rate)}"
+    plots_available()
     try:
         run_one(args, requests, args.request_rate, args.max_concurrency, name)
     except ConnectionError as exc:

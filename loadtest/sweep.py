@@ -19,6 +19,7 @@ from pathlib import Path
 
 from loadtest.datasets import build_dataset
 from loadtest.metrics import parse_goodput
+from loadtest.report import plots_available
 from loadtest.runner import rate_label
 from loadtest.serve import (add_load_args, dataset_options, load_tokenizer, parse_percentiles,
                             run_config, run_one)
@@ -80,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         requests = build_dataset(args.dataset, args.num_prompts, load_tokenizer(args.tokenizer), opts)
     except (ValueError, FileNotFoundError) as exc:
         parser.error(str(exc))
+    plots_available()
     results = []
     for rate, conc in loads:
         name = f"sweep-rate-{rate_label(rate)}" + (f"-conc-{conc}" if conc else "")
@@ -102,8 +104,7 @@ def _plot_curve(results: list[dict], label: str, path: Path, x_field: str) -> No
     try:
         from loadtest import plot
     except ImportError:  # matplotlib is the optional `bench` extra
-        print("no sweep.png: matplotlib is missing (pip install 'tandem[bench]')")
-        return
+        return  # said at the start (plots_available)
     plot.rate_curves({label: results}, path, x_field)
     print(f"wrote {path}")
 

@@ -47,7 +47,7 @@ class TandemUp:
 
     def __init__(self, engine_args: list[str], cgroup: Path | None = None) -> None:
         self.http_port, port = free_port(), free_port()
-        argv = [sys.executable, "-m", "services.cli", "up", "--http-port", str(self.http_port),
+        argv = [sys.executable, "-m", "services.runtime.cli", "up", "--http-port", str(self.http_port),
                 "--port", str(port), *engine_args]
         if cgroup is not None:  # the shell joins the group, then becomes `tandem up`
             argv = ["sh", "-c", f'echo $$ > {cgroup}/cgroup.procs && exec "$@"', "sh", *argv]

@@ -23,8 +23,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # NOTE: run as a script from anywhere; the repo is the package root
 
-from services import process
-from services.launcher import Stack, UpOptions  # noqa: E402
+from services.runtime import process
+from services.runtime.launcher import Stack, UpOptions  # noqa: E402
 
 FIELDS = ("median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "median_itl_ms", "output_throughput",
           "request_throughput", "completed", "failed", "total_output_tokens", "duration")

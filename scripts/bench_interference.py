@@ -31,7 +31,7 @@ from pathlib import Path
 
 from loadtest import plot, serve
 from scripts.bench_layout import OPTIONS, free_port, start_stack
-from services.layout import usable_cores
+from services.runtime.layout import usable_cores
 
 log = logging.getLogger("bench_interference")
 

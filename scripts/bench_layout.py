@@ -37,10 +37,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from loadtest import serve
-from services import process
-from services.launcher import Stack, UpOptions
-from services.layout import choose_layout, usable_cores
-from services.settings import UpSection
+from services.runtime import process
+from services.runtime.launcher import Stack, UpOptions
+from services.runtime.layout import choose_layout, usable_cores
+from services.config.settings import UpSection
 
 log = logging.getLogger("bench_layout")
 

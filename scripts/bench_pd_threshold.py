@@ -26,7 +26,7 @@ from services.api import gateway_pb2, gateway_pb2_grpc
 from scripts.bench_layout import free_port
 from services.engine.model_files import default_model_path
 from services.engine.tokenizer import Tokenizer
-from services.launcher import Stack, UpOptions
+from services.runtime.launcher import Stack, UpOptions
 
 SHORT = "What is the capital of France? Answer in one word."
 

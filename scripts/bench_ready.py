@@ -7,11 +7,11 @@ Three measurements per precision (``--modes dtype:quantization,...``), each in a
   ``import_torch``, ``import_engine``, ``read_gguf`` (header and tensor map),
   ``build_model`` (weights, kernel load), ``kv_cache`` and the rest of the engine,
   ``warm_up``.
-- ``worker_s`` / ``worker_cpu_s``: ``python -m services.cli serve decode`` from process start
+- ``worker_s`` / ``worker_cpu_s``: ``python -m services.runtime.cli serve decode`` from process start
   to gRPC health SERVING, wall, and the worker's CPU seconds by then (user + system of all its
   threads, ``/proc/PID/stat``); a private ``redis-server`` is started once for the run.
 - ``unified_s`` / ``unified_cpu_s``: the same for ``serve unified``.
-- ``up_s`` / ``up_cpu_s`` (``--up``): ``python -m services.cli up`` from process start to its
+- ``up_s`` / ``up_cpu_s`` (``--up``): ``python -m services.runtime.cli up`` from process start to its
   "Tandem is up" log line (every worker registered, gateway SERVING), wall, and the CPU
   seconds of it and its children by then (``up_cpu_by_process``).
 
@@ -36,7 +36,7 @@ def mark(name):
 import torch
 torch.set_num_threads({threads})
 mark("import_torch")
-from services import process
+from services.runtime import process
 from services.engine.engine import EngineConfig, LLMEngine
 from services.engine.quantized import build_model
 from services.engine.quantized_loader import file_weight_formats
@@ -116,7 +116,7 @@ def worker_ready(redis_url: str, dtype: str, quant: str, threads: int, timeout_s
     answering SERVING."""
     port = _free_port()
     t0 = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-m", "services.cli", "serve", role,
+    proc = subprocess.Popen([sys.executable, "-m", "services.runtime.cli", "serve", role,
                              "--redis-url", redis_url, "--worker-port", str(port)],
                             env=_env(dtype, quant, threads), stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
@@ -145,7 +145,7 @@ def up_ready(dtype: str, quant: str, threads: int, timeout_s: float) -> tuple[fl
     """(wall seconds, {process: CPU seconds}) from spawning ``tandem up`` to its "Tandem is up"
     line (own Redis included)."""
     t0 = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--port",
+    proc = subprocess.Popen([sys.executable, "-m", "services.runtime.cli", "up", "--port",
                              str(_free_port())], env=_env(dtype, quant, threads),
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from loadtest import serve
 from scripts.bench_layout import free_port
-from services.launcher import Stack, UpOptions
+from services.runtime.launcher import Stack, UpOptions
 
 log = logging.getLogger("bench_routing")
 

@@ -27,9 +27,9 @@ from pathlib import Path
 from loadtest import serve
 from scripts.bench_layout import free_port
 from services.engine.engine_loop import ENGINE_THREAD_NAME
-from services.launcher import Stack, UpOptions
-from services.layout import choose_layout, usable_cores
-from services.settings import UpSection
+from services.runtime.launcher import Stack, UpOptions
+from services.runtime.layout import choose_layout, usable_cores
+from services.config.settings import UpSection
 
 
 def _ticks(stat_path: str) -> int:

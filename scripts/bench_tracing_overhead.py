@@ -45,8 +45,8 @@ from loadtest.datasets import DatasetOptions, random_dataset
 from loadtest.metrics import summarize
 from loadtest.runner import RunConfig, run_benchmark
 from loadtest.serve import load_tokenizer
-from services import process
-from services.launcher import Stack, UpOptions
+from services.runtime import process
+from services.runtime.launcher import Stack, UpOptions
 
 
 class SpanCounter(trace_service_pb2_grpc.TraceServiceServicer):

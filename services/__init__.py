@@ -1,7 +1,7 @@
 """Tandem's services. Importing the package turns gRPC's fork handlers off for the process.
 
 ``tandem up`` and the test harness start children with ``subprocess.Popen`` and a
-``preexec_fn`` (``services.process.spawn``), so Python forks and runs fork handlers before
+``preexec_fn`` (``services.runtime.process.spawn``), so Python forks and runs fork handlers before
 ``exec``. With gRPC busy in the parent, grpcio 1.81+ restarts its epoll poller in the child, the
 child's ``close_fds`` closes the poller's epoll descriptor, and the child aborts before ``exec``
 (SIGABRT, "Epoll1Poller encountered epoll_wait error: Bad file descriptor"; grpc/grpc#43055).

@@ -28,7 +28,7 @@ from services.observability import tracing
 from services.observability.logs import bind_request
 from services.errors import Aborted, InvalidArgument, ResourceExhausted, Unavailable
 from services.api.convert import logprobs_to_proto, params_from_proto, prompt_logprobs_to_proto
-from services.worker import WorkerRuntime
+from services.runtime.worker import WorkerRuntime
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         return len(self.reservations) > 0
 
     def hand_back(self) -> int:
-        """Drain deadline (services/drain.py): end every stream with UNAVAILABLE, so the gateway
+        """Drain deadline (services/runtime/drain.py): end every stream with UNAVAILABLE, so the gateway
         migrates it to another decode worker; a stream still waiting for its KV leaves its
         reservation quarantined until no write can land. Returns how many streams."""
         n = self.rt.hand_back_streams()

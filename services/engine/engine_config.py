@@ -1,17 +1,21 @@
 """``EngineConfig``: the engine's knobs, in a module that imports no torch.
 
-The settings tree (``services/settings.py``) is read by every process, the gateway and
+The settings tree (``services/config/settings.py``) is read by every process, the gateway and
 ``tandem up``'s own process included; those never run the engine and must not pay
 ``import torch`` (about 3 CPU s) to parse their settings. ``services.engine.engine``
 re-exports this class.
 """
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from .model_files import default_model_path
+
+# admission orders the scheduler implements (scheduler.py); the settings' QueuePolicy names the same
+QueuePolicyName = Literal["fcfs", "srpt"]
+QUEUE_POLICIES: tuple[str, ...] = get_args(QueuePolicyName)
 
 
 class EngineConfig(BaseModel):
@@ -34,14 +38,14 @@ class EngineConfig(BaseModel):
     scheduling_policy: Literal["continuous", "static"] = "continuous"
     enable_prefix_caching: bool = True
     # tokens one prompt chunk may take per step while others wait (scheduler.py); 0: no cap;
-    # None: the role's default (a prefill worker caps, see services/serve.py; otherwise none)
+    # None: the role's default (a prefill worker caps, see services/runtime/serve.py; otherwise none)
     long_prefill_token_threshold: int | None = Field(default=None, ge=0)
     # threads of a step: "all" (torch's thread count, every step) or "auto" (timed while
     # serving per step size, one thread or all: see step_threads.py)
     step_threads: Literal["auto", "all"] = "all"
     # admission order of waiting requests (scheduler.py): "fcfs", or "srpt" (least work left
     # first, aged so that none starves)
-    queue_policy: Literal["fcfs", "srpt"] = "fcfs"
+    queue_policy: QueuePolicyName = "fcfs"
     # a step that carries running streams computes only as many prompt tokens as fit this
     # many milliseconds by the measured step cost (step_cost.py); None: no time budget
     max_step_ms: float | None = Field(default=None, gt=0)

@@ -43,12 +43,12 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from .block_manager import BlockManager
+from .engine_config import QUEUE_POLICIES
 from .kv_events import prompt_block_hashes
 from .outputs import RequestOutput
 from .request import Request, RequestStatus
 
 POLICIES = ("continuous", "static")
-QUEUE_POLICIES = ("fcfs", "srpt")
 QUEUE_AGING_TOKENS_PER_S = 1000.0  # srpt: prefill speed assumed until the engine measures it
 
 

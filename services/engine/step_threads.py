@@ -20,7 +20,7 @@ The worker's thread count itself is capped by the CPU it may use (``cpus.availab
 affinity and cgroup quota). Outputs do not depend on the choice: every CPU kernel's result for
 a row is the same whatever its thread count (tests/kernels/test_quant_tiles.py,
 test_decode_fast_paths.py). (The 24 ms served TPOT on 2 threads once blamed on team joins was
-libgomp's throttled spin: ``services.serve.on_passing_thread``.)
+libgomp's throttled spin: ``services.runtime.serve.on_passing_thread``.)
 """
 from __future__ import annotations
 

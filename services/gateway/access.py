@@ -144,7 +144,7 @@ def _wrap(handler: grpc.RpcMethodHandler, identity: Identity | None,
 
 def exposure_options(s) -> dict:
     """``GatewayOptions`` fields ``access``, ``tls`` and ``internal_tls`` from the settings tree
-    ``s`` (``services/settings.py``). Raises ValueError naming the setting at fault."""
+    ``s`` (``services/config/settings.py``). Raises ValueError naming the setting at fault."""
     from services.auth import InternalTls
     from services.gateway.tls import TlsFiles
 

@@ -7,7 +7,7 @@ import logging
 from collections.abc import Awaitable
 from dataclasses import dataclass, field
 
-from services.drain import STOP_GRACE_S, drain_gateway
+from services.runtime.drain import STOP_GRACE_S, drain_gateway
 from services.auth import InternalTls
 from services.gateway.access import Access, ApiKeyInterceptor
 from services.gateway.health import ReadinessMonitor
@@ -44,7 +44,7 @@ class GatewayOptions:
     tokenize_threads: int = 2  # threads rendering chat templates and tokenizing
     http_port: int | None = None  # OpenAI-compatible HTTP on host:http_port (0: free port); None: off
     internal_secret: str | None = None  # sent on every call to a worker (services.auth)
-    drain_s: float = 80.0  # after the signal: seconds open streams may finish (services/drain.py)
+    drain_s: float = 80.0  # after the signal: seconds open streams may finish (services/runtime/drain.py)
     access: Access = field(default_factory=Access)  # API keys and per-key limits (default: open)
     tls: TlsFiles | None = None  # TLS on the gRPC and HTTP listeners (None: plaintext)
     internal_tls: InternalTls | None = None  # mutual TLS to the workers (None: plaintext)
@@ -55,7 +55,7 @@ class GatewayOptions:
 async def run_gateway(opts: GatewayOptions, until: Awaitable,
                       hurry: asyncio.Event | None = None) -> None:
     """Serve the public Gateway until ``until`` completes (e.g. a signal), then drain
-    (``services.drain.drain_gateway``: readiness fails, new requests get UNAVAILABLE, open
+    (``services.runtime.drain.drain_gateway``: readiness fails, new requests get UNAVAILABLE, open
     streams have ``opts.drain_s`` seconds, or until ``hurry`` is set, to finish).
 
     Raises ConnectionError (Redis not answering at start), FileNotFoundError / ValueError

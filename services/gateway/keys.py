@@ -20,7 +20,6 @@ import hmac
 import logging
 import os
 import re
-from collections.abc import Iterable
 from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
@@ -122,9 +121,6 @@ class ApiKeys:
         if found is None:
             raise Unauthenticated("API key not accepted")
         return found
-
-    def identities(self) -> Iterable[Identity]:
-        return [*self._fixed.values(), *self._from_file.values()]
 
     def _reload(self, strict: bool) -> None:
         """Re-read the keys file if its stat changed. ``strict``: raise ValueError on failure

@@ -84,7 +84,7 @@ class GatewayCore:
                                      self.metrics.worker_lost)
         self._tokenize = ThreadPoolExecutor(tokenize_threads, thread_name_prefix="tokenize")
         self._closing: set[asyncio.Task] = set()  # requests recording their outcome
-        self.draining = False  # stopping (services/drain.py): new requests get UNAVAILABLE
+        self.draining = False  # stopping (services/runtime/drain.py): new requests get UNAVAILABLE
 
     @property
     def num_inflight(self) -> int:

@@ -38,7 +38,7 @@ STOP_TIMEOUT_S = 2.0  # longest wait for the KV event follower to end (``Router.
 
 @dataclass(frozen=True)
 class RoutingOptions:
-    """``gateway.routing`` and its knobs (services/settings.py describes each)."""
+    """``gateway.routing`` and its knobs (services/config/settings.py describes each)."""
 
     mode: str = "kv"
     weight: float = 1.0  # kv_overlap_score_weight

@@ -26,7 +26,7 @@ from services.observability.logs import bind_request
 from services.prefill.faults import Faults
 from services.errors import Aborted, InvalidArgument, Unavailable
 from services.api.convert import params_from_proto, prompt_logprobs_to_proto
-from services.worker import WorkerRuntime
+from services.runtime.worker import WorkerRuntime
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +73,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         return bool(self._handoffs)
 
     def hand_back(self) -> int:
-        """Drain deadline (services/drain.py): every prompt still queued or computing ends with
+        """Drain deadline (services/runtime/drain.py): every prompt still queued or computing ends with
         UNAVAILABLE (after telling its decode worker "not written"), so the gateway retries it
         on another prefill worker; a write already under way finishes by its deadline."""
         return self.rt.hand_back_streams()

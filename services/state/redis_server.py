@@ -25,7 +25,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
-from services.process import die_with_parent, free_port
+from services.runtime.process import die_with_parent, free_port
 
 REDIS_BINARY = "redis-server"
 INSTALL_HINT = ("install it with `apt-get install -y redis-server` (Debian/Ubuntu) "

@@ -16,7 +16,7 @@ from services.api import worker_pb2
 from services.decode.reservations import Reservations
 from services.decode.server import DecodeServicer
 from services.errors import InvalidArgument
-from services.worker import WorkerRuntime
+from services.runtime.worker import WorkerRuntime
 
 
 class UnifiedServicer(DecodeServicer):

@@ -13,10 +13,10 @@ import grpc
 import pytest
 import redis.asyncio as aioredis
 
-from services import process
+from services.runtime import process
 from services.auth import internal_channel
 from services.api import worker_pb2, worker_pb2_grpc
-from services.launcher import Stack, UpOptions
+from services.runtime.launcher import Stack, UpOptions
 from services.state.registry import WorkerInfo, WorkerRegistry
 
 WORKER_ARGS = ["--num-threads", "1", "--kv-cache-gib", "0.25", "--heartbeat-s", "0.5"]

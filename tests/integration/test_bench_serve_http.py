@@ -10,7 +10,7 @@ import json
 import httpx
 import pytest
 
-from services.launcher import Stack, UpOptions
+from services.runtime.launcher import Stack, UpOptions
 from tests.integration.conftest import WORKER_ARGS, free_port, running
 from tests.integration.test_bench_serve import (
     assert_counts_equal_the_servers, assert_every_field_and_all_completed,

@@ -25,7 +25,7 @@ import grpc
 import pytest
 
 from services.api import gateway_pb2, gateway_pb2_grpc
-from services.launcher import Stack, UpOptions
+from services.runtime.launcher import Stack, UpOptions
 from tests.integration.conftest import (WORKER_ARGS, free_port, registered_workers, running,
                                         wait_until, worker_loads)
 

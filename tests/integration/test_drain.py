@@ -1,5 +1,5 @@
 """Rolling restarts on a real stack (issue 14): SIGTERM drains a worker or a gateway
-(``services/drain.py``) and no client stream is lost.
+(``services/runtime/drain.py``) and no client stream is lost.
 
 - a decode worker with 8 greedy streams running: the streams still running at its (short)
   drain deadline migrate to the other decode worker; every stream equals transformers' greedy
@@ -30,7 +30,7 @@ import grpc
 import pytest
 
 from services.api import gateway_pb2, gateway_pb2_grpc
-from services.launcher import Stack, UpOptions
+from services.runtime.launcher import Stack, UpOptions
 from services.state.redis_server import start_redis_server
 from tests.integration.conftest import (
     WORKER_ARGS, assert_all_blocks_freed, free_port, registered_workers, running, wait_until,

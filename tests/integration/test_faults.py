@@ -26,7 +26,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.auth import internal_channel
 from services.api import gateway_pb2, gateway_pb2_grpc, worker_pb2, worker_pb2_grpc
-from services.launcher import Stack, UpOptions
+from services.runtime.launcher import Stack, UpOptions
 from services.state.redis_server import RedisServer, start_redis_server
 from services.state.registry import WorkerInfo, WorkerRegistry
 from tests.integration import conftest as common

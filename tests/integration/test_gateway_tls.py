@@ -19,8 +19,8 @@ from services.auth import InternalTls, internal_channel
 from services.engine.model_files import default_model_path
 from services.gateway.app import GatewayOptions
 from services.gateway.tls import POLL_S, TlsFiles
-from services.launcher import Stack, UpOptions
-from services.settings_sources import load_settings
+from services.runtime.launcher import Stack, UpOptions
+from services.config.sources import load_settings
 from tests.integration.conftest import (
     WORKER_ARGS, GatewayThread, free_port, registered_workers, wait_until, worker_stub)
 from tests.integration.tls_certs import make_ca, make_leaf

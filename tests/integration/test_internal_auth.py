@@ -20,7 +20,7 @@ from services.api import gateway_pb2, gateway_pb2_grpc, worker_pb2, worker_pb2_g
 from services.auth import internal_channel
 from services.kv_transfer import KVTransferError, create_transport
 from services.kv_transfer.grants import new_token
-from services.launcher import Stack, UpOptions
+from services.runtime.launcher import Stack, UpOptions
 from services.state.registry import WorkerInfo, WorkerRegistry
 from tests.integration.conftest import WORKER_ARGS, free_port, running
 from tests.reference import CHAT_PROMPTS, chat_prompt_ids

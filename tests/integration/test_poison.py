@@ -18,7 +18,7 @@ import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.api import worker_pb2, worker_pb2_grpc
-from services.serve import EXIT_ENGINE_DIED
+from services.runtime.serve import EXIT_ENGINE_DIED
 from tests.integration.conftest import free_port
 from tests.reference import CHAT_PROMPTS, NUM_TOKENS, chat_prompt_ids, hf_greedy_outputs
 
@@ -55,7 +55,7 @@ class Worker:
 def start_worker(redis_url: str, worker_id: str, heartbeat_s: float) -> Worker:
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "serve", "decode", "--redis-url", redis_url,
+        [sys.executable, "-m", "services.runtime.cli", "serve", "decode", "--redis-url", redis_url,
          "--port", str(port), "--worker-id", worker_id, "--heartbeat-s", str(heartbeat_s),
          "--num-threads", "1", "--kv-cache-gib", "0.25"],
         env={**os.environ, "TANDEM_TEST_FAULT_INJECTION": "1"})

@@ -15,7 +15,7 @@ What a pod has that this machine does not is mapped, each mapping named where it
 - Service DNS names (``tandem-redis:6379``) -> 127.0.0.1 and the selected pod's local port;
 - mounted ConfigMap/Secret files -> files in a temp dir with the same keys (Secret values are
   test values); emptyDirs -> temp dirs; mount paths in args and env rewritten to them;
-- the image's ENTRYPOINT ``tandem`` -> ``python -m services.cli`` of this checkout (the
+- the image's ENTRYPOINT ``tandem`` -> ``python -m services.runtime.cli`` of this checkout (the
   console script points elsewhere); ``redis:7.4-alpine``'s ``redis-server`` -> this machine's;
 - threads: the manifests request 2-4 CPUs per worker; this shared 2-core machine cannot give
   them, so TANDEM_NUM_THREADS / OMP_NUM_THREADS are capped at 1;
@@ -44,7 +44,7 @@ import pytest
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.process import die_with_parent
+from services.runtime.process import die_with_parent
 from tests.integration.conftest import free_port
 from tests.reference import CHAT_PROMPTS, hf_greedy_outputs, tokenizer
 
@@ -56,7 +56,7 @@ ROOT = Path(__file__).resolve().parents[2]
 API_KEY = "realise-api-key"  # what a client sends; the Secret holds its SHA-256 (gateway.api_keys_file)
 SECRET_VALUES = {"redis-password": "realise-redis-password", "internal-secret": "realise-internal",
                  "api-keys": hashlib.sha256(API_KEY.encode()).hexdigest()}
-ENTRYPOINT = {"tandem": [sys.executable, "-m", "services.cli"]}  # the image's ENTRYPOINT
+ENTRYPOINT = {"tandem": [sys.executable, "-m", "services.runtime.cli"]}  # the image's ENTRYPOINT
 MAX_THREADS = 1
 CHAT_TOKENS = 8
 

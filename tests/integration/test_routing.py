@@ -23,7 +23,7 @@ import redis
 
 from services.api import gateway_pb2, gateway_pb2_grpc
 from services.engine.kv_events import prompt_block_hashes
-from services.launcher import Stack, UpOptions
+from services.runtime.launcher import Stack, UpOptions
 from services.state.kv_events import stream_key
 from tests.integration.conftest import (WORKER_ARGS, assert_all_blocks_freed, free_port, running,
                                         wait_until)

@@ -16,7 +16,7 @@ import httpx
 import pytest
 import redis.asyncio as aioredis
 
-from services.launcher import Stack, UpOptions
+from services.runtime.launcher import Stack, UpOptions
 from services.state.store import RequestStateStore
 from tests.integration.conftest import WORKER_ARGS, assert_all_blocks_freed, free_port, wait_until
 from tests.reference import CHAT_PROMPTS

@@ -215,7 +215,7 @@ def test_tandem_chat_client(stack):
     import subprocess
     import sys
 
-    proc = subprocess.run([sys.executable, "-m", "services.cli", "chat", "What is the capital of France?",
+    proc = subprocess.run([sys.executable, "-m", "services.runtime.cli", "chat", "What is the capital of France?",
                            "--address", stack.address, "--temperature", "0", "--max-tokens", "12"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr

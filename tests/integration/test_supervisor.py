@@ -3,7 +3,7 @@ decode worker is restarted under the same id while its streams migrate and finis
 uninterrupted ones; a killed Redis is restarted on the same port with the same password and
 serves again; a child that keeps dying stops the stack with a message naming it.
 
-The stack is started as a person starts it (``python -m services.cli up``) and observed from
+The stack is started as a person starts it (``python -m services.runtime.cli up``) and observed from
 outside. Every wait is on a condition with a deadline; nothing asserts how long anything took.
 """
 from __future__ import annotations

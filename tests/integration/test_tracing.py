@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from services.api import gateway_pb2, gateway_pb2_grpc
-from services.launcher import Stack, UpOptions
+from services.runtime.launcher import Stack, UpOptions
 from tests.integration.conftest import WORKER_ARGS, free_port, wait_until
 from tests.integration.otlp_receiver import OTLPReceiver, Span
 

@@ -11,7 +11,7 @@ import grpc
 import pytest
 
 from services.api import gateway_pb2, gateway_pb2_grpc
-from services.launcher import Stack, UpOptions
+from services.runtime.launcher import Stack, UpOptions
 from tests.integration.conftest import (
     WORKER_ARGS, assert_all_blocks_freed, free_port, running, wait_until)
 from tests.integration.test_stack import chat_request, generate

@@ -1,4 +1,4 @@
-"""`tandem up` as a person runs it (``python -m services.cli up``), observed from outside: its
+"""`tandem up` as a person runs it (``python -m services.runtime.cli up``), observed from outside: its
 log, its children (found by the run's settings file on their command line) and its Redis.
 Every wait is on a condition with a deadline."""
 from __future__ import annotations
@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-TANDEM = [sys.executable, "-m", "services.cli"]
+TANDEM = [sys.executable, "-m", "services.runtime.cli"]
 
 
 def env_without_redis_url() -> dict[str, str]:

@@ -173,7 +173,7 @@ def test_worker_start_logs_the_build_each_kernel_uses(tmp_path, monkeypatch, cap
 def test_a_cpu_worker_reports_its_kernels_before_loading_the_engine(monkeypatch, device, reported):
     from types import SimpleNamespace
 
-    from services import serve
+    from services.runtime import serve
     from services.engine import engine as engine_module
 
     calls = []

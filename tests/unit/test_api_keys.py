@@ -157,7 +157,7 @@ def test_http_open_gateway_is_anonymous():
 
 
 def test_api_key_reaches_tandem_up_children_and_is_never_shown(tmp_path):
-    from services.settings_sources import load_settings, show_lines, write_settings_file
+    from services.config.sources import load_settings, show_lines, write_settings_file
 
     loaded = load_settings(environ={"TANDEM_API_KEY": "k-abc-123"})
     assert not any("k-abc-123" in line for line in show_lines(loaded))
@@ -167,8 +167,8 @@ def test_api_key_reaches_tandem_up_children_and_is_never_shown(tmp_path):
 
 
 def test_gateway_options_carry_keys_limits_and_tls(tmp_path):
-    from services.cli import gateway_options
-    from services.settings_sources import load_settings
+    from services.runtime.cli import gateway_options
+    from services.config.sources import load_settings
 
     keys = tmp_path / "api-keys"
     keys.write_text(f"{key_digest('filed')} f\n")
@@ -194,8 +194,8 @@ def test_gateway_options_carry_keys_limits_and_tls(tmp_path):
     ({"TANDEM_API_KEYS_FILE": "/nonexistent/api-keys"}, "gateway.api_keys_file"),
 ])
 def test_incomplete_exposure_settings_name_the_setting(env, setting):
-    from services.cli import gateway_options
-    from services.settings_sources import load_settings
+    from services.runtime.cli import gateway_options
+    from services.config.sources import load_settings
 
     s = load_settings(environ={"REDIS_URL": "redis://h:1/0", **env}).settings
     with pytest.raises(ValueError, match=f"^{setting}:"):

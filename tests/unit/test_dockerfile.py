@@ -266,12 +266,12 @@ def test_the_wheel_carries_every_file_the_packages_use(tmp_path):
     assert tracked and not [f for f in tracked if f not in names]
     entry_points = zipfile.ZipFile(wheel).read(next(n for n in names
                                                     if n.endswith("entry_points.txt"))).decode()
-    assert "tandem = services.cli:main" in entry_points
+    assert "tandem = services.runtime.cli:main" in entry_points
 
 
 def tandem_commands() -> set[str]:
     """The subcommands ``tandem --help`` lists."""
-    out = subprocess.run([sys.executable, "-m", "services.cli", "--help"], cwd=ROOT,
+    out = subprocess.run([sys.executable, "-m", "services.runtime.cli", "--help"], cwd=ROOT,
                          capture_output=True, text=True, check=True, timeout=120).stdout
     return set(re.search(r"\{([a-z,]+)\}", out).group(1).split(","))
 
@@ -297,8 +297,8 @@ def image_invocations(stages: dict[str, Stage]) -> list[tuple[str, list[str]]]:
 def test_the_image_entry_points_are_tandem_help_commands(dockerfile):
     _, stages = dockerfile
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
-    assert scripts == {"tandem": "services.cli:main"}  # the ENTRYPOINT's program
-    from services.cli import build_parser
+    assert scripts == {"tandem": "services.runtime.cli:main"}  # the ENTRYPOINT's program
+    from services.runtime.cli import build_parser
 
     commands = tandem_commands()
     assert {"up", "serve", "config", "bench"} <= commands

@@ -1,4 +1,4 @@
-"""services/drain.py's decisions on fakes (no processes, no sleeping on a clock): when a worker
+"""services/runtime/drain.py's decisions on fakes (no processes, no sleeping on a clock): when a worker
 hands back what it holds, what the gateway's readiness reports while draining, and that the
 supervisor leaves a child that exited 0 (it drained on request) stopped. The real thing, with
 processes and signals: tests/integration/test_drain.py."""
@@ -9,9 +9,9 @@ from types import SimpleNamespace
 
 from grpc_health.v1 import health_pb2
 
-from services.drain import drain_gateway, drain_worker, wait_for
+from services.runtime.drain import drain_gateway, drain_worker, wait_for
 from services.gateway.health import ReadinessMonitor
-from services.supervisor import RestartPolicy, Supervisor
+from services.runtime.supervisor import RestartPolicy, Supervisor
 from tests.unit.test_supervisor_policy import Clock, FakeUnit
 
 

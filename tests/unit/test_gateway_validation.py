@@ -114,10 +114,10 @@ def test_message_count_is_bounded():
 
 # -- imports -----------------------------------------------------------------------------------
 def test_gateway_imports_no_torch_engine_kernels_or_worker_runtime():
-    code = ("import sys, services.gateway.app, services.serve, services.client; "
+    code = ("import sys, services.gateway.app, services.runtime.serve, services.runtime.client; "
             "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.') or "
             "m.startswith('kernels') or m in ('services.engine.model', 'services.engine.engine', "
-            "'services.engine.model_runner', 'services.engine.scheduler', 'services.worker', "
+            "'services.engine.model_runner', 'services.engine.scheduler', 'services.runtime.worker', "
             "'services.kv_transfer')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr

@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("services", "kernels", "loadtest")
 
 # the gateway needs the tokenizer, the chat template and the text side of sampling, never these
-GATEWAY_FORBIDDEN = ("torch", "kernels", "services.worker", "services.engine.engine",
+GATEWAY_FORBIDDEN = ("torch", "kernels", "services.runtime.worker", "services.engine.engine",
                      "services.engine.model", "services.engine.model_runner",
                      "services.engine.scheduler", "services.engine.engine_loop",
                      "services.engine.loader", "services.engine.quantized",
@@ -145,5 +145,5 @@ def test_kernels_import_nothing_of_services_and_the_engine_no_service():
         if module.startswith("services.engine"):
             bad = [d for d in deps if d.split(".")[0] in ("grpc", "redis") or d.startswith(
                 ("services.gateway", "services.decode", "services.prefill", "services.state",
-                 "services.kv_transfer", "services.worker", "services.rpc"))]
+                 "services.kv_transfer", "services.runtime.worker", "services.rpc"))]
             assert not bad, f"{module} imports {bad}"

@@ -1,4 +1,4 @@
-"""k8s/ and the drain deadlines agree (services/drain.py): every role's pod, with the config file
+"""k8s/ and the drain deadlines agree (services/runtime/drain.py): every role's pod, with the config file
 and environment it gets, finishes its drain before Kubernetes' SIGKILL at the end of
 ``terminationGracePeriodSeconds``.
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from services.settings_sources import load_settings
+from services.config.sources import load_settings
 from tests.unit.test_k8s_manifests import (  # noqa: F401  (rendered: the shared fixture)
     OVERLAYS, config_of, pod_environ, pod_spec, rendered, role, tandem_workloads)
 

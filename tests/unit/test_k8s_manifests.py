@@ -523,7 +523,7 @@ def pod_environ(container: dict, pod_name: str) -> dict[str, str]:
 
 @pytest.mark.parametrize("target", ["cpu", "gpu"])
 def test_config_file_and_env_load_into_the_settings_tree(rendered, target, tmp_path):
-    sources = pytest.importorskip("services.settings_sources",
+    sources = pytest.importorskip("services.config.sources",
                                   reason="the pydantic-settings tree (issue 11) is not in this tree")
     objs = rendered[target]
     for o in tandem_workloads(objs):

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 import stat
 
-from services.launcher import Stack, UpOptions
-from services.settings_sources import load_settings
+from services.runtime.launcher import Stack, UpOptions
+from services.config.sources import load_settings
 
 
 def make_stack(monkeypatch, **opts) -> Stack:
@@ -59,7 +59,7 @@ def test_secret_is_new_per_run_unless_one_is_given(monkeypatch):
 def test_each_gpu_worker_gets_its_device_and_memory_share(monkeypatch):
     """`tandem up` on GPUs: CUDA_VISIBLE_DEVICES and --gpu-memory-utilization per worker, the
     rest of the environment shared; a worker's settings parse with that share."""
-    from services import launcher
+    from services.runtime import launcher
 
     started = []
     class Exited:
@@ -84,7 +84,7 @@ def test_each_gpu_worker_gets_its_device_and_memory_share(monkeypatch):
         assert "CUDA_VISIBLE_DEVICES" not in stack.child_env
         i = dargv.index("--gpu-memory-utilization")
         assert dargv[i + 1] == "0.4500" and "--worker-id" in dargv
-        from services import cli
+        from services.runtime import cli
 
         child = cli._load(cli.build_parser().parse_args(dargv[dargv.index("serve"):]))
         assert child.settings.engine.gpu_memory_utilization == 0.45

@@ -1,13 +1,13 @@
-"""`tandem up`'s layout (services/layout.py): the auto rule by usable cores, explicit settings
+"""`tandem up`'s layout (services/runtime/layout.py): the auto rule by usable cores, explicit settings
 winning over it, contradictions failing naming the setting, and the CLI's --unified."""
 from __future__ import annotations
 
 import pytest
 
-from services import cli
-from services.layout import WorkerLayout, choose_layout
-from services.settings import UpSection
-from services.settings_sources import SettingsError, leaves
+from services.runtime import cli
+from services.runtime.layout import WorkerLayout, choose_layout
+from services.config.settings import UpSection
+from services.config.sources import SettingsError, leaves
 
 
 def layout(cores: int, num_threads: int | None = None, **up) -> WorkerLayout:
@@ -110,13 +110,13 @@ def test_serve_has_no_up_flags():
     ("0,-1,2", ["0"]), ("GPU-8c2f,MIG-1a", ["GPU-8c2f", "MIG-1a"]), ("0,,1", ["0"]),
 ])
 def test_visible_gpus_reads_cuda_visible_devices_as_the_runtime_does(listed, expected):
-    from services.layout import visible_gpus
+    from services.runtime.layout import visible_gpus
 
     assert visible_gpus({"CUDA_VISIBLE_DEVICES": listed}) == expected
 
 
 def test_visible_gpus_without_the_variable_counts_the_driver_s_gpus(monkeypatch):
-    from services import layout as mod
+    from services.runtime import layout as mod
 
     monkeypatch.setattr(mod.os, "listdir", lambda path: ["0000:18:00.0", "0000:3b:00.0"]
                         if path == "/proc/driver/nvidia/gpus" else [])
@@ -129,7 +129,7 @@ def test_visible_gpus_without_the_variable_counts_the_driver_s_gpus(monkeypatch)
 
 
 def test_auto_on_gpus_is_one_unified_worker_per_gpu_whatever_the_cores():
-    from services.layout import gpu_placement
+    from services.runtime.layout import gpu_placement
 
     one = choose_layout(UpSection(), 16, None, ["0"])
     assert counts(one) == (0, 0, 1) and one.gpus == ("0",) and "1 GPU" in one.reason
@@ -140,7 +140,7 @@ def test_auto_on_gpus_is_one_unified_worker_per_gpu_whatever_the_cores():
 
 
 def test_p_d_on_gpus_places_workers_round_robin_and_splits_the_memory_share():
-    from services.layout import gpu_placement
+    from services.runtime.layout import gpu_placement
 
     one = choose_layout(UpSection(layout="disaggregated"), 16, None, ["0"])
     assert counts(one) == (1, 1, 0)

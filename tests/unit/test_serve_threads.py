@@ -1,7 +1,7 @@
 """The worker loads its engine on a thread that ends, taking its OpenMP team with it.
 
 A team left idling on another thread makes libgomp count more OpenMP threads than CPUs, and it
-then throttles every barrier's spin for the whole process (``services.serve.on_passing_thread``).
+then throttles every barrier's spin for the whole process (``services.runtime.serve.on_passing_thread``).
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from services.serve import on_passing_thread
+from services.runtime.serve import on_passing_thread
 
 
 def _tasks() -> set[str]:

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from services import cli
+from services.runtime import cli
 from services.engine.engine import EngineConfig
-from services.settings import DType, Quantization, KVFailurePolicy, KVTransportKind, LogLevel, Settings
-from services.settings_sources import (
+from services.config.settings import DType, Quantization, KVFailurePolicy, KVTransportKind, LogLevel, Settings
+from services.config.sources import (
     SettingsError, leaves, load_settings, markdown_table, show_lines, write_settings_file)
 
 README = Path(__file__).resolve().parents[2] / "README.md"
@@ -197,3 +197,9 @@ def test_cli_bench_of_a_missing_module_is_a_clear_error(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "loadtest.sweep", None)  # import raises ModuleNotFoundError
     assert cli.main(["bench", "sweep"]) == 1
     assert "loadtest.sweep is not in this checkout" in capsys.readouterr().err
+
+
+def test_the_queue_policy_setting_names_what_the_scheduler_implements():
+    from services.config.choices import QueuePolicy
+    from services.engine.engine_config import QUEUE_POLICIES
+    assert {p.value for p in QueuePolicy} == set(QUEUE_POLICIES)

@@ -10,7 +10,7 @@ from concurrent import futures
 import grpc
 import pytest
 
-from services.process import spawn
+from services.runtime.process import spawn
 
 
 def _exit_code(child: subprocess.Popen) -> int | None:

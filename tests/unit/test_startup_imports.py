@@ -18,8 +18,8 @@ print(sorted(m for m in {heavy!r} if m in sys.modules))
 HEAVY = ("torch", "numpy", "sympy", "transformers", "gguf")
 
 
-@pytest.mark.parametrize("module", ["services.settings", "services.cli", "services.launcher",
-                                    "services.gateway.app", "services.serve"])
+@pytest.mark.parametrize("module", ["services.config.settings", "services.runtime.cli", "services.runtime.launcher",
+                                    "services.gateway.app", "services.runtime.serve"])
 def test_non_engine_modules_import_no_torch(module):
     out = subprocess.run([sys.executable, "-c", CODE.format(module=module, heavy=HEAVY)],
                          capture_output=True, text=True, check=True)
@@ -29,7 +29,7 @@ def test_non_engine_modules_import_no_torch(module):
 def test_settings_still_build_the_engine_config():
     from services.engine.engine import EngineConfig as ReExported
     from services.engine.engine_config import EngineConfig
-    from services.settings import Settings
+    from services.config.settings import Settings
 
     assert ReExported is EngineConfig
     assert isinstance(Settings().engine.engine_config(), EngineConfig)

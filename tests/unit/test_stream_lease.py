@@ -13,7 +13,7 @@ import pytest
 from services.api import worker_pb2
 from services.decode.server import DecodeServicer
 from services.engine.engine import EngineConfig, LLMEngine
-from services.worker import WorkerOptions, WorkerRuntime
+from services.runtime.worker import WorkerOptions, WorkerRuntime
 
 LEASE_S = 0.6
 NUM_BLOCKS = 64

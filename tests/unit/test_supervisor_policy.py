@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from services.process import Child
-from services.supervisor import CrashLoop, RestartPolicy, Supervisor
+from services.runtime.process import Child
+from services.runtime.supervisor import CrashLoop, RestartPolicy, Supervisor
 
 
 class FakeUnit:

@@ -8,7 +8,7 @@ from services.decode.reservations import MAX_CLOSED_KEPT, Outcome, Reservations
 from services.engine.block_manager import BlockManager
 from services.engine.request import Request, RequestStatus
 from services.engine.sampling_params import SamplingParams
-from services.worker import request_stage
+from services.runtime.worker import request_stage
 
 SP = SamplingParams(temperature=0, max_tokens=4)
 

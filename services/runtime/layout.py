@@ -27,7 +27,7 @@ import os
 from dataclasses import dataclass
 
 from services.engine.cpus import available_cpus
-from services.settings import Layout, UpSection
+from services.config.settings import Layout, UpSection
 
 
 @dataclass(frozen=True)

@@ -9,14 +9,14 @@ from typing import TYPE_CHECKING
 
 from services.api import worker_pb2, worker_pb2_grpc
 from services.auth import warn_if_open
-from services.drain import STOP_GRACE_S, Signals, drain_worker
+from services.runtime.drain import STOP_GRACE_S, Signals, drain_worker
 from services.rpc import bind, create_server, mark_not_serving, mark_serving
 from services.state.redis_server import check_redis
 
 if TYPE_CHECKING:
     from services.engine.engine import EngineConfig
     from services.gateway.app import GatewayOptions
-    from services.worker import WorkerOptions
+    from services.runtime.worker import WorkerOptions
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ def _servicer(runtime):
 
 async def serve_worker(opts: WorkerOptions, num_threads: int) -> None:
     """Load the model, start the engine thread and the gRPC server, heartbeat until signalled,
-    then drain (``services/drain.py``: NOT_SERVING, refuse new requests, leave the registry,
+    then drain (``services/runtime/drain.py``: NOT_SERVING, refuse new requests, leave the registry,
     finish or hand back what runs by ``opts.drain_s``) and return (exit 0).
 
     Health is NOT_SERVING until the engine is loaded, warmed up and heartbeating, and again
@@ -60,7 +60,7 @@ async def serve_worker(opts: WorkerOptions, num_threads: int) -> None:
 
     from services.gateway.model_card import served_model_name
     from services.observability.metrics import MetricsServer, WorkerMetrics
-    from services.worker import WorkerRuntime
+    from services.runtime.worker import WorkerRuntime
 
     torch.set_num_threads(_within_cpu_budget(num_threads))
     warn_if_open(opts.internal_secret, f"{opts.role} worker")
@@ -157,7 +157,7 @@ async def _wait_for_signal_or(signalled: asyncio.Event, event: asyncio.Event) ->
 
 async def serve_gateway(opts: GatewayOptions) -> None:
     """Run the public Gateway (``services.gateway.app``) until signalled, then drain it
-    (``services.drain.drain_gateway``; a second signal cuts the drain short).
+    (``services.runtime.drain.drain_gateway``; a second signal cuts the drain short).
     ``opts.internal_secret`` (if any) is sent on every call to a worker."""
     from services.gateway.app import run_gateway
 

@@ -1,6 +1,6 @@
 """``tandem``: run the stack (``up``), one service (``serve``), a client (``chat``), the engine
 in-process (``generate``), a benchmark (``bench MODE``) or print the effective configuration
-(``config show``). Every setting is one leaf of ``services/settings.py``'s tree, read from its
+(``config show``). Every setting is one leaf of ``services/config/settings.py``'s tree, read from its
 flag, its ``TANDEM_*`` environment variable or a config file (``--config``), in that order."""
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import sys
 import grpc
 
 from services.observability.logs import configure_logging
-from services.settings_sources import (
+from services.config.sources import (
     FLAG_PREFIX, LoadedSettings, SettingsError, add_setting_flags, flag_values, load_settings,
     markdown_table, show_lines)
 
@@ -138,7 +138,7 @@ def cmd_serve(args, loaded: LoadedSettings) -> int:
     import uvloop
 
     from services.observability import tracing
-    from services.serve import serve_gateway, serve_worker
+    from services.runtime.serve import serve_gateway, serve_worker
 
     s = loaded.settings
     if not s.state.redis_url:
@@ -184,7 +184,7 @@ def exposure_options(s) -> dict:
 def worker_options(s, role: str):
     """The settings tree -> one worker's ``WorkerOptions``."""
     from services.auth import InternalTls
-    from services.worker import WorkerOptions
+    from services.runtime.worker import WorkerOptions
 
     w, t = s.worker, s.transport
     return WorkerOptions(
@@ -202,10 +202,10 @@ def worker_options(s, role: str):
 
 
 def cmd_up(args, loaded: LoadedSettings) -> int:
-    from services.client import print_chat
-    from services.launcher import Stack, UpOptions, run_until_interrupted
+    from services.runtime.client import print_chat
+    from services.runtime.launcher import Stack, UpOptions, run_until_interrupted
 
-    from services.layout import gpu_placement
+    from services.runtime.layout import gpu_placement
 
     s = loaded.settings
     layout = up_layout(loaded)
@@ -238,9 +238,9 @@ def _api_key(s) -> str | None:
 
 
 def up_layout(loaded: LoadedSettings):
-    """The workers `tandem up` starts (``services.layout``), logged with why."""
-    from services.layout import choose_layout, usable_cores, visible_gpus
-    from services.settings import Device
+    """The workers `tandem up` starts (``services.runtime.layout``), logged with why."""
+    from services.runtime.layout import choose_layout, usable_cores, visible_gpus
+    from services.config.settings import Device
 
     s = loaded.settings
     explicit = loaded.source("worker.num_threads") != "default"
@@ -252,7 +252,7 @@ def up_layout(loaded: LoadedSettings):
 
 
 def cmd_chat(args, loaded: LoadedSettings) -> int:
-    from services.client import chat_repl, print_chat
+    from services.runtime.client import chat_repl, print_chat
 
     s = loaded.settings
     address = args.address or f"{s.host}:{s.gateway.port}"

@@ -2,7 +2,7 @@
 
 Each leaf has one default (written here, or in ``EngineConfig`` for the engine's own knobs), one
 environment variable (``TANDEM_<NAME>`` unless it says otherwise) and, where a person sets it on
-the command line, one flag. ``services/settings_sources.py`` reads flags, environment variables
+the command line, one flag. ``services/config/sources.py`` reads flags, environment variables
 and a YAML/TOML/JSON config file (``--config``, what a Kubernetes ConfigMap mounts) into this
 tree, remembering where each value came from. Library code never reads ``os.environ`` itself and
 holds no literal host or port; it receives these values as constructor arguments.
@@ -16,7 +16,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from services.auth import read_internal_secret
 from services.engine.engine_config import EngineConfig
-from services.settings_choices import (  # noqa: F401 - re-exported: callers name them from here
+from services.config.choices import (  # noqa: F401 - re-exported: callers name them from here
     Device, DType, KVFailurePolicy, KVTransportKind, Layout, LogFormat, LogLevel, Quantization,
     QueuePolicy, Routing)
 
@@ -255,7 +255,7 @@ class SupervisorSection(BaseModel):
 
 
 class UpSection(BaseModel):
-    """`tandem up`'s local layout (services/layout.py); unset counts: the layout's."""
+    """`tandem up`'s local layout (services/runtime/layout.py); unset counts: the layout's."""
     model_config = _SECTION
     layout: Layout = setting(
         Layout.auto, help="workers to start: auto (unified on machines with at most "
@@ -269,7 +269,7 @@ class UpSection(BaseModel):
 
 
 class Settings(BaseSettings):
-    """The whole configuration; build it with ``services.settings_sources.load_settings``."""
+    """The whole configuration; build it with ``services.config.sources.load_settings``."""
 
     model_config = SettingsConfigDict(extra="forbid", frozen=True)
 

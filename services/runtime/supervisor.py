@@ -7,7 +7,7 @@ shorter because a local stack should come back in seconds). Every other process 
 meanwhile: the gateway migrates streams off a dead decode worker and retries prompts of a dead
 prefill worker. A child that has already been restarted ``restart_limit`` times within the
 window is in a crash loop: ``check()`` raises ``CrashLoop`` naming it, and the caller stops the
-stack. A child that exits 0 was told to stop (SIGTERM: it drained, ``services/drain.py``) and
+stack. A child that exits 0 was told to stop (SIGTERM: it drained, ``services/runtime/drain.py``) and
 is not restarted: only crashes are.
 """
 from __future__ import annotations

@@ -5,7 +5,7 @@ and a Redis client that survives Redis outages.
 Engine death: when the engine thread dies (``EngineLoop.on_fatal``, or found dead by the
 heartbeat), ``engine_died`` fails every open stream with UNAVAILABLE (the gateway migrates or
 retries them), every later engine command with UNAVAILABLE, and sets ``died``: the process then
-leaves the registry and exits non-zero (``services/serve.py``).
+leaves the registry and exits non-zero (``services/runtime/serve.py``).
 """
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ class WorkerOptions:
     max_waiting: int = 256  # requests held outside the running batch; more: RESOURCE_EXHAUSTED
     rpc_timeout_s: float = 600.0  # bound on any wait for the engine thread
     kv_transfer_timeout_s: float = 30.0  # prefill: one KV write (never past the lease)
-    drain_s: float = 30.0  # SIGTERM: seconds running requests may finish (services/drain.py)
+    drain_s: float = 30.0  # SIGTERM: seconds running requests may finish (services/runtime/drain.py)
     fault_injection: bool = False  # TEST ONLY: honour fault tags in request ids (prefill, engine)
     internal_secret: str | None = None  # services.auth: proven on gRPC and KV ports; None: open
     internal_tls: InternalTls | None = None  # services.auth: mutual TLS on the gRPC port; None: off
@@ -70,7 +70,7 @@ class WorkerRuntime:
         self.metrics = None  # its services.observability.metrics.WorkerMetrics, once serving
         self.engine_loop = EngineLoop(engine, self._on_outputs, self._on_fatal)
         self.died = asyncio.Event()  # set once the engine has died (see the module docstring)
-        self.draining = False  # told to stop (services/drain.py): new requests get UNAVAILABLE
+        self.draining = False  # told to stop (services/runtime/drain.py): new requests get UNAVAILABLE
         self.handed_back = False  # drain deadline passed: open streams end with UNAVAILABLE
         self.endpoint = ""
         self.redis = redis_client(options.redis_url)

@@ -1,4 +1,4 @@
-"""The closed choices of the settings tree (``services/settings.py``): each an enum whose values
+"""The closed choices of the settings tree (``services/config/settings.py``): each an enum whose values
 are what a flag, environment variable or config file may say."""
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """``tandem up``: one gateway, N prefill and M decode workers (or K unified ones), and (without REDIS_URL) a
 private redis-server with a random password, all as child processes of this one, supervised:
-a child that dies is restarted (``services/supervisor.py``); Ctrl-C drains them all
+a child that dies is restarted (``services/runtime/supervisor.py``); Ctrl-C drains them all
 (``Stack.stop``: gateways first, then the workers; a second Ctrl-C hurries them).
 
 Every child reads the same settings object, written once per run as a JSON file readable by
@@ -31,12 +31,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pydantic import SecretStr
 
 from services.observability.scrape import write_scrape_config
-from services.process import Child, free_port, listening, spawn, terminate
-from services.settings import Settings
-from services.settings_sources import leaves, load_settings, write_settings_file
+from services.runtime.process import Child, free_port, listening, spawn, terminate
+from services.config.settings import Settings
+from services.config.sources import leaves, load_settings, write_settings_file
 from services.state.redis_server import RedisServer, check_redis, start_redis_server
 from services.state.registry import WorkerRegistry
-from services.supervisor import RestartPolicy, Supervisor, Unit
+from services.runtime.supervisor import RestartPolicy, Supervisor, Unit
 
 log = logging.getLogger(__name__)
 
@@ -181,7 +181,7 @@ class Stack:
         return port
 
     def _serve(self, role: str) -> list[str]:
-        return [sys.executable, "-m", "services.cli", "serve", role,
+        return [sys.executable, "-m", "services.runtime.cli", "serve", role,
                 "--config", str(self.settings_file)]
 
     def _add(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
@@ -254,7 +254,7 @@ class Stack:
         return resp.status == health_pb2.HealthCheckResponse.SERVING
 
     def stop(self, timeout_s: float | None = None) -> None:
-        """Drain and end every child (``services/drain.py``): SIGTERM the gateways and wait
+        """Drain and end every child (``services/runtime/drain.py``): SIGTERM the gateways and wait
         until they have drained (open streams finished: the workers still serve them), then
         SIGTERM the workers; each group is killed once it outlives its bound (``timeout_s``,
         default: the settings' drain deadlines plus the KV lease). Then Redis."""

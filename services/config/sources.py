@@ -1,6 +1,6 @@
 """Where settings come from: flags > ``TANDEM_*`` environment variables > config file > defaults.
 
-``load_settings()`` reads each source into the tree of ``services/settings.py`` and remembers,
+``load_settings()`` reads each source into the tree of ``services/config/settings.py`` and remembers,
 per leaf, where its value came from, so a bad value fails at start-up naming the setting and
 its source (``gateway.port: Input should be a valid integer (got 'x' from env TANDEM_PORT)``)
 and ``tandem config show`` prints every effective value beside its source. The config file is
@@ -23,10 +23,9 @@ import yaml
 from pydantic import ValidationError
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
-from pydantic_settings import PydanticBaseSettingsSource
 
+from services.config.settings import ENGINE_HELP, ENGINE_NAMES, SECTIONS, Settings
 from services.state.redis_server import redact_url
-from services.settings import ENGINE_HELP, ENGINE_NAMES, SECTIONS, Settings
 
 SECRET_LEAVES = {"transport.internal_secret", "gateway.api_key"}
 URL_LEAVES = {"state.redis_url"}
@@ -75,54 +74,34 @@ def _leaf(path: str, field: FieldInfo) -> Leaf:
 
 
 # -- sources ---------------------------------------------------------------------------------
-class EnvSource(PydanticBaseSettingsSource):
-    """Each leaf's own environment variable (an empty value counts as unset)."""
-
-    def __init__(self, settings_cls, environ: Mapping[str, str]) -> None:
-        super().__init__(settings_cls)
-        self.environ = environ
-
-    def get_field_value(self, field, field_name):  # not used: __call__ reads leaves directly
-        return None, field_name, False
-
-    def values(self) -> dict[str, tuple[Any, str]]:
-        return {leaf.path: (self.environ[leaf.env], f"env {leaf.env}") for leaf in leaves()
-                if self.environ.get(leaf.env)}
-
-    def __call__(self) -> dict[str, Any]:
-        return _nest({k: v for k, (v, _) in self.values().items()})
+def env_values(environ: Mapping[str, str]) -> dict[str, tuple[Any, str]]:
+    """Each leaf's own environment variable (an empty value counts as unset): dotted path ->
+    (value, source text)."""
+    return {leaf.path: (environ[leaf.env], f"env {leaf.env}") for leaf in leaves()
+            if environ.get(leaf.env)}
 
 
-class FileSource(PydanticBaseSettingsSource):
-    """A YAML, TOML or JSON config file nested by section; each value's source names its line."""
-
-    def __init__(self, settings_cls, path: str | Path) -> None:
-        super().__init__(settings_cls)
-        self.path = Path(path)
-
-    def get_field_value(self, field, field_name):
-        return None, field_name, False
-
-    def values(self) -> dict[str, tuple[Any, str]]:
-        try:
-            text = self.path.read_text()
-        except OSError as exc:
-            raise SettingsError(f"--config: cannot read {self.path}: {exc.strerror}") from exc
-        try:
-            data, lines = _parse(self.path.suffix.lower(), text)
-        except (yaml.YAMLError, tomllib.TOMLDecodeError, json.JSONDecodeError) as exc:
-            raise SettingsError(f"--config: {self.path} is not valid: {exc}") from exc
-        known = {leaf.path for leaf in leaves()}
-        out = {}
-        for path, value in _flatten(data or {}).items():
-            where = f"file {self.path}" + (f" line {lines[path]}" if path in lines else "")
-            if path not in known:
-                raise SettingsError(f"{path}: unknown setting (from {where})")
-            out[path] = (value, where)
-        return out
-
-    def __call__(self) -> dict[str, Any]:
-        return _nest({k: v for k, (v, _) in self.values().items()})
+def file_values(path: str | Path) -> dict[str, tuple[Any, str]]:
+    """A YAML, TOML or JSON config file nested by section: dotted path -> (value, source text
+    naming the file and line). Raises SettingsError for an unreadable or invalid file or an
+    unknown setting."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise SettingsError(f"--config: cannot read {path}: {exc.strerror}") from exc
+    try:
+        data, lines = _parse(path.suffix.lower(), text)
+    except (yaml.YAMLError, tomllib.TOMLDecodeError, json.JSONDecodeError) as exc:
+        raise SettingsError(f"--config: {path} is not valid: {exc}") from exc
+    known = {leaf.path for leaf in leaves()}
+    out = {}
+    for key, value in _flatten(data or {}).items():
+        where = f"file {path}" + (f" line {lines[key]}" if key in lines else "")
+        if key not in known:
+            raise SettingsError(f"{key}: unknown setting (from {where})")
+        out[key] = (value, where)
+    return out
 
 
 def _parse(suffix: str, text: str) -> tuple[dict, dict[str, int]]:
@@ -236,8 +215,8 @@ def load_settings(flags: Mapping[str, tuple[Any, str]] | None = None,
     environ = os.environ if environ is None else environ
     merged: dict[str, tuple[Any, str]] = {}
     if config_file:
-        merged.update(FileSource(Settings, config_file).values())
-    merged.update(EnvSource(Settings, environ).values())
+        merged.update(file_values(config_file))
+    merged.update(env_values(environ))
     merged.update(flags or {})
     try:
         settings = Settings(**_nest({k: v for k, (v, _) in merged.items()}))
