@@ -2,7 +2,8 @@
 
 ``load_settings()`` reads each source into the tree of ``services/config/settings.py`` and remembers,
 per leaf, where its value came from, so a bad value fails at start-up naming the setting and
-its source (``gateway.port: Input should be a valid integer (got 'x' from env TANDEM_PORT)``)
+its source (``gateway.port: Input should be a valid integer, unable to parse string as an
+integer (got 'x' from env TANDEM_PORT)``)
 and ``tandem config show`` prints every effective value beside its source. The config file is
 YAML (``.yaml``/``.yml``), TOML (``.toml``) or JSON (``.json``; what ``tandem up`` hands its
 children), nested by section: ``gateway: {port: 50051}``.

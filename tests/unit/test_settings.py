@@ -203,3 +203,17 @@ def test_the_queue_policy_setting_names_what_the_scheduler_implements():
     from services.config.choices import QueuePolicy
     from services.engine.engine_config import QUEUE_POLICIES
     assert {p.value for p in QueuePolicy} == set(QUEUE_POLICIES)
+
+
+def test_readme_settings_error_is_what_a_bad_value_prints():
+    """README.md quotes the error a bad TANDEM_PORT gets; it must be the error printed."""
+    import re
+    from pathlib import Path
+
+    from services.config.sources import SettingsError, load_settings
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    quoted = re.search(r"\(`(gateway\.port: [^`]+from env TANDEM_PORT\))`\)", readme)
+    assert quoted, "README.md lost its quoted settings error"
+    with pytest.raises(SettingsError) as err:
+        load_settings(environ={"TANDEM_PORT": "x"})
+    assert " ".join(quoted.group(1).split()) in str(err.value)  # README wraps its lines
