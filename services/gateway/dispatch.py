@@ -264,35 +264,38 @@ class Dispatcher:
             if att.first.finish_reason:
                 return
         while True:
-            if read is None:
-                read = job.track(asyncio.ensure_future(att.call.read()))
-            done, _ = await asyncio.wait({read} if prefill is None else {read, prefill},
-                                         return_when=asyncio.FIRST_COMPLETED)
-            if prefill in done:
-                _check_prefill(prefill, got_tokens, job)
-                prefilled = prefill.result() if prefill.exception() is None else None
-                prefill = None
-            if read in done:
-                msg = _decode_message(att.decode, read)
-                read = None
-                if not got_tokens and _wants_prompt_logprobs(job, msg):
-                    if prefill is not None:  # NOTE: it answers right after the KV landed
-                        await asyncio.wait({prefill})
-                        _check_prefill(prefill, False, job)
-                        prefilled = prefill.result() if prefill.exception() is None else None
-                        prefill = None
-                    if prefilled is not None:
-                        msg.prompt_logprobs.extend(prefilled.prompt_logprobs)
-                got_tokens = True
-                att.ticket.prefilled()
-                if msg.kv_recomputed:  # the decode worker computed the prompt itself
-                    kind, _, why = msg.kv_recomputed.partition(": ")
-                    if kind == "expired":  # (a failed transfer is an event already: _prefill)
-                        job.trace.event("kv_lease_expired", reason=why)
-                    job.trace.event("recompute", reason=why)
-                yield msg
-                if msg.finish_reason:
-                    return
+            if prefill is None and read is None:  # only the stream to watch: read it in place
+                msg = await _read_message(att.decode, att.call)  # (no task, no wait per token)
+            else:
+                if read is None:
+                    read = job.track(asyncio.ensure_future(_read_message(att.decode, att.call)))
+                done, _ = await asyncio.wait({read} if prefill is None else {read, prefill},
+                                             return_when=asyncio.FIRST_COMPLETED)
+                if prefill in done:
+                    _check_prefill(prefill, got_tokens, job)
+                    prefilled = prefill.result() if prefill.exception() is None else None
+                    prefill = None
+                if read not in done:
+                    continue
+                msg, read = read.result(), None
+            if not got_tokens and _wants_prompt_logprobs(job, msg):
+                if prefill is not None:  # NOTE: it answers right after the KV landed
+                    await asyncio.wait({prefill})
+                    _check_prefill(prefill, False, job)
+                    prefilled = prefill.result() if prefill.exception() is None else None
+                    prefill = None
+                if prefilled is not None:
+                    msg.prompt_logprobs.extend(prefilled.prompt_logprobs)
+            got_tokens = True
+            att.ticket.prefilled()
+            if msg.kv_recomputed:  # the decode worker computed the prompt itself
+                kind, _, why = msg.kv_recomputed.partition(": ")
+                if kind == "expired":  # (a failed transfer is an event already: _prefill)
+                    job.trace.event("kv_lease_expired", reason=why)
+                job.trace.event("recompute", reason=why)
+            yield msg
+            if msg.finish_reason:
+                return
 
     def _release(self, att: _Attempt) -> None:
         """Cancel what the attempt still runs; free a reservation no prefill worker writes to."""
@@ -334,9 +337,11 @@ def _wants_prompt_logprobs(job: Job, first: worker_pb2.DecodeResponse) -> bool:
     return job.params.HasField("prompt_logprobs") and not first.prompt_logprobs and not first.kv_recomputed
 
 
-def _decode_message(worker: WorkerInfo, read: asyncio.Future) -> worker_pb2.DecodeResponse:
+async def _read_message(worker: WorkerInfo, call) -> worker_pb2.DecodeResponse:
+    """The decode stream's next message; a lost worker raises WorkerLost, an error status the
+    gateway's own exception."""
     try:
-        msg = read.result()
+        msg = await call.read()
     except grpc.aio.AioRpcError as exc:
         if exc.code() in LOST:
             raise WorkerLost(worker, f"{exc.code().name}: {exc.details()}") from exc

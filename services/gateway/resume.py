@@ -26,6 +26,8 @@ def only_new(msg: worker_pb2.DecodeResponse, base: int, num_sent: int) -> worker
     if first > num_sent:
         raise RuntimeError(f"token stream gap: next token is #{num_sent}, the worker sent #{first}")
     skip = num_sent - first
+    if not skip and not base:  # the first attempt, nothing resent: the message as it came
+        return msg
     return worker_pb2.DecodeResponse(
         token_ids=msg.token_ids[skip:], finish_reason=msg.finish_reason,
         num_output_tokens=base + msg.num_output_tokens, logprobs=msg.logprobs[skip:],
