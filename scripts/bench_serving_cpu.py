@@ -10,8 +10,9 @@ tokens each (``ignore_eos``), all sent at once under the concurrency cap. Around
 script reads every stack process's CPU seconds from ``/proc`` (user + system, all threads); a
 worker's CPU is split by thread name into the model's (the engine thread and the OpenMP threads
 its kernels start, named ``tandem-engine``) and the serving's (event loop, gRPC, Redis client,
-KV transfer). Then, with the stack stopped, the in-process engine decodes the same batch sizes
-(``scripts.bench_quant.decode_rate``: decode steps only) for the ratio the issue asks for.
+KV transfer). Then, with the stack stopped, the in-process engine runs the same workload at the
+same batch caps (prefill included; output tokens over wall time), the ratio the issue asks for,
+and decode steps alone at that batch (``scripts.bench_quant.decode_rate``) beside it.
 CPU time is steadier than wall time on a shared machine, but compare figures within one run.
 """
 from __future__ import annotations
@@ -101,18 +102,36 @@ def load(args, stack: Stack, concurrency: int, out: Path) -> dict:
             "cpu_ms_per_token": per_token(before, after, tokens_in_window)}
 
 
-def engine_rates(args, batches: list[int]) -> dict[int, float]:
-    """The in-process engine's decode tokens/s at each batch (the stack's worker settings)."""
+def engine_rates(args, batches: list[int]) -> dict[int, dict[str, float]]:
+    """The in-process engine at each batch (the stack's worker settings), two ways: the stack's
+    own workload (``--num-prompts`` random prompts of ``--input-len`` tokens, ``--output-len``
+    output tokens each, at most ``batch`` running: prefill included, as the stack does it;
+    output tokens over wall time) and decode steps alone (``decode_rate``)."""
+    import random
+
     import torch
 
     from scripts.bench_quant import decode_rate
     from services.engine.engine import EngineConfig, LLMEngine
+    from services.engine.sampling_params import SamplingParams
 
     torch.set_num_threads(args.threads)
     extra = dict(a.lstrip("-").replace("-", "_").split("=", 1) for a in args.engine_config)
-    e = LLMEngine(EngineConfig(num_kv_blocks=4096, max_num_seqs=max(batches), **extra))
-    e.warm_up()
-    return {b: decode_rate(e, b, args.output_len)["tok_per_s"] for b in batches}
+    rates = {}
+    for b in batches:
+        e = LLMEngine(EngineConfig(num_kv_blocks=4096, max_num_seqs=b, **extra))
+        e.warm_up()
+        rng = random.Random(0)
+        params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+        t0, tokens = time.perf_counter(), 0
+        for i in range(args.num_prompts):
+            ids = [rng.randrange(17, e.model_config.vocab_size) for _ in range(args.input_len)]
+            e.add_request(e.make_request(f"w{b}-{i}", ids, params))
+        while e.has_work():
+            tokens += sum(len(o.new_token_ids) for o in e.step())
+        rates[b] = {"workload": tokens / (time.perf_counter() - t0),
+                    "decode_only": decode_rate(e, b, args.output_len)["tok_per_s"]}
+    return rates
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -149,11 +168,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"layout {layout.describe()}; {args.api}; CPU ms per output token")
     for r in rows:
         c = r["concurrency"]
-        r["engine_tokens_per_s"] = rates.get(c)
-        r["stack_of_engine"] = r["output_throughput"] / rates[c] if c in rates else None
+        r["engine_tokens_per_s"] = rates.get(c)  # {"workload": ..., "decode_only": ...}
+        r["stack_of_engine"] = (r["output_throughput"] / rates[c]["workload"]) if c in rates else None
         parts = ", ".join(f"{k} {v:.3f}" for k, v in r["cpu_ms_per_token"].items())
-        ratio = f", stack/engine {r['stack_of_engine']:.2f}" if r["stack_of_engine"] else ""
-        print(f"c{c}: {r['output_throughput']:.1f} tok/s{ratio}; {parts}")
+        ratio = (f" (engine in process: {rates[c]['workload']:.1f} on this workload, stack/engine "
+                 f"{r['stack_of_engine']:.2f}; decode steps alone {rates[c]['decode_only']:.1f})"
+                 if c in rates else "")
+        print(f"c{c}: {r['output_throughput']:.1f} tok/s{ratio}; CPU ms/token {parts}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"layout": layout.describe(), "api": args.api,
                                           "cores": cores, "rows": rows}, indent=2))
