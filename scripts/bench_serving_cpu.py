@@ -143,7 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--api", choices=("grpc", "http"), default="grpc")
     p.add_argument("--engine-args", default="--quantization auto --max-num-seqs 64")
-    p.add_argument("--engine-config", nargs="*", default=["--quantization=auto"],
+    p.add_argument("--engine-config", nargs="*", default=["--dtype=auto", "--quantization=auto", "--step-threads=auto",
+                                                          "--queue-policy=srpt"],
                    help="the in-process engine's EngineConfig fields (as the workers')")
     p.add_argument("--skip-engine", action="store_true", help="no in-process comparison")
     p.add_argument("--out", default="bench-results/serving_cpu.json")
