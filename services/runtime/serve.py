@@ -139,7 +139,8 @@ async def on_passing_thread(fn, *args):
     process holds more OpenMP threads than CPUs, libgomp cuts every barrier's spin to 1,000
     iterations (its "throttled" spin count) and puts waiting threads to sleep. Every decode step
     on the engine thread then paid ~150 futex sleeps and wake-ups: 24-28 ms a step on 2 threads
-    of the 2-core machine instead of 9 (docs/benchmarks.md, 2026-11-23 20:00)."""
+    of the 2-core machine instead of 9 (2026-11-23 20:00; the sitting is in git:
+    ``git show d03592e:docs/benchmarks.md``)."""
     loop = asyncio.get_running_loop()
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-load") as once:
         return await loop.run_in_executor(once, functools.partial(fn, *args))
