@@ -17,12 +17,16 @@ import functools
 import json
 import logging
 import time
+from contextlib import aclosing
 
 from services.api import worker_pb2, worker_pb2_grpc
 from services.decode.reservations import Outcome, Reservations
 from services.engine import commands
 from services.engine.outputs import RequestOutput
+from services.engine.request import Request
 from services.engine.sampler import TokenLogprobs
+from services.engine.sampling_params import SamplingParams
+from services.kv_transfer import KVTransport
 from services.kv_transfer.grants import new_token
 from services.observability import tracing
 from services.observability.logs import bind_request
@@ -38,13 +42,18 @@ FAIL = worker_pb2.KV_FAILURE_POLICY_FAIL
 class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
     def __init__(self, runtime: WorkerRuntime) -> None:
         self.rt = runtime
-        self.transport = runtime.create_transport(runtime.options.kv_port)
+        self.transport = self._create_transport()
         self.reservations = Reservations(runtime.release)
         runtime.reservations = self.reservations
         self.GetLoad = runtime.GetLoad
 
+    def _create_transport(self) -> KVTransport | None:
+        """The KV transport prefill workers write this worker's reservations through."""
+        return self.rt.create_transport(self.rt.options.kv_port)
+
     def close(self) -> None:
-        self.transport.close()
+        if self.transport is not None:
+            self.transport.close()
 
     def busy(self) -> bool:
         """Whether a reservation is open (its blocks wait for a KV write or its lease)."""
@@ -77,7 +86,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         note = {"request_id": rid, "status": "not_written", "reason": reason}
         self.rt.loop.call_soon_threadsafe(self.reservations.close, rid, Outcome("not_written", note))
 
-    def _open_reservation(self, rid: str, block_ids: list[int]) -> tuple[bytes, asyncio.Future]:
+    def _grant(self, rid: str, block_ids: list[int]) -> tuple[bytes, asyncio.Future]:
         """Grant one write into ``block_ids`` and start the lease: (write token, outcome)."""
         lease_s, token = self.rt.options.kv_lease_s, new_token()
         self.transport.grant_write(token, block_ids, lease_s,
@@ -89,12 +98,12 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             functools.partial(self.transport.stop_renewals, token))
         return token, outcome
 
-    def _reservation(self, req) -> tuple[worker_pb2.KVReservation, asyncio.Future]:
+    def open_reservation(self, req: Request) -> tuple[worker_pb2.KVReservation, asyncio.Future]:
         """Open the reservation of ``req`` (blocks reserved by the engine): the prefix its
         prefix cache held is pinned, so only the blocks after it are granted to the writer."""
         num_cached = req.num_cached_tokens // self.rt.engine.block_manager.block_size
         writable = list(req.block_table[num_cached:])
-        token, outcome = self._open_reservation(req.request_id, writable)
+        token, outcome = self._grant(req.request_id, writable)
         return worker_pb2.KVReservation(
             worker_id=self.rt.worker_id, transport=self.rt.options.kv_transport,
             transport_metadata=self.transport.metadata(), block_ids=writable,
@@ -102,86 +111,30 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             num_cached_blocks=num_cached), outcome
 
     async def Decode(self, request: worker_pb2.DecodeRequest, context):
-        rid = request.request_id
+        """One request's stream: admit it (``local_prefill``: compute the prompt here; else
+        reserve blocks, send the reservation and wait for the prompt's KV), then one message per
+        batch of outputs until the finishing one. Raises ValueError (INVALID_ARGUMENT) naming a
+        field, ResourceExhausted when too few KV blocks are free, Aborted, Unavailable."""
         params = params_from_proto(request.sampling_params)
-        if rid in self.reservations:
-            raise InvalidArgument("request_id", f"{rid!r} still holds a reservation on this worker")
-        queue = self.rt.open_stream(rid)
-        owned = finished = False  # owned: the engine may hold a request of ours under rid
-        lease = _StreamLease(self.rt, rid, queue, self.rt.options.kv_lease_s)
-        trace = tracing.worker_trace("decode", context, rid, len(request.prompt_token_ids))
-        bind_request(rid, trace)
-        req, recomputed = None, ""
-        prompt = list(request.prompt_token_ids)
-        admit = commands.AddRequest if request.local_prefill else commands.Reserve
+        if request.request_id in self.reservations:
+            raise InvalidArgument("request_id", f"{request.request_id!r} still holds a reservation "
+                                  "on this worker")
+        stream = _DecodeStream(self, request, params, context)
         try:
-            owned = True  # before the await: cancelled after the engine took it, it is freed
-            try:
-                req = await self.rt.call(admit(rid, prompt, params))
-            except ValueError:
-                owned = False  # refused: the engine holds nothing of ours under rid
-                raise
-            if req is None:
-                owned = False
-                raise ResourceExhausted(f"decode worker {self.rt.worker_id}: not enough free KV "
-                                        f"blocks for {len(prompt)} prompt tokens")
-            if not request.local_prefill:
-                reservation, outcome = self._reservation(req)
+            if request.local_prefill:
+                await stream.prefill_here()
+            else:
+                reservation, outcome = await stream.reserve()
                 yield worker_pb2.DecodeResponse(reservation=reservation)
-                kv = await trace.kv_wait(outcome, request.kv_failure_policy != FAIL)
-                await self._start(rid, kv, request.kv_failure_policy, queue)
-                recomputed = "" if kv.kind == "landed" else f"{kv.kind}: {kv.why}"
-            computed_here = request.local_prefill or bool(recomputed)  # else: the prefill worker's
-            async for outs in _batches(queue):
-                for out in outs:
-                    self.rt.check_output(out)  # failed alone, or the engine died: an error
-                last = outs[-1]
-                finished = last.finish_reason is not None
-                yield worker_pb2.DecodeResponse(
-                    token_ids=[t for o in outs for t in o.new_token_ids],
-                    finish_reason=last.finish_reason or "", num_output_tokens=last.num_output_tokens,
-                    logprobs=[logprobs_to_proto(lp) for o in outs for lp in o.logprobs or ()],
-                    kv_recomputed=recomputed,
-                    num_cached_tokens=max(req.num_cached_tokens, 0) if computed_here else 0,
-                    prompt_logprobs=[lp for o in outs for lp in prompt_logprobs_to_proto(o.prompt_logprobs)])
-                recomputed, computed_here = "", False
-                lease.renew()
-                if finished:
-                    return
+                await stream.wait_for_kv(outcome)
+            async with aclosing(stream.messages()) as messages:
+                async for msg in messages:
+                    yield msg
         except BaseException as exc:
-            trace.fail(exc)
+            stream.trace.fail(exc)
             raise
-        finally:  # client gone, abort or error: free what the request holds, unless a KV write
-            trace.end_decode(req)
-            lease.close()
-            self.rt.streams.pop(rid, None)  # may still land in it (quarantined until closed)
-            if owned and not finished and not self.reservations.detach(rid):
-                self.rt.release(rid)
-
-    async def _start(self, rid: str, outcome: Outcome, policy: int,
-                     queue: asyncio.Queue[RequestOutput]) -> None:
-        """The reservation closed: admit the request with its first token, compute the prompt
-        here (policy recompute), or raise Aborted."""
-        if outcome.kind == "landed":
-            note = outcome.note
-            logprobs = TokenLogprobs.from_dict(note["logprobs"]) if note.get("logprobs") else None
-            out = await self.rt.call(commands.FinishRemotePrefill(
-                rid, int(note["first_token_id"]), logprobs))
-            if out is None:
-                raise Aborted(f"request {rid} is no longer waiting for its KV")
-            queue.put_nowait(out)
-            return
-        if outcome.kind == "aborted" and self.rt.handed_back:
-            raise Unavailable(f"decode worker {self.rt.worker_id} is draining: request {rid} "
-                              "handed back before its KV arrived")
-        if outcome.kind in ("unused", "aborted"):
-            raise Aborted(f"request {rid}: {outcome.why}")
-        if policy != FAIL:
-            log.info("request %s: %s; computing the prompt here (kv failure policy: recompute)",
-                     rid, outcome.why)
-            if await self.rt.call(commands.PrefillLocally(rid)):
-                return
-        raise Aborted(f"decode worker {self.rt.worker_id}: {outcome.why} (kv failure policy: fail)")
+        finally:
+            stream.close()
 
     async def Abort(self, request: worker_pb2.WorkerAbortRequest, context):
         """End the request's stream; its blocks are freed once no KV write can land in them
@@ -198,6 +151,120 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         else:
             found = await self.rt.call(commands.Abort(rid))
         return worker_pb2.WorkerAbortResponse(found=found)
+
+
+class _DecodeStream:
+    """One ``Decode`` call's state (as the gateway's ``_Attempt`` is one attempt's): its output
+    queue, lease and trace, and what the engine holds for it. The call reads top to bottom:
+    admission (``prefill_here``, or ``reserve`` then ``wait_for_kv``), ``messages()``, ``close()``.
+    """
+
+    def __init__(self, worker: DecodeServicer, request: worker_pb2.DecodeRequest,
+                 params: SamplingParams, context) -> None:
+        self.worker, self.rt = worker, worker.rt
+        self.rid = request.request_id
+        self.prompt = list(request.prompt_token_ids)
+        self.params = params
+        self.kv_failure_policy = request.kv_failure_policy
+        self.queue = self.rt.open_stream(self.rid)
+        self.lease = _StreamLease(self.rt, self.rid, self.queue, self.rt.options.kv_lease_s)
+        self.trace = tracing.worker_trace("decode", context, self.rid, len(self.prompt))
+        bind_request(self.rid, self.trace)
+        self.req: Request | None = None  # the engine's request, once admitted
+        self.owned = False  # the engine may hold a request of ours under rid
+        self.finished = False  # the message with the finish reason was built
+        self.computed_here = False  # this worker computed the prompt (not a prefill worker)
+        self.kv_recomputed = ""  # why the prompt's KV was computed here after all
+
+    async def _admit(self, command: commands.AddRequest | commands.Reserve) -> None:
+        """Hand the request to the engine. Raises ValueError naming a field, or
+        ResourceExhausted when too few KV blocks are free (the engine then holds nothing)."""
+        self.owned = True  # before the await: cancelled after the engine took it, it is freed
+        try:
+            self.req = await self.rt.call(command)
+        except ValueError:
+            self.owned = False  # refused: the engine holds nothing of ours under rid
+            raise
+        if self.req is None:
+            self.owned = False
+            raise ResourceExhausted(f"decode worker {self.rt.worker_id}: not enough free KV "
+                                    f"blocks for {len(self.prompt)} prompt tokens")
+
+    async def prefill_here(self) -> None:
+        """``local_prefill``: the engine schedules the prompt beside its running batch
+        (chunked prefill); no reservation, no KV write."""
+        await self._admit(commands.AddRequest(self.rid, self.prompt, self.params))
+        self.computed_here = True
+
+    async def reserve(self) -> tuple[worker_pb2.KVReservation, asyncio.Future[Outcome]]:
+        """Reserve blocks for the prompt's KV and grant a prefill worker one write into them:
+        (the reservation to send, its outcome)."""
+        await self._admit(commands.Reserve(self.rid, self.prompt, self.params))
+        return self.worker.open_reservation(self.req)
+
+    async def wait_for_kv(self, outcome: asyncio.Future[Outcome]) -> None:
+        """The reservation closed: admit the request with its first token, or compute the
+        prompt here (policy recompute). Raises Aborted, or Unavailable when draining."""
+        kv = await self.trace.kv_wait(outcome, self.kv_failure_policy != FAIL)
+        await self._start(kv)
+        if kv.kind != "landed":
+            self.kv_recomputed, self.computed_here = f"{kv.kind}: {kv.why}", True
+
+    async def _start(self, outcome: Outcome) -> None:
+        rid = self.rid
+        if outcome.kind == "landed":
+            note = outcome.note
+            logprobs = TokenLogprobs.from_dict(note["logprobs"]) if note.get("logprobs") else None
+            out = await self.rt.call(commands.FinishRemotePrefill(
+                rid, int(note["first_token_id"]), logprobs))
+            if out is None:
+                raise Aborted(f"request {rid} is no longer waiting for its KV")
+            self.queue.put_nowait(out)
+            return
+        if outcome.kind == "aborted" and self.rt.handed_back:
+            raise Unavailable(f"decode worker {self.rt.worker_id} is draining: request {rid} "
+                              "handed back before its KV arrived")
+        if outcome.kind in ("unused", "aborted"):
+            raise Aborted(f"request {rid}: {outcome.why}")
+        if self.kv_failure_policy != FAIL:
+            log.info("request %s: %s; computing the prompt here (kv failure policy: recompute)",
+                     rid, outcome.why)
+            if await self.rt.call(commands.PrefillLocally(rid)):
+                return
+        raise Aborted(f"decode worker {self.rt.worker_id}: {outcome.why} (kv failure policy: fail)")
+
+    async def messages(self):
+        """One DecodeResponse per batch of queued outputs, up to the finishing one; the lease is
+        renewed each time the consumer takes one. Raises what ``check_output`` raises."""
+        async for outs in _batches(self.queue):
+            yield self._message(outs)
+            self.lease.renew()
+            if self.finished:
+                return
+
+    def _message(self, outs: list[RequestOutput]) -> worker_pb2.DecodeResponse:
+        for out in outs:
+            self.rt.check_output(out)  # failed alone, or the engine died: an error
+        last = outs[-1]
+        self.finished = last.finish_reason is not None
+        msg = worker_pb2.DecodeResponse(
+            token_ids=[t for o in outs for t in o.new_token_ids],
+            finish_reason=last.finish_reason or "", num_output_tokens=last.num_output_tokens,
+            logprobs=[logprobs_to_proto(lp) for o in outs for lp in o.logprobs or ()],
+            kv_recomputed=self.kv_recomputed,
+            num_cached_tokens=max(self.req.num_cached_tokens, 0) if self.computed_here else 0,
+            prompt_logprobs=[lp for o in outs for lp in prompt_logprobs_to_proto(o.prompt_logprobs)])
+        self.kv_recomputed, self.computed_here = "", False  # the first message reports them
+        return msg
+
+    def close(self) -> None:
+        """Client gone, abort, error or done: free what the request holds, unless a KV write
+        may still land in it (its reservation stays quarantined until it closes)."""
+        self.trace.end_decode(self.req)
+        self.lease.close()
+        self.rt.streams.pop(self.rid, None)
+        if self.owned and not self.finished and not self.worker.reservations.detach(self.rid):
+            self.rt.release(self.rid)
 
 
 class _StreamLease:

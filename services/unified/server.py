@@ -13,10 +13,8 @@ with few cores, one engine that uses every core for whatever is waiting may stil
 from __future__ import annotations
 
 from services.api import worker_pb2
-from services.decode.reservations import Reservations
 from services.decode.server import DecodeServicer
 from services.errors import InvalidArgument
-from services.runtime.worker import WorkerRuntime
 
 
 class UnifiedServicer(DecodeServicer):
@@ -25,15 +23,9 @@ class UnifiedServicer(DecodeServicer):
     Raises ValueError (INVALID_ARGUMENT) naming ``local_prefill`` on a ``Decode`` without it:
     nothing can write a prompt's KV into a unified worker."""
 
-    def __init__(self, runtime: WorkerRuntime) -> None:  # NOTE: no super().__init__: no transport
-        self.rt = runtime
-        self.transport = None
-        self.reservations = Reservations(runtime.release)  # stays empty: nothing is reserved
-        runtime.reservations = self.reservations
-        self.GetLoad = runtime.GetLoad
-
-    def close(self) -> None:
-        pass
+    def _create_transport(self) -> None:
+        """None: nothing writes a prompt's KV into a unified worker (its reservations stay empty)."""
+        return None
 
     async def Decode(self, request: worker_pb2.DecodeRequest, context):
         if not request.local_prefill:
