@@ -4,14 +4,15 @@ from __future__ import annotations
 import torch
 
 from kernels.kv_layout import KVCacheLayout
-from services.kv_transfer.base import (
-    KVLayoutMismatchError, KVLeaseRefusedError, KVTransferError, KVTransport, NotificationHandler,
-)
+from services.kv_transfer.errors import KVLayoutMismatchError, KVLeaseRefusedError, KVTransferError
+from services.kv_transfer.handoff import EngineKVHooks
+from services.kv_transfer.receiver import NotificationHandler
+from services.kv_transfer.transport import KVTransport
 
 BACKENDS = ("tcp", "nixl")
 
 __all__ = [
-    "BACKENDS", "KVLayoutMismatchError", "KVLeaseRefusedError", "KVTransferError", "KVTransport",
+    "BACKENDS", "EngineKVHooks", "KVLayoutMismatchError", "KVLeaseRefusedError", "KVTransferError", "KVTransport",
     "NotificationHandler", "create_transport",
 ]
 

@@ -32,9 +32,10 @@ from collections.abc import Sequence
 import torch
 
 from kernels.kv_layout import KVCacheLayout
-from services.kv_transfer.base import (
-    KVTransferError, KVTransport, check_layouts_match, invalid_block_ids,
-)
+from services.kv_transfer.block_ids import invalid_block_ids
+from services.kv_transfer.errors import KVTransferError
+from services.kv_transfer.layouts import check_layouts_match
+from services.kv_transfer.transport import KVTransport
 from services.kv_transfer.grants import handshake_proof
 from services.kv_transfer.nixl_agent import (
     NIXL_MISSING, Peer, Waiter, agent_metadata, call_agent, decode_write, descriptor_indices,
@@ -244,7 +245,7 @@ class NixlKVTransport(KVTransport):
         elif kind == _WRITE:
             self._admit(sender, tag, body)
         elif kind == _RENEW:
-            self._answer(sender, tag, self._renew(sender, body))
+            self._answer(sender, tag, self.receiver.renew(sender, body))
         elif kind == _HELLO:
             self._accept(sender, tag, json.loads(body))
         elif kind == _BYE:
@@ -259,7 +260,7 @@ class NixlKVTransport(KVTransport):
                        agent_metadata(hello))
             with self._lock:
                 self._loaded.add(sender)
-        if refusal := self._check_hello(sender, hello.get("layout"), hello.get("proof"), sender,
+        if refusal := self.receiver.check_hello(sender, hello.get("layout"), hello.get("proof"), sender,
                                         self.name):
             self._answer(sender, tag, refusal)
             return
@@ -271,11 +272,11 @@ class NixlKVTransport(KVTransport):
         """A write's notification: its blocks have landed; queue it for the handler if its
         token admits them, else answer the refusal (the blocks are not acted on)."""
         token, remote_ids, notification = decode_write(body)
-        grant, problem = self._admit_write(sender, token, remote_ids)
+        grant, problem = self.receiver.admit_write(sender, token, remote_ids)
         if problem:
             self._answer(sender, tag, {"ok": False, "error": problem})
         else:
-            self._received(len(remote_ids) * 2 * self.layout.num_layers * self.layout.block_bytes)
+            self.receiver.received(len(remote_ids) * 2 * self.layout.num_layers * self.layout.block_bytes)
             self._inbox.put((sender, tag, grant, notification))
 
     def _peer_gone(self, name: str) -> None:
@@ -294,7 +295,7 @@ class NixlKVTransport(KVTransport):
     def _handler_loop(self) -> None:  # the handler of each admitted write, one at a time
         while (item := self._inbox.get()) is not None:
             sender, tag, grant, notification = item
-            self._answer(sender, tag, self._deliver(grant, notification))
+            self._answer(sender, tag, self.receiver.deliver(grant, notification))
 
     def _answer(self, peer: str, tag: bytes, reply: dict) -> None:
         self._call(f"answering {peer}", "send_notif", peer,

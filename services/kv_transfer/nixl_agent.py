@@ -17,7 +17,8 @@ import logging
 import torch
 
 from kernels.kv_layout import KVCacheLayout
-from services.kv_transfer.base import KVTransferError, layout_from_dict, layout_to_dict
+from services.kv_transfer.errors import KVTransferError
+from services.kv_transfer.layouts import layout_from_dict, layout_to_dict
 
 logger = logging.getLogger(__name__)
 

@@ -29,10 +29,9 @@ import uuid
 import torch
 
 from kernels.kv_layout import KVCacheLayout
-from services.kv_transfer.base import (
-    MAX_NOTIFICATION_BYTES, KVTransferError, KVTransport,
-    check_layouts_match, layout_from_dict, layout_to_dict,
-)
+from services.kv_transfer.errors import KVTransferError
+from services.kv_transfer.layouts import check_layouts_match, layout_from_dict, layout_to_dict
+from services.kv_transfer.transport import MAX_NOTIFICATION_BYTES, KVTransport
 from services.kv_transfer.grants import handshake_proof
 from services.kv_transfer.tcp_wire import (
     as_bytes, discard, payload_views, recv_frame, recv_into, recv_payload, remaining, send_frame,
@@ -258,7 +257,7 @@ class TcpKVTransport(KVTransport):
         send_frame(sock, {"op": "challenge", "nonce": ours}, deadline)
         hello = recv_frame(sock, deadline)
         theirs = str(hello.get("nonce"))
-        if refusal := self._check_hello(peer, hello.get("layout"), hello.get("proof"), ours,
+        if refusal := self.receiver.check_hello(peer, hello.get("layout"), hello.get("proof"), ours,
                                         theirs, self.name):
             send_frame(sock, refusal, deadline)
             return False
@@ -272,7 +271,7 @@ class TcpKVTransport(KVTransport):
         deadline = time.monotonic() + min(max(float(header.get("timeout_s", 5.0)), 0.1), 3600.0)
         token = bytes.fromhex(str(header.get("token", "")))
         if header["op"] == "renew":
-            send_frame(sock, self._renew(peer, token), deadline)
+            send_frame(sock, self.receiver.renew(peer, token), deadline)
             return
         ids, notif_len = header["remote_block_ids"], int(header["notif_len"])
         payload_bytes = int(header["payload_bytes"])
@@ -285,7 +284,7 @@ class TcpKVTransport(KVTransport):
         if isinstance(ids, list) and payload_bytes != len(ids) * self._bytes_per_block:
             problem = f"payload of {payload_bytes} bytes does not match {len(ids)} blocks"
         else:
-            grant, problem = self._admit_write(peer, token, ids)
+            grant, problem = self.receiver.admit_write(peer, token, ids)
         if problem:
             discard(sock, payload_bytes, deadline)
             send_frame(sock, {"ok": False, "error": problem}, deadline)
@@ -294,7 +293,7 @@ class TcpKVTransport(KVTransport):
             recv_payload(sock, self.kv_cache, self._cache_bytes(), ids,
                          deadline if grant is None else min(deadline, grant.expires_at))
         except BaseException as exc:
-            self._write_lost(grant, f"the KV write broke off at the receiver ({exc!r})")
+            self.receiver.write_lost(grant, f"the KV write broke off at the receiver ({exc!r})")
             raise
-        self._received(payload_bytes)
-        send_frame(sock, self._deliver(grant, bytes(notification)), deadline)
+        self.receiver.received(payload_bytes)
+        send_frame(sock, self.receiver.deliver(grant, bytes(notification)), deadline)

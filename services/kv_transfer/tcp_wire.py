@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import torch
 
 from kernels.block_copy import gather_blocks, scatter_blocks
-from services.kv_transfer.base import block_runs
+from services.kv_transfer.block_ids import block_runs
 
 _LEN = struct.Struct("!I")
 _MAX_FRAME = 64 << 20  # bytes; a header of a million block ids still fits

@@ -3,6 +3,7 @@ admit a request in one visit (a second visit would wait out another engine step 
 prompt is scheduled), and a refused command holds nothing."""
 from __future__ import annotations
 
+import inspect
 import threading
 
 import pytest
@@ -12,6 +13,7 @@ from services.engine.engine import EngineConfig, LLMEngine
 from services.engine.engine_loop import EngineLoop
 from services.engine.request import RequestStatus
 from services.engine.sampling_params import SamplingParams
+from services.kv_transfer import EngineKVHooks
 from tests.unit.test_engine import weights
 
 ONE_TOKEN = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
@@ -70,3 +72,12 @@ def test_reserve_allocates_the_prompts_blocks_or_nothing(running):
         loop.submit(commands.Reserve("r", [1, 2], ONE_TOKEN)).result(timeout=10)
     assert loop.submit(commands.Abort("r")).result(timeout=10)
     assert engine.block_manager.num_free_blocks == NUM_BLOCKS
+
+
+def test_the_engine_offers_every_kv_handoff_hook_with_its_signature():
+    hooks = sorted(n for n, v in vars(EngineKVHooks).items() if callable(v) and not n.startswith("_"))
+    assert hooks == ["finish_remote_prefill", "make_request", "prefill_locally", "release", "reserve"]
+    for name in hooks:
+        want, got = (inspect.signature(getattr(cls, name)) for cls in (EngineKVHooks, LLMEngine))
+        assert [(p.name, p.kind, p.default) for p in got.parameters.values()] == \
+            [(p.name, p.kind, p.default) for p in want.parameters.values()], name

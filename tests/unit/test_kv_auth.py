@@ -109,7 +109,7 @@ def test_write_after_the_lease_is_refused_and_renewal_cannot_revive_it(backend, 
 
 def test_renewal_extends_the_lease_and_needs_the_token(backend, made):
     sender, receiver, peer, token, notes = granted_pair(backend, made, lease_s=30.0)
-    receiver.grants._grants[token].expires_at = time.monotonic() + 1.0  # nearly over
+    receiver.receiver.grants._grants[token].expires_at = time.monotonic() + 1.0  # nearly over
     assert sender.renew_lease(peer, token, TIMEOUT_S) == 30.0
     assert receiver.lease_left(token) > 20.0
     with pytest.raises(KVTransferError, match="refused the lease renewal"):
@@ -213,4 +213,4 @@ def test_tcp_write_that_breaks_off_mid_payload_is_reported_lost(made):
                    deadline, [memoryview(bytes(payload // 2))])
     wait_until(lambda: lost)
     assert notes == [] and "broke off" in lost[0]
-    assert receiver.grants.admit(token, GRANTED) == (None, "the token was already used")
+    assert receiver.receiver.grants.admit(token, GRANTED) == (None, "the token was already used")

@@ -20,7 +20,7 @@ from services.engine.config import KVCacheLayout
 from services.kv_transfer import (
     KVLayoutMismatchError, KVTransferError, KVTransport, create_transport,
 )
-from services.kv_transfer.base import MAX_NOTIFICATION_BYTES
+from services.kv_transfer.transport import MAX_NOTIFICATION_BYTES
 from tests.unit.nixl_install import require_nixl
 
 BACKENDS = ["tcp", "nixl"]

@@ -2,22 +2,19 @@
 
 A prefill worker (sender) computes a prompt's KV cache into its own paged cache, then writes
 those blocks into blocks a decode worker (receiver) reserved, with a notification; the decode
-worker learns of completion only from that notification and then admits the sequence.
+worker learns of completion only from that notification and then admits the sequence. What the
+two engines do around that write (reserve, finish the remote prefill, hold and release) is
+``handoff.EngineKVHooks``.
 
 The shape follows NIXL's agent model so a NIXL backend fits without changing callers:
 register the whole cache once (``__init__``), publish opaque agent metadata (``metadata``),
 load a peer's metadata (``add_remote``), then one WRITE with a notification per handoff
 (``write_blocks``); the receiver is told by its notification handler, never by polling memory.
-
-The receiver side every backend shares lives here: the handshake's layout and secret checks, the
-admission of a write (block ids in range; with ``require_grants``, a granted single-use token,
-see ``grants.py``), lease renewals, and running the handler under one lock.
+The receiving side every backend shares is ``receiver.KVReceiver``.
 """
 from __future__ import annotations
 
-import logging
 import operator
-import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
@@ -25,22 +22,12 @@ from collections.abc import Callable, Sequence
 import torch
 
 from kernels.kv_layout import KVCacheLayout
-from services.kv_transfer.common import (  # re-exported: what the backends import
-    MAX_NOTIFICATION_BYTES, KVLayoutMismatchError, KVLeaseRefusedError, KVTransferError, block_runs,
-    check_layouts_match, invalid_block_ids, layout_from_dict, layout_to_dict,
-)
-from services.kv_transfer.grants import WriteGrant, WriteGrants, proof_ok
+from services.kv_transfer.block_ids import invalid_block_ids
+from services.kv_transfer.errors import KVLayoutMismatchError, KVLeaseRefusedError, KVTransferError
+from services.kv_transfer.grants import proof_ok
+from services.kv_transfer.receiver import KVReceiver, NotificationHandler
 
-logger = logging.getLogger(__name__)
-
-NotificationHandler = Callable[[bytes], None]
-
-__all__ = [
-    "MAX_NOTIFICATION_BYTES", "KVLayoutMismatchError", "KVLeaseRefusedError", "KVTransferError",
-    "KVTransport",
-    "NotificationHandler", "block_runs", "check_layouts_match", "invalid_block_ids",
-    "layout_from_dict", "layout_to_dict",
-]
+MAX_NOTIFICATION_BYTES = 1 << 20  # largest write_blocks notification, every backend
 
 
 class KVTransport(ABC):
@@ -91,13 +78,9 @@ class KVTransport(ABC):
         self.kv_cache = kv_cache
         self.layout = layout
         self.num_blocks = shape[2]
-        self.secret, self.require_grants = secret, require_grants
-        self.grants = WriteGrants()
-        # receiver: payload bytes of admitted writes that landed in the cache (a counter)
-        self.bytes_received = 0
-        self._received_lock = threading.Lock()
-        self._handler: NotificationHandler | None = None
-        self._handler_lock = threading.Lock()  # NOTE: held while a handler runs: one at a time
+        self.secret = secret
+        self.receiver = KVReceiver(layout, self.num_blocks, secret=secret,
+                                   require_grants=require_grants)
 
     # ---- both sides -------------------------------------------------------------------------
 
@@ -170,7 +153,7 @@ class KVTransport(ABC):
 
     @abstractmethod
     def _send_renewal(self, peer: str, token: bytes, deadline: float) -> dict:
-        """Ask ``peer`` to renew ``token``'s lease; its answer (``_renew`` on the peer)."""
+        """Ask ``peer`` to renew ``token``'s lease; its answer (``KVReceiver.renew`` on the peer)."""
 
     @abstractmethod
     def _write(self, peer: str, local_ids: list[int], remote_ids: list[int],
@@ -178,41 +161,6 @@ class KVTransport(ABC):
         """The backend's ``write_blocks`` after the shared argument checks (ids are ints,
         equal in number, local ones valid, remote ones distinct); ``deadline`` is
         ``time.monotonic()`` at the call plus ``timeout_s``."""
-
-    # ---- receiver side (decode), shared by every backend --------------------------------------
-
-    def set_notification_handler(self, handler: NotificationHandler) -> None:
-        """Call ``handler(notification)`` once per completed write, after all its blocks landed
-        (without ``require_grants``; with it, each grant's own ``on_write`` runs instead).
-
-        Called from a transport thread, one call at a time (calls never overlap); it should be
-        quick (e.g. enqueue for the scheduler) and must not call this transport. If it raises,
-        the sender's ``write_blocks`` raises KVTransferError with its message. Set it before
-        publishing ``metadata()``: writes that arrive with no handler set are refused.
-        """
-        with self._handler_lock:
-            self._handler = handler
-
-    def grant_write(self, token: bytes, block_ids: Sequence[int], lease_s: float,
-                    on_write: NotificationHandler,
-                    on_lost: Callable[[str], None] | None = None) -> None:
-        """Accept one write with ``token`` into exactly ``block_ids`` (or a notification-only
-        write) before the lease of ``lease_s`` seconds ends; the sender may renew it. Then
-        ``on_write(notification)`` runs as a handler does; ``on_lost(reason)`` when an admitted
-        write broke off after it may have touched the blocks. Raises ValueError on bad ids, a
-        short or reused token, a lease that is not positive."""
-        if problem := invalid_block_ids(list(block_ids), self.num_blocks):
-            raise ValueError(f"block_ids: {problem}")
-        self.grants.grant(token, block_ids, lease_s, on_write, on_lost)
-
-    def lease_left(self, token: bytes) -> float:  # see WriteGrants.lease_left
-        return self.grants.lease_left(token)
-
-    def stop_renewals(self, token: bytes) -> None:  # the stream went away: let the lease run out
-        self.grants.stop_renewals(token)
-
-    def revoke(self, token: bytes) -> None:  # the reservation closed: admit no write any more
-        self.grants.close(token)
 
     def _check_welcome(self, peer: str, reply: dict, *proof_parts) -> None:
         """Sender side: the receiver's answer to our handshake. Raises KVLayoutMismatchError
@@ -225,79 +173,39 @@ class KVTransport(ABC):
         if not proof_ok(self.secret, reply.get("proof"), "kv-ack", *proof_parts):
             raise KVTransferError(f"peer {peer} does not prove the internal secret")
 
-    def _check_hello(self, peer: str, layout: object, proof: object, *proof_parts) -> dict | None:
-        """A sender's handshake: None when accepted, else the refusal to send (logged with
-        ``peer``, its address): its layout differs (naming the fields) or it cannot prove the
-        internal secret (HMAC over ``proof_parts``, labelled "kv-hello")."""
-        if not proof_ok(self.secret, proof, "kv-hello", *proof_parts):
-            logger.warning("refused a KV transfer connection from %s: it does not prove the "
-                           "internal secret", peer)
-            return {"ok": False, "error": "internal secret not proven", "fields": []}
-        try:
-            check_layouts_match(self.layout, layout_from_dict(layout), peer)
-        except KVTransferError as exc:
-            logger.warning("refused a KV transfer connection from %s: %s", peer, exc)
-            return {"ok": False, "error": str(exc), "fields": list(getattr(exc, "fields", ()))}
-        return None
+    # ---- receiver side (decode): receiver.KVReceiver ----------------------------------------
 
-    def _admit_write(self, peer: str, token: bytes, ids: object) -> tuple[WriteGrant | None, str]:
-        """Whether a write of ``ids`` with ``token`` from ``peer`` may land: (its grant, "")
-        (grant None without ``require_grants``), or (None, why not), logged with ``peer``."""
-        if not isinstance(ids, list):
-            problem = "remote_block_ids must be a list"
-        elif problem := invalid_block_ids(ids, self.num_blocks):
-            problem = f"remote {problem}"
-        elif self.require_grants:
-            grant, problem = self.grants.admit(token, ids)
-            if grant is not None:
-                return grant, ""
-        if problem:
-            logger.warning("refused a KV write from %s into blocks %s: %s", peer,
-                           ids[:16] if isinstance(ids, list) else "?", problem)
-        return None, problem
+    @property
+    def bytes_received(self) -> int:
+        """Payload bytes of admitted writes that landed in this cache (a counter)."""
+        return self.receiver.bytes_received
 
-    def _deliver(self, grant: WriteGrant | None, notification: bytes) -> dict:
-        """Run the write's handler (its grant's, or the transport's) under the handler lock;
-        the answer for the sender. A grant whose handler raised is reported lost."""
-        error = None
-        try:
-            with self._handler_lock:
-                handler = grant.on_write if grant is not None else self._handler
-                if handler is None:
-                    raise KVTransferError("receiver has no notification handler set")
-                handler(notification)
-        except Exception as exc:  # reported to the sender; the connection stays usable
-            logger.warning("KV notification handler failed: %r", exc)
-            error = f"notification handler: {exc!r}"
-        if error is None:
-            if grant is not None:
-                self.grants.done(grant)
-            return {"ok": True}
-        self._write_lost(grant, error)
-        return {"ok": False, "error": error}
+    def set_notification_handler(self, handler: NotificationHandler) -> None:
+        """Call ``handler(notification)`` once per completed write, after all its blocks landed
+        (without ``require_grants``; with it, each grant's own ``on_write`` runs instead).
 
-    def _write_lost(self, grant: WriteGrant | None, reason: str) -> None:
-        """An admitted write broke off or its notification was refused; nothing more of it
-        lands: tell its grant's owner (the reservation closes as not written)."""
-        if grant is None:
-            return
-        self.grants.done(grant)
-        try:
-            with self._handler_lock:
-                if grant.on_lost is not None:
-                    grant.on_lost(reason)
-        except Exception:  # noqa: BLE001 - a transport thread must survive its callbacks
-            logger.exception("KV write-lost callback failed")
+        Called from a transport thread, one call at a time (calls never overlap); it should be
+        quick (e.g. enqueue for the scheduler) and must not call this transport. If it raises,
+        the sender's ``write_blocks`` raises KVTransferError with its message. Set it before
+        publishing ``metadata()``: writes that arrive with no handler set are refused.
+        """
+        self.receiver.set_notification_handler(handler)
 
-    def _received(self, num_bytes: int) -> None:
-        """An admitted write's ``num_bytes`` payload bytes landed (any receiving thread)."""
-        with self._received_lock:
-            self.bytes_received += num_bytes
+    def grant_write(self, token: bytes, block_ids: Sequence[int], lease_s: float,
+                    on_write: NotificationHandler,
+                    on_lost: Callable[[str], None] | None = None) -> None:
+        """Accept one write with ``token`` into exactly ``block_ids`` (or a notification-only
+        write) before the lease of ``lease_s`` seconds ends; the sender may renew it. Then
+        ``on_write(notification)`` runs as a handler does; ``on_lost(reason)`` when an admitted
+        write broke off after it may have touched the blocks. Raises ValueError on bad ids, a
+        short or reused token, a lease that is not positive."""
+        self.receiver.grant_write(token, block_ids, lease_s, on_write, on_lost)
 
-    def _renew(self, peer: str, token: bytes) -> dict:
-        """A sender's lease renewal for ``token``: the answer (``lease_s`` left, or refusal)."""
-        lease_s = self.grants.renew(token)
-        if lease_s is None:
-            logger.warning("refused a KV lease renewal from %s: no open grant for the token", peer)
-            return {"ok": False, "error": "no open reservation for this token"}
-        return {"ok": True, "lease_s": lease_s}
+    def lease_left(self, token: bytes) -> float:  # see WriteGrants.lease_left
+        return self.receiver.grants.lease_left(token)
+
+    def stop_renewals(self, token: bytes) -> None:  # the stream went away: let the lease run out
+        self.receiver.grants.stop_renewals(token)
+
+    def revoke(self, token: bytes) -> None:  # the reservation closed: admit no write any more
+        self.receiver.grants.close(token)
