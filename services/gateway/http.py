@@ -29,6 +29,7 @@ import contextlib
 import json
 import logging
 import uuid
+from collections.abc import Awaitable, Callable
 from contextlib import aclosing
 
 import pydantic
@@ -64,22 +65,8 @@ def create_app(core: GatewayCore, readiness: ReadinessMonitor, access: Access | 
     app = FastAPI(title="Tandem", docs_url=None, redoc_url=None, openapi_url=None)
     access = access or Access()
     app.add_middleware(ApiKeyMiddleware, access=access)
-
-    @app.exception_handler(HTTPException)
-    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
-        """The framework's own errors (404 no such path, 405 wrong method) in OpenAI's shape."""
-        message = (f"{request.method} {request.url.path}: no such path" if exc.status_code == 404 else
-                   f"{request.method} {request.url.path}: method not allowed" if exc.status_code == 405 else
-                   str(exc.detail))
-        return JSONResponse(error_body(message, exc.status_code), status_code=exc.status_code,
-                            headers=exc.headers)
-
-    @app.exception_handler(RequestValidationError)
-    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = exc.errors()
-        message = "; ".join(f"{_field_path(e['loc'])}: {e['msg']}" for e in errors) or "invalid request"
-        param = (_field_path(errors[0]["loc"]) or None) if errors else None
-        return JSONResponse(error_body(message, 422, param), status_code=422)
+    app.add_exception_handler(HTTPException, _http_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
 
     @app.get("/health")
     async def health() -> dict:
@@ -101,36 +88,62 @@ def create_app(core: GatewayCore, readiness: ReadinessMonitor, access: Access | 
         return {"object": "list", "data": [{"id": card.name, "object": "model", "created": 0,
                                             "owned_by": "tandem", "max_model_len": card.max_model_len}]}
 
-    @app.post("/v1/responses")
-    async def responses(request: Request):
-        return await _respond(core, request, access)
-
-    @app.post("/tokenize")
-    async def tokenize(request: Request):
-        try:
-            body = await _parse(request, TokenizeRequest, core.limits.max_request_bytes)
-            ids = await core.tokenize(body.to_proto())
-        except Exception as exc:  # noqa: BLE001
-            return _error_response(exc, {})
-        return body.answer(ids, core.model.max_model_len, core.tokenizer)
-
-    @app.post("/detokenize")
-    async def detokenize(request: Request):
-        try:
-            body = await _parse(request, DetokenizeRequest, core.limits.max_request_bytes)
-            return body.answer(core.model, core.tokenizer)
-        except Exception as exc:  # noqa: BLE001
-            return _error_response(exc, {})
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        return await _complete(core, request, ChatCompletionRequest, "chat", access)
-
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        return await _complete(core, request, CompletionRequest, "completion", access)
-
+    _add_json_routes(app, {
+        "/v1/chat/completions": lambda r: _complete(core, r, ChatCompletionRequest, "chat", access),
+        "/v1/completions": lambda r: _complete(core, r, CompletionRequest, "completion", access),
+        "/v1/responses": lambda r: _respond(core, r, access),
+        "/tokenize": lambda r: _tokenize(core, r),
+        "/detokenize": lambda r: _detokenize(core, r),
+    })
     return app
+
+
+def _add_json_routes(app: FastAPI, routes: dict[str, Callable[[Request], Awaitable[Response]]]) -> None:
+    """``POST path`` for each route: its handler reads the JSON body itself (``_parse``: size
+    cap, Content-Type, schema) and answers every failure in OpenAI's error shape."""
+    for path, handle in routes.items():
+        app.add_api_route(path, _endpoint(handle), methods=["POST"], name=path)
+
+
+def _endpoint(handle: Callable[[Request], Awaitable[Response]]):
+    async def endpoint(request: Request):
+        return await handle(request)
+    return endpoint
+
+
+async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
+    """The framework's own errors (404 no such path, 405 wrong method) in OpenAI's shape."""
+    message = (f"{request.method} {request.url.path}: no such path" if exc.status_code == 404 else
+               f"{request.method} {request.url.path}: method not allowed" if exc.status_code == 405 else
+               str(exc.detail))
+    return JSONResponse(error_body(message, exc.status_code), status_code=exc.status_code,
+                        headers=exc.headers)
+
+
+async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    errors = exc.errors()
+    message = "; ".join(f"{_field_path(e['loc'])}: {e['msg']}" for e in errors) or "invalid request"
+    param = (_field_path(errors[0]["loc"]) or None) if errors else None
+    return JSONResponse(error_body(message, 422, param), status_code=422)
+
+
+async def _tokenize(core: GatewayCore, request: Request):
+    """vLLM's ``/tokenize`` (``tokenize_api.py``)."""
+    try:
+        body = await _parse(request, TokenizeRequest, core.limits.max_request_bytes)
+        ids = await core.tokenize(body.to_proto())
+    except Exception as exc:  # noqa: BLE001
+        return _error_response(exc, {})
+    return body.answer(ids, core.model.max_model_len, core.tokenizer)
+
+
+async def _detokenize(core: GatewayCore, request: Request):
+    """vLLM's ``/detokenize`` (``tokenize_api.py``)."""
+    try:
+        body = await _parse(request, DetokenizeRequest, core.limits.max_request_bytes)
+        return body.answer(core.model, core.tokenizer)
+    except Exception as exc:  # noqa: BLE001
+        return _error_response(exc, {})
 
 
 async def _complete(core: GatewayCore, request: Request, body_cls, kind: str, access: Access):
