@@ -28,6 +28,8 @@ import sys
 import time
 from pathlib import Path
 
+from services.runtime import process
+
 PHASES_CODE = r"""
 import json, time
 marks = [("start", time.perf_counter(), time.process_time())]
