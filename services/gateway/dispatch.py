@@ -272,18 +272,14 @@ class Dispatcher:
                 done, _ = await asyncio.wait({read} if prefill is None else {read, prefill},
                                              return_when=asyncio.FIRST_COMPLETED)
                 if prefill in done:
-                    _check_prefill(prefill, got_tokens, job)
-                    prefilled = prefill.result() if prefill.exception() is None else None
-                    prefill = None
+                    prefilled, prefill = _prefill_answer(prefill, got_tokens, job), None
                 if read not in done:
                     continue
                 msg, read = read.result(), None
             if not got_tokens and _wants_prompt_logprobs(job, msg):
                 if prefill is not None:  # NOTE: it answers right after the KV landed
                     await asyncio.wait({prefill})
-                    _check_prefill(prefill, False, job)
-                    prefilled = prefill.result() if prefill.exception() is None else None
-                    prefill = None
+                    prefilled, prefill = _prefill_answer(prefill, False, job), None
                 if prefilled is not None:
                     msg.prompt_logprobs.extend(prefilled.prompt_logprobs)
             got_tokens = True
@@ -313,20 +309,22 @@ class Dispatcher:
             task.add_done_callback(_forget(self._background))
 
 
-def _check_prefill(prefill: asyncio.Task, got_tokens: bool, job: Job) -> None:
-    """Raise what the finished prefill means for the attempt; return if it can go on."""
+def _prefill_answer(prefill: asyncio.Task, got_tokens: bool, job: Job) -> worker_pb2.PrefillResponse | None:
+    """The finished prefill's answer; None when it failed in a way the attempt survives (the KV
+    handoff failed: the decode worker's policy decides; or the prefill worker was lost after
+    the KV landed). Raises the other failures, CancelledError when it was cancelled."""
     if prefill.cancelled():
         raise asyncio.CancelledError()
     exc = prefill.exception()
     if exc is None:
-        return
+        return prefill.result()
     if isinstance(exc, _HandoffFailed):
         log.info("request %s: KV handoff failed (%s); the decode worker's policy decides",
                  job.request_id, exc)
         job.trace.event("kv_transfer_failed", reason=str(exc))
-        return
+        return None
     if isinstance(exc, WorkerLost) and got_tokens:
-        return  # the KV had landed: the prefill worker is no longer needed
+        return None  # the KV had landed: the prefill worker is no longer needed
     raise exc
 
 
