@@ -23,15 +23,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # NOTE: run as a script from anywhere; the repo is the package root
 
-from services.runtime import process
+from scripts.bench_layout import free_port  # noqa: E402
 from services.runtime.launcher import Stack, UpOptions  # noqa: E402
 
 FIELDS = ("median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "median_itl_ms", "output_throughput",
           "request_throughput", "completed", "failed", "total_output_tokens", "duration")
-
-
-def free_port() -> int:
-    return process.free_port("127.0.0.1")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -28,7 +28,7 @@ import sys
 import time
 from pathlib import Path
 
-from services.runtime import process
+from scripts.bench_layout import free_port
 
 PHASES_CODE = r"""
 import json, time
@@ -74,10 +74,6 @@ def phases(dtype: str, quant: str, threads: int, blocks: int) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def _free_port() -> int:
-    return process.free_port("127.0.0.1")
-
-
 def _serving(address: str) -> bool:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -116,7 +112,7 @@ def worker_ready(redis_url: str, dtype: str, quant: str, threads: int, timeout_s
                  role: str = "decode") -> tuple[float, float]:
     """(wall seconds, worker CPU seconds) from spawning one ``role`` worker to its health check
     answering SERVING."""
-    port = _free_port()
+    port = free_port()
     t0 = time.perf_counter()
     proc = subprocess.Popen([sys.executable, "-m", "services.runtime.cli", "serve", role,
                              "--redis-url", redis_url, "--worker-port", str(port)],
@@ -148,7 +144,7 @@ def up_ready(dtype: str, quant: str, threads: int, timeout_s: float) -> tuple[fl
     line (own Redis included)."""
     t0 = time.perf_counter()
     proc = subprocess.Popen([sys.executable, "-m", "services.runtime.cli", "up", "--port",
-                             str(_free_port())], env=_env(dtype, quant, threads),
+                             str(free_port())], env=_env(dtype, quant, threads),
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         for line in proc.stderr:
