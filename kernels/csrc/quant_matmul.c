@@ -701,7 +701,8 @@ static inline __attribute__((always_inline)) void prefetch_rows(const uint8_t *a
 
 /* One chunk of 4 Q4_1 blocks (80 bytes per row) of 16 weight rows at blk (row_bytes apart),
  * against MR (<= 5) activation rows (xg: this chunk's group of row 0, rows ng groups apart; dx,
- * sx: this chunk's blocks of row 0, rows nb apart), added to acc[MR] in the header's order. Each
+ * sx: this chunk's blocks of row 0, rows nb apart; mask and nibbles: q4_rows16's nibble mask and
+ * Q4_1 nibble-dword index), added to acc[MR] in the header's order. Each
  * row's 80 bytes are loaded once for all MR rows; the blocks' d and m come out of the same
  * loads (each block's header dword moved to its 128-bit lane, then transpose_sums4, whose
  * integer adds of zeros leave the bits as they are) instead of one gather per block: the same
@@ -711,9 +712,8 @@ static inline __attribute__((always_inline)) void prefetch_rows(const uint8_t *a
  * keeps the gathers. */
 static inline __attribute__((always_inline)) void q4_1_chunk16(
     const uint8_t *blk, int64_t row_bytes, const int MR, const int8_t *xg, int64_t ng,
-    const float *dx, const float *sx, int64_t nb, __m512 *acc) {
-    const __m512i mask = _mm512_set1_epi8(0x0f), zero = _mm512_setzero_si512();
-    const __m512i nibbles = _mm512_set_epi32(19, 18, 17, 16, 14, 13, 12, 11, 9, 8, 7, 6, 4, 3, 2, 1);
+    const float *dx, const float *sx, int64_t nb, __m512i mask, __m512i nibbles, __m512 *acc) {
+    const __m512i zero = _mm512_setzero_si512();
     const __m512i headers = _mm512_set_epi32(0, 0, 0, 15, 0, 0, 0, 10, 0, 0, 0, 5, 0, 0, 0, 0);
     __m512i W[16], H[16], T[4];
     for (int r = 0; r < 16; r++) {
@@ -769,7 +769,7 @@ static inline __attribute__((always_inline)) void q4_rows16(
         __m512 d[4], mw[4];
         if (fmt == FMT_Q4_1 && have == 4 && MR >= 2) { /* batch 1: the gathers measured faster */
             q4_1_chunk16(src + c * bytes, row_bytes, MR, xg + (c / 4) * GEMV_GROUP, ng, dx + c,
-                         sx + c, nb, acc);
+                         sx + c, nb, mask, nibbles_q4_1, acc);
             continue;
         }
         for (int j = 0; j < have; j++) {
