@@ -93,6 +93,20 @@ async def listening(host: str, port: int) -> bool:
     return True
 
 
+async def refuses_connections(host: str, port: int, timeout_s: float = 1.0) -> bool:
+    """True when a TCP connection to ``host:port`` is refused: nothing listens there. False
+    when it is accepted, and when the attempt fails otherwise (timeout, unreachable host):
+    those prove nothing about the listener."""
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout=timeout_s)
+    except ConnectionRefusedError:
+        return True
+    except (OSError, asyncio.TimeoutError):
+        return False
+    writer.close()
+    return False
+
+
 @dataclass
 class Child:
     """One supervised child process; ``restart()`` runs the same argv again."""

@@ -22,6 +22,8 @@ log = logging.getLogger(__name__)
 
 
 EXIT_ENGINE_DIED = 3  # a worker's exit status when its engine died (a supervisor restarts it)
+EXIT_LISTENER_LOST = 4  # ... when its gRPC port stopped accepting connections (likewise)
+LISTENER_PROBES = 3  # refused connections in a row, one a heartbeat, that mean the port is lost
 
 
 def role_engine_config(opts: WorkerOptions) -> EngineConfig:
@@ -55,7 +57,9 @@ async def serve_worker(opts: WorkerOptions, num_threads: int) -> None:
 
     Health is NOT_SERVING until the engine is loaded, warmed up and heartbeating, and again
     from the moment the engine dies; then the worker leaves the registry, stops, and raises
-    ``SystemExit(EXIT_ENGINE_DIED)``."""
+    ``SystemExit(EXIT_ENGINE_DIED)``. A worker whose own gRPC port stops accepting
+    connections (``watch_listener``) drains as if signalled, then raises
+    ``SystemExit(EXIT_LISTENER_LOST)``: a supervisor restarts it."""
     import torch  # NOTE: here, not at the top: the gateway process must not load torch
 
     from services.gateway.model_card import served_model_name
@@ -85,8 +89,16 @@ async def serve_worker(opts: WorkerOptions, num_threads: int) -> None:
     log.info("%s worker %s ready on %s:%d (Prometheus metrics on http://%s:%d/metrics)",
              opts.role, runtime.worker_id, opts.host, port, opts.host, metrics.port)
     signals = Signals()
+    listener_lost = asyncio.ensure_future(
+        watch_listener(_loopback_if_wildcard(opts.host), port, opts.heartbeat_s))
     try:
-        await _wait_for_signal_or(signals.received, runtime.died)
+        await _first_of(signals.received.wait(), runtime.died.wait(), listener_lost)
+        if listener_lost.done():
+            log.critical("%s worker %s: its gRPC port %s:%d refuses connections (%d probes in a "
+                         "row; gRPC closes a server's acceptor on an accept4 error it does not "
+                         "expect, see its log): leaving the registry, finishing what runs on open "
+                         "connections, then exiting with %d", opts.role, runtime.worker_id,
+                         opts.host, port, LISTENER_PROBES, EXIT_LISTENER_LOST)
         await health.enter_graceful_shutdown()  # NOT_SERVING for every service
         runtime.draining = True  # new requests: UNAVAILABLE (the gateway goes elsewhere)
         await runtime.heartbeater.stop()  # leave the registry: the gateway stops routing here
@@ -94,6 +106,7 @@ async def serve_worker(opts: WorkerOptions, num_threads: int) -> None:
         if not runtime.died.is_set():
             await drain_worker(runtime, servicer, opts.drain_s, signals.again)
     finally:
+        listener_lost.cancel()
         await health.enter_graceful_shutdown()
         await runtime.heartbeater.stop()
         await server.stop(grace=STOP_GRACE_S)
@@ -103,6 +116,33 @@ async def serve_worker(opts: WorkerOptions, num_threads: int) -> None:
     if runtime.died.is_set():
         log.critical("%s worker %s exits: its engine died", opts.role, runtime.worker_id)
         raise SystemExit(EXIT_ENGINE_DIED)
+    if listener_lost.done() and not listener_lost.cancelled():
+        raise SystemExit(EXIT_LISTENER_LOST)
+
+
+async def watch_listener(host: str, port: int, interval_s: float,
+                         probes: int = LISTENER_PROBES) -> None:
+    """Return once ``host:port`` has refused ``probes`` TCP connections in a row, trying
+    every ``interval_s`` seconds; run forever while it accepts.
+
+    Why a worker watches its own port: gRPC closes a server's acceptor when accept4() fails
+    with an error it does not expect (its log: "Closing acceptor. Failed accept4") and the
+    process goes on. Its heartbeats keep it in the registry and its open connections keep
+    working, but every new connection is refused: the gateway routes to it, fails, marks it
+    suspect, and tries again a few heartbeats later, for good. CI saw it once: a fresh prefill
+    worker refused the gateway's first connection 0.1 s after it said ready, and stayed
+    registered and unreachable for the rest of the test module."""
+    from services.runtime.process import refuses_connections
+
+    refused = 0
+    while refused < probes:
+        await asyncio.sleep(interval_s)
+        refused = refused + 1 if await refuses_connections(host, port) else 0
+
+
+def _loopback_if_wildcard(host: str) -> str:
+    """Where this machine reaches a server listening on ``host``."""
+    return {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
 
 
 def _within_cpu_budget(num_threads: int) -> int:
@@ -146,14 +186,16 @@ async def on_passing_thread(fn, *args):
         return await loop.run_in_executor(once, functools.partial(fn, *args))
 
 
-async def _wait_for_signal_or(signalled: asyncio.Event, event: asyncio.Event) -> None:
-    signalled = asyncio.ensure_future(signalled.wait())
-    died = asyncio.ensure_future(event.wait())
+async def _first_of(*awaitables) -> None:
+    """Wait until one of ``awaitables`` is done; cancel the others (a future passed in is
+    left as it is, for the caller to ask which one ended)."""
+    futures = [asyncio.ensure_future(a) for a in awaitables]
     try:
-        await asyncio.wait({signalled, died}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait(futures, return_when=asyncio.FIRST_COMPLETED)
     finally:
-        signalled.cancel()
-        died.cancel()
+        for f, a in zip(futures, awaitables):
+            if f is not a:
+                f.cancel()
 
 
 async def serve_gateway(opts: GatewayOptions) -> None:

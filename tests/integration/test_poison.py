@@ -2,10 +2,15 @@
 request gets INVALID_ARGUMENT, a request that raises inside the engine (fault injection) fails
 alone while 8 concurrent greedy streams finish exactly as transformers does, every block comes
 back; and an engine that cannot continue takes its worker out: health NOT_SERVING within one
-heartbeat, out of the registry, streams UNAVAILABLE, exit status ``EXIT_ENGINE_DIED``."""
+heartbeat, out of the registry, streams UNAVAILABLE, exit status ``EXIT_ENGINE_DIED``. A worker
+whose gRPC port stops accepting connections (its listening socket shut down under gRPC, as
+gRPC's own acceptor does on an accept4 error) takes itself out too: it finishes the stream open
+on its old connection, leaves the registry and exits with ``EXIT_LISTENER_LOST``."""
 from __future__ import annotations
 
+import ctypes
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -18,7 +23,7 @@ import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.api import worker_pb2, worker_pb2_grpc
-from services.runtime.serve import EXIT_ENGINE_DIED
+from services.runtime.serve import EXIT_ENGINE_DIED, EXIT_LISTENER_LOST
 from tests.integration.conftest import free_port
 from tests.reference import CHAT_PROMPTS, NUM_TOKENS, chat_prompt_ids, hf_greedy_outputs
 
@@ -32,6 +37,7 @@ class Worker:
     worker_id: str
     proc: subprocess.Popen
     channel: grpc.Channel
+    port: int
 
     @property
     def stub(self) -> worker_pb2_grpc.DecodeWorkerStub:
@@ -59,7 +65,7 @@ def start_worker(redis_url: str, worker_id: str, heartbeat_s: float) -> Worker:
          "--port", str(port), "--worker-id", worker_id, "--heartbeat-s", str(heartbeat_s),
          "--num-threads", "1", "--kv-cache-gib", "0.25"],
         env={**os.environ, "TANDEM_TEST_FAULT_INJECTION": "1"})
-    worker = Worker(worker_id, proc, grpc.insecure_channel(f"127.0.0.1:{port}"))
+    worker = Worker(worker_id, proc, grpc.insecure_channel(f"127.0.0.1:{port}"), port)
     deadline = time.monotonic() + STARTUP_S
     while worker.health() != SERVING:
         assert proc.poll() is None, f"worker exited with {proc.returncode} while starting"
@@ -149,6 +155,58 @@ def test_an_engine_that_cannot_continue_takes_its_worker_out(redis_server, promp
         assert w.proc.wait(60) == EXIT_ENGINE_DIED
         assert not r.exists("worker:decode:decode-crash")
         assert b"decode-crash" not in r.smembers("workers:decode")
+    finally:
+        r.close()
+        w.stop()
+
+
+_SYS_PIDFD_OPEN, _SYS_PIDFD_GETFD = 434, 438  # x86_64 and aarch64 (Linux >= 5.6)
+
+
+def shut_down_listener(pid: int, port: int) -> None:
+    """``shutdown()`` the socket process ``pid`` listens on ``port`` with, from outside: its
+    gRPC acceptor then fails accept4 and closes, and connections are refused while the
+    process runs on (``services.runtime.serve.watch_listener``'s case). Skips the test when
+    the kernel does not lend us the descriptor (pidfd_getfd: Linux >= 5.6, ptrace rights)."""
+    inodes = set()
+    for path in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(path) as f:
+            for line in f.readlines()[1:]:
+                fields = line.split()
+                if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] == "0A":  # LISTEN
+                    inodes.add(fields[9])
+    fds = [int(fd) for fd in os.listdir(f"/proc/{pid}/fd")
+           if os.readlink(f"/proc/{pid}/fd/{fd}") in {f"socket:[{i}]" for i in inodes}]
+    assert fds, f"process {pid} holds no socket listening on port {port}"
+    libc = ctypes.CDLL(None, use_errno=True)
+    pidfd = libc.syscall(_SYS_PIDFD_OPEN, pid, 0)
+    mine = libc.syscall(_SYS_PIDFD_GETFD, pidfd, fds[0], 0) if pidfd >= 0 else -1
+    if mine < 0:
+        pytest.skip(f"pidfd_getfd refused here: {os.strerror(ctypes.get_errno())}")
+    os.close(pidfd)
+    with socket.socket(fileno=mine) as s:
+        s.shutdown(socket.SHUT_RDWR)
+
+
+def test_a_worker_whose_port_refuses_connections_finishes_its_stream_and_exits(redis_server, prompts):
+    heartbeat_s = 0.5
+    w = start_worker(redis_server.url, "decode-deaf", heartbeat_s=heartbeat_s)
+    r = redis.Redis.from_url(redis_server.url)
+    try:
+        sp = worker_pb2.SamplingParams(max_tokens=128, temperature=0, ignore_eos=True, top_p=1.0,
+                                       repetition_penalty=1.0)
+        stream = w.stub.Decode(worker_pb2.DecodeRequest(
+            request_id="open-stream", prompt_token_ids=prompts[0], sampling_params=sp,
+            local_prefill=True), timeout=STARTUP_S)
+        tokens = list(next(stream).token_ids)  # the stream runs on the open connection
+        shut_down_listener(w.proc.pid, w.port)
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", w.port), timeout=5).close()
+        for msg in stream:  # the worker drains: the open stream runs to its end
+            tokens += msg.token_ids
+        assert len(tokens) == 128
+        assert w.proc.wait(60) == EXIT_LISTENER_LOST
+        assert not r.exists("worker:decode:decode-deaf")
     finally:
         r.close()
         w.stop()
