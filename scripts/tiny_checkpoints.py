@@ -3,7 +3,7 @@ Hugging Face directory with the built-in model's tokenizer) and converted to GGU
 writer the way llama.cpp's ``convert_hf_to_gguf.py`` converts them. For the architecture tests
 (transformers is the oracle) and ``scripts/bench_architectures.py``; nothing is downloaded.
 
-    python -m scripts.tiny_checkpoints ARCH DIR [--gguf FILE --type f32|q8_0|q4_0]
+    python -m scripts.tiny_checkpoints ARCH DIR [--gguf FILE --type f32|q8_0|q4_0|q4_k_m]
 
 Weights are drawn so that greedy choices are not near-ties and the continuations do not repeat
 one token: linear layers N(0, 9 / in_features) (Gemma: 16 / in_features), embeddings N(0, 1)
@@ -116,6 +116,48 @@ def save_tiny(model_type: str, path: str | os.PathLike, seed: int = 0, **overrid
 
 # --- GGUF, as llama.cpp's converter writes it ------------------------------------------------
 
+def q4_k_m_type(name: str) -> str | None:
+    """The K-quant a tensor (Hugging Face name) gets in llama.cpp's Q4_K_M mix, simplified to
+    its two formats: Q6_K for the embedding, the LM head and the layers most sensitive to
+    rounding (``v_proj``, ``down_proj``), Q4_K for the other linear layers, None (F32) for
+    norms and biases. Every row must be a multiple of 256 weights."""
+    if name in ("model.embed_tokens.weight", "lm_head.weight") or name.endswith(
+            ("v_proj.weight", "down_proj.weight")):
+        return "q6_k"
+    return "q4_k" if name.endswith("_proj.weight") else None
+
+
+def encode(w: np.ndarray, qtype: str) -> np.ndarray:
+    """``w`` float32 ``[rows, n]`` in ggml block format ``qtype``: uint8 ``[rows, row bytes]``
+    (gguf-py's quantizers; ``scripts.kquants`` for the K-quants, which gguf-py cannot write)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    from scripts import kquants
+
+    w = np.ascontiguousarray(w, dtype=np.float32)
+    if qtype in ("q4_k", "q6_k"):
+        return getattr(kquants, f"quantize_{qtype}")(w)
+    return quantize(w, GGMLQuantizationType[qtype.upper()])
+
+
+def as_decoded(model, ftype: str = "q4_k_m"):
+    """``model`` (transformers, float32) with each weight replaced in place by what a GGUF
+    written from it in ``ftype`` decodes to (gguf-py's dequantizers): the float32 oracle for
+    that file. Rows are encoded independently, so llama.cpp's q/k row permutation commutes."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            qtype = q4_k_m_type(name) if ftype == "q4_k_m" else None
+            if qtype is not None:
+                w = p.detach().numpy()
+                p.copy_(torch.from_numpy(dequantize(encode(w, qtype),
+                                                    GGMLQuantizationType[qtype.upper()])))
+    return model
+
+
 def _llamacpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     """``convert_hf_to_gguf.py``'s ``LlamaModel.permute`` (Hugging Face rows -> llama.cpp's)."""
     return (w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
@@ -193,9 +235,9 @@ def write_gguf(hf_dir: str | os.PathLike, path: str | os.PathLike, ftype: str = 
     names (gguf-py's ``TensorNameMap``) and metadata keys, Llama's q/k rows permuted and
     Gemma's norms stored plus one as its converter does, the built-in model's tokenizer
     metadata; linear layers in ``ftype`` (``f32``, ``q8_0`` or ``q4_0``, gguf-py's reference
-    quantizers), everything else F32."""
+    quantizers), everything else F32; or ``q4_k_m``: llama.cpp's mix (``q4_k_m_type``; the
+    embedding and head too), with ``scripts.kquants``' encoders."""
     import gguf
-    from gguf.quants import quantize
 
     from scripts.gguf_to_f32 import _copy_fields
     from services.engine import models
@@ -214,7 +256,6 @@ def write_gguf(hf_dir: str | os.PathLike, path: str | os.PathLike, ftype: str = 
     _copy_fields(tokenizer, writer)
     names = gguf.get_tensor_name_map({v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[arch],
                                      config.num_hidden_layers)
-    qtype = gguf.GGMLQuantizationType[ftype.upper()]
     for name, tensor in state_dict.items():
         w = tensor.numpy().astype(np.float32)
         if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
@@ -223,8 +264,11 @@ def write_gguf(hf_dir: str | os.PathLike, path: str | os.PathLike, ftype: str = 
         if model_type.startswith("gemma") and name.endswith("norm.weight"):
             w = w + 1
         gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
-        if name.endswith("_proj.weight") and ftype != "f32":
-            writer.add_tensor(gguf_name, quantize(np.ascontiguousarray(w), qtype), raw_dtype=qtype)
+        kind = (q4_k_m_type(name) if ftype == "q4_k_m"
+                else ftype if name.endswith("_proj.weight") and ftype != "f32" else None)
+        if kind is not None:
+            writer.add_tensor(gguf_name, encode(w, kind),
+                              raw_dtype=gguf.GGMLQuantizationType[kind.upper()])
         else:
             writer.add_tensor(gguf_name, np.ascontiguousarray(w))
     for name, w in _extra_tensors(raw, model_type).items():
@@ -241,7 +285,7 @@ def main() -> None:
     parser.add_argument("model_type", choices=sorted(ARCHITECTURES))
     parser.add_argument("dir")
     parser.add_argument("--gguf", help="also write a GGUF file here")
-    parser.add_argument("--type", default="f32", choices=("f32", "q8_0", "q4_0"))
+    parser.add_argument("--type", default="f32", choices=("f32", "q8_0", "q4_0", "q4_k_m"))
     args = parser.parse_args()
     save_tiny(args.model_type, args.dir)
     if args.gguf:

@@ -23,9 +23,15 @@ _MAGIC = b"GGUF"
 _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q",
             12: "d"}
 _STRING, _ARRAY = 8, 9
-# ggml type id -> (name, elements per block, bytes per block) for the types this project reads
+# ggml type id -> (name, elements per block, bytes per block) for the types this project reads:
+# ggml's ``ggml_type`` ids and ``type_traits`` sizes. Q4_0, Q4_1 and Q8_0 the C kernels run as
+# stored; Q5_0, Q5_1 and the K-quants (llama.cpp's Q4_K_M and friends mix Q4_K / Q5_K with Q6_K)
+# are decoded by gguf-py at load (``quantized`` serves them requantized)
 GGML_TYPES = {0: ("f32", 1, 4), 1: ("f16", 1, 2), 2: ("q4_0", 32, 18), 3: ("q4_1", 32, 20),
-              8: ("q8_0", 32, 34), 30: ("bf16", 1, 2)}
+              6: ("q5_0", 32, 22), 7: ("q5_1", 32, 24), 8: ("q8_0", 32, 34),
+              10: ("q2_k", 256, 84), 11: ("q3_k", 256, 110), 12: ("q4_k", 256, 144),
+              13: ("q5_k", 256, 176), 14: ("q6_k", 256, 210), 30: ("bf16", 1, 2)}
+FLOAT_TYPES = frozenset({"f32", "f16", "bf16"})  # the unquantized ones
 
 
 @dataclass(frozen=True)

@@ -15,8 +15,9 @@ expanded to float32, otherwise), and returns the model ready to run.
   ``none`` runs torch's modules (the token-exact oracle).
 - ``auto``: for a GGUF file, its own format when the C kernel is available, the file's
   linear weights are all in one supported format (F32 included) and the fused C forward pass
-  serves its architecture (``quantized_forward.unsupported_reason``), else ``none``; for other
-  checkpoints ``none``. The choice, and why, is logged. An explicit format runs any
+  serves its architecture (``quantized_forward.unsupported_reason``); Q8_0 (re-encoded once at
+  load) when they are block-quantized otherwise: K-quants (Q4_K_M's Q4_K and Q6_K), Q5_0 /
+  Q5_1, or several formats; else ``none``; for other checkpoints ``none``. The choice, and why, is logged. An explicit format runs any
   architecture: through the fused C forward pass where it serves it, else through the model's
   own modules with quantized linear layers.
 """
@@ -34,6 +35,7 @@ from kernels import quant
 from kernels.quant import QuantizedWeight
 
 from .config import ModelConfig
+from .gguf_file import FLOAT_TYPES
 from .loader import load_config, load_model
 from .model import LlamaForCausalLM, fuse_projections
 from .models import model_class
@@ -43,6 +45,10 @@ log = logging.getLogger(__name__)
 
 DTYPES = ("float32", "bfloat16", "auto")
 QUANTIZATIONS = ("none", "auto", *quant.FORMATS)
+# ``auto``'s format for block-quantized files the C kernels cannot run as stored (llama.cpp's
+# K-quant mixes, Q5_0 / Q5_1) or that mix formats: 8.5 bits a weight keeps a 4-6-bit file's
+# values within Q8_0's rounding, where re-encoding to a 4-bit format would round them twice
+REQUANTIZED = "q8_0"
 
 
 @dataclass(frozen=True)
@@ -79,9 +85,11 @@ def resolve_precision(dtype: str, quantization: str, file_formats: set[str], dev
     if quantization not in ("none", "auto") and device != "cpu":
         raise ValueError(f"quantization: {quantization!r} runs on CPU only (device {device!r})")
     if quantization == "auto":
-        supported = len(file_formats) == 1 and file_formats <= quant.FORMATS.keys()
-        quantization = (next(iter(file_formats)) if supported and device == "cpu"
-                        and quant.available() and fused_unsupported is None else "none")
+        runs = device == "cpu" and quant.available() and fused_unsupported is None
+        if len(file_formats) == 1 and file_formats <= quant.FORMATS.keys():
+            quantization = next(iter(file_formats)) if runs else "none"
+        else:  # several formats, or one without a C kernel (K-quants, Q5_x): re-encoded
+            quantization = REQUANTIZED if runs and file_formats and not file_formats & FLOAT_TYPES else "none"
     if dtype == "auto":
         # NOTE: the kernel's layers compute in int8 (F32: float32) whatever the activation
         # dtype; bf16 elsewhere only pays where the CPU has bf16 instructions (measured 5x
@@ -152,6 +160,10 @@ def build_model(path: str | None, dtype: str, quantization: str, device: str,
     precision = resolve_precision(dtype, quantization, formats, device, reason)
     if quantization == "auto" and reason is not None and formats:
         log.info("quantization auto: %s, so the model runs dense (quantization none)", reason)
+    elif quantization == "auto" and precision.quantization not in ("none", *formats):
+        log.info("quantization auto: no C kernel runs the file's %s blocks as stored: its linear "
+                 "layers are re-encoded to %s once, at load", "/".join(sorted(formats)),
+                 precision.quantization)
     torch_dtype = getattr(torch, precision.dtype)
     if precision.quantization == "none":
         model_config, state_dict = weights if weights is not None else load_model(path)

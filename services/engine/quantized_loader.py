@@ -18,7 +18,7 @@ from kernels import quant
 from kernels.quant import QuantizedWeight
 
 from .config import ModelConfig
-from .gguf_file import GGUFFile, blocks_of, dequantized
+from .gguf_file import FLOAT_TYPES, GGUFFile, blocks_of, dequantized
 from .loader import GGUFLayout, check_keys
 
 _EMBEDDINGS = ("model.embed_tokens.weight", "lm_head.weight")
@@ -62,7 +62,8 @@ def load_gguf_quantized(path: str | os.PathLike, fmt: str,
 
     Linear layers come back in ``fmt`` (in place when stored so, else dequantized and
     requantized once); a quantized embedding (and untied LM head) stays in its stored format
-    when ``kernels.quant`` supports it. Names are Hugging Face's.
+    when ``kernels.quant`` supports it, else (a K-quant, Q5_x) becomes Q8_0. Names are Hugging
+    Face's.
 
     Raises ``FileNotFoundError`` for a missing file and ``ValueError`` (naming the tensor) for an
     unsupported architecture, tensor or format.
@@ -78,10 +79,12 @@ def load_gguf_quantized(path: str | os.PathLike, fmt: str,
         name, stored = layout.hf_name(t.name), t.type_name
         if name is None:
             continue
-        if name.endswith("_proj.weight") or (name in _EMBEDDINGS and stored in quant.FORMATS):
-            keep = stored == fmt or name in _EMBEDDINGS
+        if name.endswith("_proj.weight") or (name in _EMBEDDINGS and (
+                stored in quant.FORMATS or stored not in FLOAT_TYPES)):
+            # an embedding keeps a block format the kernels read; a K-quant one becomes Q8_0
+            keep = stored == fmt or (name in _EMBEDDINGS and stored in quant.FORMATS)
             w = (blocks_of(t) if keep
-                 else _quantize(dequantized(t), fmt))
+                 else _quantize(dequantized(t), "q8_0" if name in _EMBEDDINGS else fmt))
             order = layout.row_order(name)
             if order is not None:
                 w = w.rows(torch.from_numpy(order))

@@ -163,6 +163,29 @@ def test_gguf_quantized_loads_and_runs(arch, fmt, tiny, tmp_path):
     assert engine.block_manager.num_free_blocks == 64
 
 
+K_QUANT_SHAPE = dict(hidden_size=256, intermediate_size=512, head_dim=64)  # rows of 256 weights
+
+
+def test_llamacpp_q4_k_m_file_matches_transformers_on_the_weights_it_decodes_to(tmp_path, caplog):
+    """A Q4_K_M GGUF (Q4_K linears; Q6_K embedding, v_proj and down_proj): in the oracle mode
+    its weights are gguf-py's decoding of its blocks, token for token against transformers on
+    those weights; ``auto`` re-encodes them to Q8_0 and runs the fused C pass."""
+    from scripts.tiny_checkpoints import as_decoded
+
+    model = save_tiny("llama", tmp_path / "hf", **K_QUANT_SHAPE)
+    gguf = write_gguf(tmp_path / "hf", tmp_path / "llama.q4_k_m.gguf", "q4_k_m")
+    expected = hf_greedy(as_decoded(model))
+    engine = engine_for(gguf)  # quantization none: dense float32
+    assert run(engine) == expected
+    with caplog.at_level(logging.INFO, logger="services.engine.quantized"):
+        auto = engine_for(gguf, quantization="auto")
+    assert auto.precision.quantization == ("q8_0" if QuantizedForward.supports(torch.float32) else "none")
+    if auto.precision.quantization == "q8_0":
+        assert auto.runner.model.fused_forward is not None
+        assert "the file's q4_k/q6_k blocks" in caplog.text
+    assert [len(o) for o in run(auto)] == [NUM_TOKENS] * len(PROMPTS)
+
+
 def test_auto_quantization_falls_back_where_the_fused_path_does_not_serve(tiny, tmp_path, caplog):
     path, _ = tiny("gemma2")
     gguf = write_gguf(path, tmp_path / "gemma2.q8_0.gguf", "q8_0")

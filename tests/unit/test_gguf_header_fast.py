@@ -49,11 +49,12 @@ def test_tokenizer_and_card_equal_gguf_readers(readers):
 
 
 def test_header_of_a_file_with_tensor_types_the_engine_cannot_run(tmp_path):
-    """The card and tokenizer need only metadata: a K-quant tensor does not stop them."""
+    """The card and tokenizer need only metadata: an i-quant tensor (which the engine cannot
+    read) does not stop them."""
     import numpy as np
     from gguf import GGMLQuantizationType, GGUFWriter
 
-    path = tmp_path / "k-quant.gguf"
+    path = tmp_path / "i-quant.gguf"
     w = GGUFWriter(str(path), "llama")
     w.add_context_length(64)
     w.add_tokenizer_model("gpt2")
@@ -62,8 +63,8 @@ def test_header_of_a_file_with_tensor_types_the_engine_cannot_run(tmp_path):
     w.add_token_types([1, 1, 1, 3])
     w.add_bos_token_id(3)
     w.add_eos_token_id(3)
-    w.add_tensor("blk.0.ffn_down.weight", np.zeros((1, 210), dtype=np.uint8),
-                 raw_dtype=GGMLQuantizationType.Q6_K)  # one 256-weight block
+    w.add_tensor("blk.0.ffn_down.weight", np.zeros((1, 18), dtype=np.uint8),
+                 raw_dtype=GGMLQuantizationType.IQ4_NL)  # one 32-weight block
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -48,6 +48,18 @@ def test_auto_serves_the_files_format_and_none_stays_float32():
     assert f32.dtype == "float32" or not quant.available()
 
 
+def test_auto_reencodes_block_formats_without_a_kernel_to_q8_0():
+    """llama.cpp's Q4_K_M (Q4_K and Q6_K), Q5_0 alone, or a mix of kernel formats: Q8_0 once at
+    load; a file with float layers beside blocks, or a model the fused pass cannot serve, runs
+    dense."""
+    want = "q8_0" if quant.available() else "none"
+    for formats in ({"q4_k", "q6_k"}, {"q5_0"}, {"q4_1", "q8_0"}):
+        assert resolve_precision("auto", "auto", formats, "cpu").quantization == want
+    assert resolve_precision("auto", "auto", {"q4_k", "f16"}, "cpu").quantization == "none"
+    assert resolve_precision("float32", "auto", {"q4_k"}, "cpu", "Gemma 2").quantization == "none"
+    assert resolve_precision("float32", "auto", {"q4_k"}, "cuda").quantization == "none"
+
+
 def test_gguf_file_reads_what_gguf_reader_reads():
     from gguf import GGUFReader
 
