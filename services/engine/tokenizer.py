@@ -1,8 +1,9 @@
 """Text <-> token ids, chat templates and streaming detokenization.
 
-The byte-level BPE tokenizer is rebuilt from a GGUF file's ``tokenizer.ggml.*`` metadata (the
-way llama.cpp reads it) or loaded from a Hugging Face ``tokenizer.json``; both end up as one
-``tokenizers.Tokenizer`` (the Rust library), so encode/decode run at native speed.
+The tokenizer is rebuilt from a GGUF file's ``tokenizer.ggml.*`` metadata (the way llama.cpp
+reads it: byte-level BPE for ``gpt2`` files, SentencePiece BPE for ``llama`` ones) or loaded
+from a Hugging Face ``tokenizer.json``; all end up as one ``tokenizers.Tokenizer`` (the Rust
+library), so encode/decode run at native speed.
 """
 from __future__ import annotations
 
@@ -14,13 +15,14 @@ from pathlib import Path
 from typing import Any
 
 import tokenizers
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 
 from services.engine.gguf_metadata import gguf_field
 
 # the GGUF string arrays the tokenizer reads (``gguf_file.GGUFFile(read_string_arrays=...)``)
 GGUF_STRING_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges")
 _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp's llama_token_type values in tokenizer.ggml.token_type
+_SPACE = "\u2581"  # SentencePiece's whitespace, "▁"
 # llama.cpp's LLAMA_VOCAB_PRE_TYPE_LLAMA3 split (Llama 3 files say "llama-bpe").
 _LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
@@ -120,14 +122,16 @@ class Tokenizer:
     def from_gguf(cls, path: str | os.PathLike) -> Tokenizer:
         """Rebuild the tokenizer from a GGUF file's ``tokenizer.ggml.*`` metadata.
 
-        Byte-level BPE (vocab ``tokenizer.ggml.tokens``, merges ``tokenizer.ggml.merges``), the
-        pre-tokenizer ``tokenizer.ggml.pre`` names, a ByteLevel decoder; control tokens become
-        special added tokens (matched whole in text) and user-defined ones plain added tokens.
+        ``tokenizer.ggml.model`` ``gpt2``: byte-level BPE (vocab ``tokenizer.ggml.tokens``,
+        merges ``tokenizer.ggml.merges``), the pre-tokenizer ``tokenizer.ggml.pre`` names, a
+        ByteLevel decoder. ``llama``: SentencePiece BPE (``_gguf_spm``: Llama 2, Mistral,
+        Gemma, Phi-3 files). Either way control tokens become special added tokens (matched
+        whole in text) and user-defined ones plain added tokens.
 
         Raises:
             FileNotFoundError: ``path`` does not exist.
-            ValueError: ``tokenizer.ggml.model`` is not ``gpt2`` or ``tokenizer.ggml.pre`` is
-                unsupported (the message names the value).
+            ValueError: ``tokenizer.ggml.model`` is not ``gpt2`` or ``llama``, or
+                ``tokenizer.ggml.pre`` is unsupported (the message names the value).
         """
         from services.engine.gguf_file import GGUFFile  # NOTE: ~10x faster than gguf.GGUFReader
 
@@ -141,10 +145,12 @@ class Tokenizer:
         ``GGUF_STRING_ARRAYS``): callers that need more of the header read it once. Raises
         ValueError as ``from_gguf``."""
         kind = gguf_field(reader, "tokenizer.ggml.model")
-        if kind != "gpt2":
-            raise ValueError(f"unsupported tokenizer.ggml.model {kind!r}: only 'gpt2' (byte-level BPE)")
+        if kind not in ("gpt2", "llama"):
+            raise ValueError(f"unsupported tokenizer.ggml.model {kind!r}: 'gpt2' (byte-level BPE) "
+                             "or 'llama' (SentencePiece BPE)")
         tokens: list[str] = gguf_field(reader, "tokenizer.ggml.tokens")
-        backend = _gguf_bpe(reader, tokens)
+        backend = (_gguf_bpe if kind == "gpt2" else _gguf_spm)(reader, tokens)
+        _add_tokens(backend, tokens, gguf_field(reader, "tokenizer.ggml.token_type", []))
         bos = gguf_field(reader, "tokenizer.ggml.bos_token_id")
         eos = gguf_field(reader, "tokenizer.ggml.eos_token_id")
         add_bos = bos is not None and gguf_field(reader, "tokenizer.ggml.add_bos_token", False)
@@ -247,21 +253,63 @@ class Tokenizer:
 
 
 def _gguf_bpe(reader: Any, tokens: list[str]) -> tokenizers.Tokenizer:
-    """Byte-level BPE from ``tokenizer.ggml.*``, with control/user-defined added tokens."""
-    types: list[int] = gguf_field(reader, "tokenizer.ggml.token_type", [])
+    """Byte-level BPE from ``tokenizer.ggml.*`` (``model`` ``gpt2``)."""
     merges = [tuple(m.split(" ", 1)) for m in gguf_field(reader, "tokenizer.ggml.merges", [])]
     pre, ignore_merges = _pre_tokenizer(gguf_field(reader, "tokenizer.ggml.pre", "default"))
     vocab = {token: i for i, token in enumerate(tokens)}
     backend = tokenizers.Tokenizer(models.BPE(vocab, merges, ignore_merges=ignore_merges))
     backend.pre_tokenizer = pre
     backend.decoder = decoders.ByteLevel()
-    # NOTE: added tokens are matched whole before pre-tokenization, so "<|im_start|>" in text is
-    # one id; tokens already in the vocabulary keep their ids.
+    return backend
+
+
+def _gguf_spm(reader: Any, tokens: list[str]) -> tokenizers.Tokenizer:
+    """SentencePiece BPE from ``tokenizer.ggml.*`` (``model`` ``llama``), as llama.cpp's SPM
+    tokenizer (``llm_tokenizer_spm``) reads it: of the adjacent pairs whose concatenation is a
+    piece, the one making the highest-scoring piece (``tokenizer.ggml.scores``) merges first;
+    a character outside the vocabulary falls back to its UTF-8 bytes (``<0xXX>`` pieces); a
+    space is ``▁``, and one is prepended to each run of text (after each special token, as
+    llama.cpp does) unless ``tokenizer.ggml.add_space_prefix`` is false (Gemma).
+
+    The score order becomes BPE merge ranks (``_merges_by_score``, the conversion
+    transformers' ``SentencePieceExtractor`` makes), so the Rust BPE runs it."""
+    scores: list[float] = gguf_field(reader, "tokenizer.ggml.scores")
+    if scores is None or len(scores) != len(tokens):
+        raise ValueError("tokenizer.ggml.scores: a SentencePiece ('llama') tokenizer needs one "
+                         f"score per token ({len(tokens)})")
+    unk = gguf_field(reader, "tokenizer.ggml.unknown_token_id")
+    vocab = {token: i for i, token in enumerate(tokens)}
+    backend = tokenizers.Tokenizer(models.BPE(
+        vocab, _merges_by_score(tokens, scores), unk_token=None if unk is None else tokens[unk],
+        fuse_unk=True, byte_fallback=True))
+    prefix = bool(gguf_field(reader, "tokenizer.ggml.add_space_prefix", True))
+    backend.normalizer = normalizers.Sequence(
+        [normalizers.Prepend(_SPACE)] * prefix + [normalizers.Replace(" ", _SPACE)])
+    backend.decoder = decoders.Sequence(
+        [decoders.Replace(_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+        + [decoders.Strip(" ", 1, 0)] * prefix)
+    return backend
+
+
+def _merges_by_score(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:
+    """Every split of every piece into two pieces, the splits of higher-scoring pieces first
+    (those of one piece by their halves' ids): SentencePiece's merge order as BPE ranks."""
+    ids = {token: i for i, token in enumerate(tokens)}
+    merges = [(-score, ids[piece[:k]], ids[piece[k:]], piece[:k], piece[k:])
+              for piece, score in zip(tokens, scores)
+              for k in range(1, len(piece)) if piece[:k] in ids and piece[k:] in ids]
+    merges.sort(key=lambda m: m[:3])
+    return [(left, right) for *_, left, right in merges]
+
+
+def _add_tokens(backend: tokenizers.Tokenizer, tokens: list[str], types: list[int]) -> None:
+    """Control tokens as special added tokens, user-defined ones as plain added tokens."""
+    # NOTE: added tokens are matched whole before normalization and pre-tokenization, so
+    # "<|im_start|>" in text is one id; tokens already in the vocabulary keep their ids.
     backend.add_special_tokens([AddedToken(tokens[i], normalized=False, special=True)
                                 for i, t in enumerate(types) if t == _CONTROL])
     backend.add_tokens([AddedToken(tokens[i], normalized=False, special=False)
                         for i, t in enumerate(types) if t == _USER_DEFINED])
-    return backend
 
 
 def _edge_processor(

@@ -209,7 +209,8 @@ def test_add_bos_token_and_added_tokens(tmp_path: Path) -> None:
     assert Tokenizer.from_gguf(_write_tokenizer_gguf(tmp_path / "n.gguf")).encode("a") == [5]
 
 
-@pytest.mark.parametrize("kwargs, match", [({"pre": "bogus"}, "'bogus'"), ({"model": "llama"}, "'llama'")])
+@pytest.mark.parametrize("kwargs, match", [({"pre": "bogus"}, "'bogus'"), ({"model": "rwkv"}, "'rwkv'"),
+                                           ({"model": "llama"}, "tokenizer.ggml.scores")])
 def test_unsupported_tokenizer_names_the_value(tmp_path: Path, kwargs: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         Tokenizer.from_gguf(_write_tokenizer_gguf(tmp_path / "t.gguf", **kwargs))
