@@ -84,7 +84,7 @@ def _library() -> ctypes.CDLL | None:
         log.warning("CPU paged attention kernel unavailable, using the torch reference: %s", e)
         return None
     fn = lib.tandem_paged_attention_f32
-    fn.argtypes = [_PTR] * 8 + [_I64] * 10 + [ctypes.c_float, ctypes.c_int]
+    fn.argtypes = [_PTR] * 8 + [_I64] * 10 + [ctypes.c_float, ctypes.c_float, ctypes.c_int]
     fn.restype = ctypes.c_int
     return lib
 
@@ -97,7 +97,7 @@ def available() -> bool:
 def paged_decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     seq_lens: torch.Tensor, scale: float, out: torch.Tensor | None = None,
-    sliding_window: int | None = None,
+    sliding_window: int | None = None, softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its paged K/V.
 
@@ -105,7 +105,8 @@ def paged_decode_attention(
     num_kv_heads, head_dim]``; block_tables: ``[num_seqs, max_blocks]`` int; seq_lens:
     ``[num_seqs]`` int, context length including this step's token (already in the cache).
     Query head ``h`` reads KV head ``h // (num_heads // num_kv_heads)``; with
-    ``sliding_window`` W only the last W positions (no block before them is read). Writes and
+    ``sliding_window`` W only the last W positions (no block before them is read); with
+    ``softcap`` c the scores become ``c * tanh(score / c)`` before the softmax. Writes and
     returns ``out`` (``[num_seqs, num_heads, head_dim]``, q's dtype; a new tensor if ``None``).
 
     float32 CPU tensors run the C kernel; other dtypes or devices run
@@ -120,11 +121,12 @@ def paged_decode_attention(
     lib = _library() if _runs_in_c(q, k_cache, v_cache, out) else None
     if lib is None:
         out.copy_(reference.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens,
-                                                   scale, sliding_window=sliding_window))
+                                                   scale, sliding_window=sliding_window,
+                                                   softcap=softcap))
         return out
     dst = out if out.is_contiguous() else torch.empty_like(q)
     plan = AttentionPlan(block_tables, seq_lens, q.shape[1], k_cache.shape[2], scale,
-                         torch.get_num_threads(), sliding_window=sliding_window)
+                         torch.get_num_threads(), sliding_window=sliding_window, softcap=softcap)
     plan(q.contiguous(), k_cache, v_cache, dst)
     if dst is not out:
         out.copy_(dst)
@@ -135,6 +137,7 @@ def paged_prefill_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     seq_lens: torch.Tensor, query_start_loc: list[int], scale: float,
     out: torch.Tensor | None = None, sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Prefill / chunked prefill over the paged cache, as ``reference.paged_prefill_attention``
     (same arguments: sequence ``s`` owns rows ``query_start_loc[s]:query_start_loc[s + 1]`` of
@@ -149,14 +152,14 @@ def paged_prefill_attention(
     if lib is None:
         return reference.paged_prefill_attention(q, k_cache, v_cache, block_tables, seq_lens,
                                                  query_start_loc, scale, out=out,
-                                                 sliding_window=sliding_window)
+                                                 sliding_window=sliding_window, softcap=softcap)
     first, last = int(query_start_loc[0]), int(query_start_loc[-1])
     if last == first:
         return out
     dst = out if out.is_contiguous() else torch.empty_like(q)
     plan = AttentionPlan.for_tokens(block_tables, seq_lens, query_start_loc, q.shape[1],
                                     k_cache.shape[2], scale, torch.get_num_threads(),
-                                    sliding_window)
+                                    sliding_window, softcap)
     plan(q[first:last].contiguous(), k_cache, v_cache, dst[first:last])
     if dst is not out:
         out[first:last].copy_(dst[first:last])
@@ -170,7 +173,8 @@ class AttentionPlan:
     block_tables: ``[num_seqs, max_blocks]`` int; context_lens: ``[num_queries]`` int, the
     cached tokens each query attends to (its position + 1); query_seq: ``[num_queries]`` int,
     each query's row of block_tables (``None``: query i is sequence i, a decode step);
-    sliding_window: each query sees its last ``sliding_window`` tokens only (None: all).
+    sliding_window: each query sees its last ``sliding_window`` tokens only (None: all);
+    softcap: scores become ``softcap * tanh(score / softcap)`` (Gemma 2; None: as they are).
     Validated by the kernel on each call. Raises ``RuntimeError`` when the C kernel is not
     available.
     """
@@ -178,7 +182,7 @@ class AttentionPlan:
     def __init__(self, block_tables: torch.Tensor, context_lens: torch.Tensor, num_heads: int,
                  num_kv_heads: int, scale: float, num_threads: int,
                  query_seq: torch.Tensor | None = None,
-                 sliding_window: int | None = None) -> None:
+                 sliding_window: int | None = None, softcap: float | None = None) -> None:
         lib = _library()
         if lib is None:
             raise RuntimeError("the CPU paged attention kernel is not built (no C compiler?)")
@@ -189,13 +193,14 @@ class AttentionPlan:
         self.num_queries, self.num_heads, self.num_kv_heads = self.lens.shape[0], num_heads, num_kv_heads
         self.max_len = int(self.lens.max()) if self.num_queries else 0
         self.scale, self.num_threads = scale, num_threads
-        self.window = sliding_window or 0
+        self.window, self.softcap = sliding_window or 0, softcap or 0.0
         self.scratch = torch.empty(num_threads, num_heads, self.max_len)
 
     @classmethod
     def for_tokens(cls, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                    query_start_loc: list[int], num_heads: int, num_kv_heads: int, scale: float,
-                   num_threads: int, sliding_window: int | None = None) -> AttentionPlan:
+                   num_threads: int, sliding_window: int | None = None,
+                   softcap: float | None = None) -> AttentionPlan:
         """The plan of a step's rows ``query_start_loc[0]:query_start_loc[-1]``: sequence ``s``
         owns rows ``query_start_loc[s]:query_start_loc[s + 1]``, the last of its
         ``seq_lens[s]`` positions (a decode row is a chunk of one)."""
@@ -204,7 +209,7 @@ class AttentionPlan:
         ends = torch.cumsum(counts, 0)[seq]  # each token's distance from its chunk's end
         lens = seq_lens.to(torch.int64)[seq] - (ends - torch.arange(seq.shape[0]) - 1)
         return cls(block_tables, lens, num_heads, num_kv_heads, scale, num_threads, seq,
-                   sliding_window)
+                   sliding_window, softcap)
 
     @property
     def kernel_address(self) -> int:
@@ -224,7 +229,7 @@ class AttentionPlan:
                       query_seq, self.lens.data_ptr(), out.data_ptr(), self.scratch.data_ptr(),
                       self.num_queries, self.tables.shape[0], self.num_heads, self.num_kv_heads,
                       head_dim, num_blocks, block_size, self.tables.shape[1], self.max_len,
-                      self.window, self.scale, self.num_threads)
+                      self.window, self.scale, self.softcap, self.num_threads)
         if rc != 0:
             raise ValueError(f"paged_attention: {_ERRORS.get(rc, f'error {rc}')}")
         return out

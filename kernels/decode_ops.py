@@ -1,6 +1,6 @@
 """Fused per-layer decoder operations for CPUs (``csrc/decode_ops.c``, OpenMP), each beside its
 torch reference: residual add + RMSNorm, RoPE of q/k with the KV cache write (after the q/k/v
-bias and per-head q/k norms where a model has them), SiLU(gate) * up.
+bias and per-head q/k norms where a model has them), SiLU(gate) * up and GELU(gate) * up.
 
 At a batch-1 decode step each of these is a handful of torch ops whose dispatch costs more than
 their arithmetic (576- or 1536-element rows); one C call replaces each group. The kernel is
@@ -43,17 +43,21 @@ def lib() -> ctypes.CDLL | None:
     so.tandem_rope_write_kv_f32.argtypes = ([_PTR] * 2 + [_I64] * 5 + [_PTR] * 3 + [_I64]
                                             + [_PTR] * 3 + [_I64] + [_PTR] * 3 + [_F32, _INT])
     so.tandem_silu_mul_f32.argtypes = [_PTR] * 2 + [_I64] * 2 + [_INT]
+    so.tandem_gelu_tanh_mul_f32.argtypes = [_PTR] * 2 + [_I64] * 2 + [_INT]
     so.tandem_argmax_rows_f32.argtypes = [_PTR, _I64, _I64, _PTR, _INT]
     so.tandem_decode_layers_f32.argtypes = (
-        [_PTR, _I64] + [_PTR] * 11 + [_I64] * 6 + [_F32] + [_PTR] * 3 + [_I64, _PTR] + [_I64] * 2
-        + [_PTR] * 2 + [_I64] * 2 + [_PTR, _F32] + [_INT] * 3 + [_PTR] * 2)
+        [_PTR, _I64] + [_PTR] * 11 + [_I64] * 6 + [_F32] + [_PTR, _I64, _PTR] + [_I64] * 2
+        + [_PTR] * 2 + [_I64] * 2 + [_PTR, _F32, _F32] + [_INT] * 4 + [_PTR] * 2)
     return so
 
 
 # one row of tandem_decode_layers_f32's layer table: addresses (and part counts), in order
 LAYER_FIELDS = ("w_in", "w_post", *(f"{m}_{f}" for m in ("qkv", "o", "gate_up", "down")
                                     for f in ("parts", "part_rows", "num_parts")),
-                "k_cache", "v_cache", "qkv_bias", "q_norm", "k_norm", "sliding_window")
+                "k_cache", "v_cache", "qkv_bias", "q_norm", "k_norm", "sliding_window",
+                "w_attn_out", "w_mlp_out", "cos", "sin")
+# the gated MLP's activation, by config.json's hidden_act (the C enum's values)
+ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1}
 
 
 def available() -> bool:
@@ -148,6 +152,19 @@ def silu_mul(gate_up: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"gate_up: expected [{m}, {2 * f}], got {list(gate_up.shape)}")
     check(so.tandem_silu_mul_f32(gate_up.data_ptr(), out.data_ptr(), m, f,
                                  torch.get_num_threads()), "silu_mul")
+    return out
+
+
+def gelu_tanh_mul(gate_up: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``out = gelu(gate) * up`` with GELU's tanh form (torch's ``gelu(approximate="tanh")``,
+    Gemma's ``gelu_pytorch_tanh``; GeGLU, Shazeer 2020) for ``gate_up = [gate | up]`` (``[M,
+    2F]`` -> ``[M, F]`` float32). Returns ``out``. Raises ``ValueError`` for bad tensors."""
+    so = _require(gate_up, out)
+    m, f = out.shape
+    if tuple(gate_up.shape) != (m, 2 * f):
+        raise ValueError(f"gate_up: expected [{m}, {2 * f}], got {list(gate_up.shape)}")
+    check(so.tandem_gelu_tanh_mul_f32(gate_up.data_ptr(), out.data_ptr(), m, f,
+                                      torch.get_num_threads()), "gelu_tanh_mul")
     return out
 
 

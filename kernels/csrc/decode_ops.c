@@ -12,6 +12,8 @@
  *                           the projection's bias added (Qwen2) and each q and k head
  *                           RMS-normalised with its own weight (Qwen3's q_norm / k_norm)
  *   tandem_silu_mul_f32     out = silu(gate) * up (SwiGLU, Shazeer 2020)
+ *   tandem_gelu_tanh_mul_f32  out = gelu(gate) * up, GELU's tanh form (GeGLU, Shazeer 2020;
+ *                           Hendrycks & Gimpel 2016; torch's gelu(approximate="tanh"): Gemma)
  *
  * Plain C loops under `omp simd`: the build's -march=native turns them into AVX-512 or AVX2
  * code (scalar elsewhere), like the other kernels of this folder. Rows are spread over OpenMP
@@ -157,6 +159,38 @@ int tandem_silu_mul_f32(const float *gate_up, float *out, int64_t M, int64_t F,
     return TANDEM_OK;
 }
 
+#define GELU_BETA 0.7978845608028654f /* sqrt(2 / pi) */
+#define GELU_KAPPA 0.044715f
+
+int tandem_gelu_tanh_mul_f32(const float *gate_up, float *out, int64_t M, int64_t F,
+                             int num_threads) {
+    if (M < 0 || F <= 0) return TANDEM_BAD_SHAPE;
+#pragma omp parallel for num_threads(num_threads) if (M > 1) schedule(static)
+    for (int64_t m = 0; m < M; m++) {
+        const float *g = gate_up + m * 2 * F, *u = g + F;
+        float *o = out + m * F;
+        int64_t f = 0;
+#if defined(__AVX512F__)
+        const __m512 half = _mm512_set1_ps(0.5f), one = _mm512_set1_ps(1.0f);
+        const __m512 beta = _mm512_set1_ps(GELU_BETA), kappa = _mm512_set1_ps(GELU_KAPPA);
+        for (; f < F; f += 16) { /* the tail masked: every element through tandem_tanh16 */
+            const __mmask16 k = F - f >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (F - f)) - 1);
+            const __m512 x = _mm512_maskz_loadu_ps(k, g + f);
+            const __m512 cube = _mm512_mul_ps(_mm512_mul_ps(x, x), x);
+            const __m512 inner = _mm512_mul_ps(beta, _mm512_add_ps(x, _mm512_mul_ps(kappa, cube)));
+            const __m512 gelu = _mm512_mul_ps(_mm512_mul_ps(half, x),
+                                              _mm512_add_ps(one, tandem_tanh16(inner)));
+            _mm512_mask_storeu_ps(o + f, k, _mm512_mul_ps(gelu, _mm512_maskz_loadu_ps(k, u + f)));
+        }
+#endif
+        for (; f < F; f++) {
+            const float x = g[f], inner = GELU_BETA * (x + GELU_KAPPA * (x * x * x));
+            o[f] = 0.5f * x * (1.0f + tandem_tanh(inner)) * u[f];
+        }
+    }
+    return TANDEM_OK;
+}
+
 /* ---- the decode step's layer loop (tandem_decode_layers_f32) ---- */
 
 typedef int (*quant_matmul_fn)(const float *x, const uint8_t *const *parts,
@@ -168,14 +202,18 @@ typedef int (*attention_fn)(const float *q, const float *k_cache, const float *v
                             int64_t num_queries, int64_t num_seqs, int64_t num_heads,
                             int64_t num_kv_heads, int64_t head_dim, int64_t num_blocks,
                             int64_t block_size, int64_t max_blocks, int64_t max_seq_len,
-                            int64_t window, float scale, int num_threads);
+                            int64_t window, float scale, float softcap, int num_threads);
 
 /* One layer's addresses, in this order (kernels/decode_ops.py LAYER_FIELDS): input norm
- * weight, post-attention norm weight, then for q/k/v, o, gate/up and down: the parts array,
- * the part_rows array and the number of parts; then the layer's k_cache and v_cache; the q/k/v
- * bias, q_norm and k_norm weights (0: none) and the attention's sliding window (0: none). */
+ * weight, the norm weight before the MLP, then for q/k/v, o, gate/up and down: the parts
+ * array, the part_rows array and the number of parts; then the layer's k_cache and v_cache;
+ * the q/k/v bias, q_norm and k_norm weights (0: none), the attention's sliding window (0:
+ * none); the norms of the attention's and the MLP's outputs (Gemma's post-attention and
+ * post-feedforward norms; 0: none); the layer's rotary cos and sin tables. */
 enum { L_W_IN, L_W_POST, L_QKV, L_O = L_QKV + 3, L_GU = L_O + 3, L_DOWN = L_GU + 3,
-       L_K = L_DOWN + 3, L_V, L_QKV_BIAS, L_Q_NORM, L_K_NORM, L_WINDOW, LAYER_FIELDS };
+       L_K = L_DOWN + 3, L_V, L_QKV_BIAS, L_Q_NORM, L_K_NORM, L_WINDOW, L_W_ATTN_OUT,
+       L_W_MLP_OUT, L_COS, L_SIN, LAYER_FIELDS };
+enum { ACT_SILU, ACT_GELU_TANH }; /* the gated MLP's activation */
 
 /* Errors: this file's codes as they are; the matmul's + 10; the attention's + 20. */
 #define MATMUL(f, in, out, n, k)                                                               \
@@ -189,20 +227,22 @@ enum { L_W_IN, L_W_POST, L_QKV, L_O = L_QKV + 3, L_GU = L_O + 3, L_DOWN = L_GU +
 /*
  * Every decoder layer of a decode step (T sequences of one token each) and the final norm:
  * per layer x += y; h = rmsnorm(x) w_in; qkv = h Wqkv; rope + KV write; a = attention;
- * o = a Wo; x += o; h = rmsnorm(x) w_post; gu = h Wgu; m = silu(g) u; y = m Wdown. One call
- * instead of eight per layer from Python. Buffers (float32, caller-owned): x [T, hidden] (the
- * embeddings in, the residual stream after), h, o, down [T, hidden], qkv [T, (heads + 2
- * kv_heads) head_dim], q, a [T, heads * head_dim], gu [T, 2 ffn], act [T, ffn], out [T, hidden].
+ * o = a Wo [o = rmsnorm(o) w_attn_out]; x += o; h = rmsnorm(x) w_post; gu = h Wgu;
+ * m = act(g) u; y = m Wdown [y = rmsnorm(y) w_mlp_out]. One call instead of eight per layer
+ * from Python. Buffers (float32, caller-owned): x [T, hidden] (the embeddings in, the residual
+ * stream after), h, o, down [T, hidden], qkv [T, (heads + 2 kv_heads) head_dim], q, a [T,
+ * heads * head_dim], gu [T, 2 ffn], act [T, ffn], out [T, hidden]. activation: ACT_SILU or
+ * ACT_GELU_TANH; softcap: the attention's (0: none).
  */
 int tandem_decode_layers_f32(
     const int64_t *layers, int64_t num_layers, float *x, float *h, float *qkv, float *q,
     float *a, float *o, float *gu, float *act, float *down, float *out, const float *final_norm,
     int64_t T, int64_t hidden, int64_t ffn, int64_t num_heads, int64_t num_kv_heads,
-    int64_t head_dim, float eps, const int64_t *positions, const float *cos, const float *sin,
-    int64_t max_positions, const int64_t *slot_mapping, int64_t num_blocks, int64_t block_size,
+    int64_t head_dim, float eps, const int64_t *positions, int64_t max_positions,
+    const int64_t *slot_mapping, int64_t num_blocks, int64_t block_size,
     const int64_t *block_tables, const int64_t *seq_lens, int64_t max_blocks,
-    int64_t max_seq_len, float *scratch, float scale, int fmt, int isa, int num_threads,
-    quant_matmul_fn matmul, attention_fn attention) {
+    int64_t max_seq_len, float *scratch, float scale, float softcap, int activation, int fmt,
+    int isa, int num_threads, quant_matmul_fn matmul, attention_fn attention) {
     const int64_t qkv_width = (num_heads + 2 * num_kv_heads) * head_dim;
     const int64_t q_width = num_heads * head_dim;
     const float *residual = NULL;
@@ -215,7 +255,9 @@ int tandem_decode_layers_f32(
         if (rc) return rc;
         MATMUL(L_QKV, h, qkv, qkv_width, hidden);
         rc = tandem_rope_write_kv_f32(qkv, q, T, qkv_width, num_heads, num_kv_heads, head_dim,
-                                      positions, cos, sin, max_positions, k_cache, v_cache,
+                                      positions, (const float *)(intptr_t)L[L_COS],
+                                      (const float *)(intptr_t)L[L_SIN], max_positions,
+                                      k_cache, v_cache,
                                       slot_mapping, num_blocks * block_size,
                                       (const float *)(intptr_t)L[L_QKV_BIAS],
                                       (const float *)(intptr_t)L[L_Q_NORM],
@@ -223,16 +265,27 @@ int tandem_decode_layers_f32(
         if (rc) return rc;
         rc = attention(q, k_cache, v_cache, block_tables, NULL, seq_lens, a, scratch, T, T,
                        num_heads, num_kv_heads, head_dim, num_blocks, block_size, max_blocks,
-                       max_seq_len, L[L_WINDOW], scale, num_threads);
+                       max_seq_len, L[L_WINDOW], scale, softcap, num_threads);
         if (rc) return 20 + rc;
         MATMUL(L_O, a, o, hidden, q_width);
+        if (L[L_W_ATTN_OUT]) { /* in place: the norm reads a row whole before writing it */
+            rc = tandem_add_rmsnorm_f32(o, NULL, (const float *)(intptr_t)L[L_W_ATTN_OUT], o, T,
+                                        hidden, eps, num_threads);
+            if (rc) return rc;
+        }
         rc = tandem_add_rmsnorm_f32(x, o, (const float *)(intptr_t)L[L_W_POST], h, T, hidden,
                                     eps, num_threads);
         if (rc) return rc;
         MATMUL(L_GU, h, gu, 2 * ffn, hidden);
-        rc = tandem_silu_mul_f32(gu, act, T, ffn, num_threads);
+        rc = activation == ACT_GELU_TANH ? tandem_gelu_tanh_mul_f32(gu, act, T, ffn, num_threads)
+                                         : tandem_silu_mul_f32(gu, act, T, ffn, num_threads);
         if (rc) return rc;
         MATMUL(L_DOWN, act, down, hidden, ffn);
+        if (L[L_W_MLP_OUT]) {
+            rc = tandem_add_rmsnorm_f32(down, NULL, (const float *)(intptr_t)L[L_W_MLP_OUT], down,
+                                        T, hidden, eps, num_threads);
+            if (rc) return rc;
+        }
         residual = down;
     }
     return tandem_add_rmsnorm_f32(x, residual, final_norm, out, T, hidden, eps, num_threads);

@@ -24,6 +24,9 @@
  * Sliding-window attention (Mistral, Phi-3): with window W > 0 a query attends to the last W
  * of its context only (Hugging Face's key > query - W); the blocks before them are never read
  * (their table entries may name freed blocks), and the parts are cut over the window alone.
+ *
+ * Soft-capping (Gemma 2): with softcap c > 0 each scaled score s becomes c tanh(s / c) before
+ * the softmax (tandem_tanh, the same function for every element).
  */
 #include <math.h>
 #include <stdint.h>
@@ -288,19 +291,36 @@ static void softmax_part(float *sc, int64_t n, int whole, float *max_out, float 
     *sum_out = sum;
 }
 
+/* sc[0..n) -> cap tanh(sc / cap), every element through tandem_tanh16 (the tail masked). */
+static void softcap_part(float *sc, int64_t n, float cap) {
+    int64_t t = 0;
+#if defined(__AVX512F__)
+    const __m512 cv = _mm512_set1_ps(cap);
+    for (; t < n; t += 16) {
+        const __mmask16 k = n - t >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - t)) - 1);
+        const __m512 v = _mm512_div_ps(_mm512_maskz_loadu_ps(k, sc + t), cv);
+        _mm512_mask_storeu_ps(sc + t, k, _mm512_mul_ps(tandem_tanh16(v), cv));
+    }
+#endif
+    for (; t < n; ++t)
+        sc[t] = tandem_tanh(sc[t] / cap) * cap;
+}
+
 /* One part [t_begin, t_end) of query i's context: scores, softmax, the weighted V sum into
  * dst ([num_heads, head_dim]); whole (the part is the context): normalised in place, else the
  * part's max and sum per head into part_max, part_sum [num_heads]. */
 static void attend_part(const float *q, const float *k_cache, const float *v_cache,
                         const int64_t *table, int64_t num_kv_heads, int64_t group,
                         int64_t head_dim, int64_t t_begin, int64_t t_end, int64_t block_size,
-                        float scale, score_fn score, weigh_fn weigh, float *scores, int whole,
-                        float *dst, float *part_max, float *part_sum) {
+                        float scale, float softcap, score_fn score, weigh_fn weigh,
+                        float *scores, int whole, float *dst, float *part_max, float *part_sum) {
     const int64_t n = t_end - t_begin, num_heads = num_kv_heads * group;
     score(q, k_cache, table, num_kv_heads, group, head_dim, t_begin, t_end, block_size, scale,
           scores, n);
     for (int64_t h = 0; h < num_heads; ++h) {
         float max, sum;
+        if (softcap > 0.0f)
+            softcap_part(scores + h * n, n, softcap);
         softmax_part(scores + h * n, n, whole, &max, &sum);
         if (!whole) {
             part_max[h] = max;
@@ -351,7 +371,7 @@ int tandem_paged_attention_f32(
     float *scratch,              /* [num_threads, num_heads, max_seq_len] */
     int64_t num_queries, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
     int64_t head_dim, int64_t num_blocks, int64_t block_size, int64_t max_blocks,
-    int64_t max_seq_len, int64_t window, float scale, int num_threads)
+    int64_t max_seq_len, int64_t window, float scale, float softcap, int num_threads)
 {
     const int64_t group = num_heads / num_kv_heads, row = num_heads * head_dim;
 
@@ -422,7 +442,8 @@ int tandem_paged_attention_f32(
                 const int64_t t_end = t_begin + per < len ? t_begin + per : len;
                 const int64_t slot = split ? work : part; /* this part's row of po, pm, ps */
                 attend_part(q + i * row, k_cache, v_cache, table, num_kv_heads, group, head_dim,
-                            t_begin, t_end, block_size, scale, score, weigh, scores, parts == 1,
+                            t_begin, t_end, block_size, scale, softcap, score, weigh, scores,
+                            parts == 1,
                             parts == 1 ? out + i * row : po + slot * row,
                             parts == 1 ? NULL : pm + slot * num_heads,
                             parts == 1 ? NULL : ps + slot * num_heads);

@@ -1,7 +1,8 @@
 /*
- * exp and a fixed-order float sum shared by the C kernels of this folder (attention's softmax,
- * SiLU, RMSNorm). The kernels are built without -ffast-math (so sums keep the order written),
- * which also keeps gcc from vectorising expf: this exp is written once for 16 lanes and once
+ * exp, tanh and a fixed-order float sum shared by the C kernels of this folder (attention's
+ * softmax and soft-capping, SiLU, GELU, RMSNorm). The kernels are built without -ffast-math
+ * (so sums keep the order written), which also keeps gcc from vectorising expf: this exp is
+ * written once for 16 lanes and once
  * for one, with the same operations in the same order, so a value's exp does not depend on
  * whether it sat in a vector or in a tail (a row's result must not depend on its length).
  *
@@ -58,6 +59,22 @@ static inline __m512 tandem_exp16(__m512 x) {
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(TANDEM_EXP_P5));
     p = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
     return _mm512_scalef_ps(p, n);
+}
+#endif
+
+/* tanh(x) = 1 - 2 / (e^(2x) + 1) through tandem_exp, for GELU's tanh form and attention
+ * soft-capping: one function on every path, like exp. Within a few ulp of tanhf away from 0;
+ * near 0 its error is absolute (about 6e-8), where GELU adds the result to 1 and soft-capping
+ * scales a small score. */
+static inline float tandem_tanh(float x) {
+    return 1.0f - 2.0f / (tandem_exp(x + x) + 1.0f);
+}
+
+#if defined(__AVX512F__)
+static inline __m512 tandem_tanh16(__m512 x) {
+    const __m512 one = _mm512_set1_ps(1.0f);
+    const __m512 e = tandem_exp16(_mm512_add_ps(x, x));
+    return _mm512_sub_ps(one, _mm512_div_ps(_mm512_set1_ps(2.0f), _mm512_add_ps(e, one)));
 }
 #endif
 

@@ -8,10 +8,17 @@ into C, with every argument prepared once per step:
     x += y; h = rmsnorm(x) w1        kernels.decode_ops.add_rmsnorm (y: last layer's MLP out)
     qkv = h Wqkv^T                   kernels.quant.PreparedMatmul (fused q/k/v)
     q = rope(q); cache <- rope(k), v kernels.decode_ops.rope_write_kv (+ Qwen2's q/k/v bias,
-                                     Qwen3's per-head q/k norms, first)
+                                     Qwen3's and Gemma 3's per-head q/k norms, first)
     a = attention(q, cache)          kernels.cpu_attention.AttentionPlan (decode and prefill rows;
-                                     a sliding window on the layers that have one)
+                                     a sliding window on the layers that have one; Gemma 2's
+                                     soft-capped scores)
     o = a Wo^T; x += o; h = rmsnorm(x) w2; gu = h Wgu^T; m = silu(g) u; y = m Wdown^T
+
+Gemma 2 and 3 take the same loop with what differs as data: embeddings times sqrt(hidden) (the
+model's ``embed``), every norm's ``1 + w`` folded into its weight, the attention's output and
+the MLP's output each RMS-normalised before they join the residual stream (``w_attn_out``,
+``w_mlp_out``), GELU's tanh form for SiLU, the attention scale from ``query_pre_attn_scalar``,
+and Gemma 3's rotary tables per layer (local and global layers differ).
 
 Same math as the module path, in float32; sums run in another order, so results agree to
 float32 rounding, not bit for bit (the float32 ``none`` oracle path never comes here).
@@ -47,23 +54,29 @@ class QuantizedForward:
         self.hidden, self.ffn = cfg.hidden_size, cfg.intermediate_size
         self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
         self.head_dim, self.eps = cfg.head_dim, cfg.rms_norm_eps
-        self.scale = self.head_dim**-0.5
-        rope = model.model.layers[0].self_attn.rope
-        self.cos, self.sin = rope.cos.contiguous(), rope.sin.contiguous()
-        self.embed, self.norm = model.model.embed_tokens, model.model.norm.weight.detach()
-        self.layers = [(layer.input_layernorm.weight.detach(),
+        first = model.model.layers[0].self_attn
+        self.scale, self.softcap = first.scale, first.softcap  # Gemma's query_pre_attn_scalar
+        self.activation = decode_ops.ACTIVATIONS[cfg.hidden_act]
+        self.max_positions = first.rope.cos.shape[0]
+        self.embed, self.norm = model.embed, _norm_weight(model.model.norm)
+        self.layers = [(_norm_weight(layer.input_layernorm),
                         PreparedMatmul(layer.self_attn.qkv_proj.parts),
                         PreparedMatmul(layer.self_attn.o_proj.parts),
-                        layer.post_attention_layernorm.weight.detach(),
+                        _norm_weight(_pre_mlp_norm(layer)),
                         PreparedMatmul(layer.mlp.gate_up_proj.parts),
                         PreparedMatmul(layer.mlp.down_proj.parts))
                        for layer in model.model.layers]
         # per layer: q/k/v bias, q_norm and k_norm weights (None: none), sliding window (0: none)
         self.extras = [(_weight(layer.self_attn.qkv_proj, "bias"),
-                        _weight(getattr(layer.self_attn, "q_norm", None), "weight"),
-                        _weight(getattr(layer.self_attn, "k_norm", None), "weight"),
+                        _norm_weight(getattr(layer.self_attn, "q_norm", None)),
+                        _norm_weight(getattr(layer.self_attn, "k_norm", None)),
                         layer.self_attn.sliding_window or 0)
                        for layer in model.model.layers]
+        # per layer: Gemma's norms of the attention's and the MLP's outputs (None: none), and
+        # the rotary tables (cos, sin: [max_positions, head_dim], shared where layers share)
+        self.gemma = [(*_output_norms(layer), layer.self_attn.rope.cos.contiguous(),
+                       layer.self_attn.rope.sin.contiguous())
+                      for layer in model.model.layers]
         self._ops = decode_ops.lib()
         self._caches: tuple[tuple[int, tuple[int, ...]], list] | None = None
         self._table: tuple[list, torch.Tensor] | None = None
@@ -91,7 +104,7 @@ class QuantizedForward:
         itself."""
         return {w: cpu_attention.AttentionPlan.for_tokens(
             meta.block_tables, meta.seq_lens, meta.query_start_loc, self.num_heads,
-            self.num_kv_heads, self.scale, threads, w or None)
+            self.num_kv_heads, self.scale, threads, w or None, self.softcap)
             for w in {extra[3] for extra in self.extras}}
 
     def _layer_table(self, kv_cache: torch.Tensor) -> torch.Tensor | None:
@@ -103,9 +116,12 @@ class QuantizedForward:
         if self._table is None or self._table[0] is not caches:
             rows = [[w_in.data_ptr(), w_post.data_ptr(), *qkv.addresses(), *o.addresses(),
                      *gu.addresses(), *down.addresses(), k.data_ptr(), v.data_ptr(),
-                     *(0 if t is None else t.data_ptr() for t in (bias, q_norm, k_norm)), window]
-                    for (w_in, qkv, o, w_post, gu, down), (k, v), (bias, q_norm, k_norm, window)
-                    in zip(self.layers, caches, self.extras)]
+                     *(0 if t is None else t.data_ptr() for t in (bias, q_norm, k_norm)), window,
+                     *(0 if t is None else t.data_ptr() for t in (attn_out, mlp_out)),
+                     cos.data_ptr(), sin.data_ptr()]
+                    for (w_in, qkv, o, w_post, gu, down), (k, v), (bias, q_norm, k_norm, window),
+                    (attn_out, mlp_out, cos, sin)
+                    in zip(self.layers, caches, self.extras, self.gemma)]
             self._table = (caches, torch.tensor(rows, dtype=torch.int64))
         return self._table[1]
 
@@ -134,10 +150,10 @@ class QuantizedForward:
         decode_ops.check(self._ops.tandem_decode_layers_f32(
             table.data_ptr(), table.shape[0], *b.pointers(), self.norm.data_ptr(), b.t,
             self.hidden, self.ffn, self.num_heads, self.num_kv_heads, self.head_dim, self.eps,
-            pos.data_ptr(), self.cos.data_ptr(), self.sin.data_ptr(), self.cos.shape[0],
-            slots.data_ptr(), num_blocks, block_size, plan.tables.data_ptr(),
-            plan.lens.data_ptr(), plan.tables.shape[1], plan.max_len, plan.scratch.data_ptr(),
-            self.scale, self._one_format, quant.isa_level(), threads, self.layers[0][1].kernel_address,
+            pos.data_ptr(), self.max_positions, slots.data_ptr(), num_blocks, block_size,
+            plan.tables.data_ptr(), plan.lens.data_ptr(), plan.tables.shape[1], plan.max_len,
+            plan.scratch.data_ptr(), self.scale, self.softcap or 0.0, self.activation,
+            self._one_format, quant.isa_level(), threads, self.layers[0][1].kernel_address,
             plan.kernel_address), "decode_layers")
 
     def _layers(self, b: _Buffers, pos: torch.Tensor, slots: torch.Tensor,
@@ -147,28 +163,34 @@ class QuantizedForward:
         plans = self._attention(meta, threads)
         caches = self._layer_caches(kv_cache)
         num_slots = caches[0][0].shape[0] * caches[0][0].shape[1]
-        norm, rope, silu_mul = (ops.tandem_add_rmsnorm_f32, ops.tandem_rope_write_kv_f32,
-                                ops.tandem_silu_mul_f32)
+        norm, rope = ops.tandem_add_rmsnorm_f32, ops.tandem_rope_write_kv_f32
+        act_mul = (ops.tandem_gelu_tanh_mul_f32 if self.activation else ops.tandem_silu_mul_f32)
         x, h, qkv, q, a, o, gu, act, down, out = b.pointers()
         residual = None  # the previous layer's MLP output, added at the next norm
-        for (w_in, qkv_mm, o_mm, w_post, gu_mm, down_mm), (k_cache, v_cache), extra in zip(
-                self.layers, caches, self.extras):
+        for (w_in, qkv_mm, o_mm, w_post, gu_mm, down_mm), (k_cache, v_cache), extra, (
+                attn_out, mlp_out, cos, sin) in zip(self.layers, caches, self.extras, self.gemma):
             decode_ops.check(norm(x, residual, w_in.data_ptr(), h, t, self.hidden, self.eps,
                                   threads), "add_rmsnorm")
             qkv_mm(b.h, b.qkv, threads)
             decode_ops.check(rope(qkv, q, t, b.qkv.shape[1], heads, kv_heads, d, pos.data_ptr(),
-                                  self.cos.data_ptr(), self.sin.data_ptr(), self.cos.shape[0],
+                                  cos.data_ptr(), sin.data_ptr(), cos.shape[0],
                                   k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(),
                                   num_slots, *(None if w is None else w.data_ptr()
                                                for w in extra[:3]), self.eps, threads),
                              "rope_write_kv")
             plans[extra[3]](b.q, k_cache, v_cache, b.a)
             o_mm(b.a.view(t, heads * d), b.o, threads)
+            if attn_out is not None:  # in place
+                decode_ops.check(norm(o, None, attn_out.data_ptr(), o, t, self.hidden, self.eps,
+                                      threads), "add_rmsnorm")
             decode_ops.check(norm(x, o, w_post.data_ptr(), h, t, self.hidden, self.eps, threads),
                              "add_rmsnorm")
             gu_mm(b.h, b.gate_up, threads)
-            decode_ops.check(silu_mul(gu, act, t, self.ffn, threads), "silu_mul")
+            decode_ops.check(act_mul(gu, act, t, self.ffn, threads), "act_mul")
             down_mm(b.act, b.down, threads)
+            if mlp_out is not None:
+                decode_ops.check(norm(down, None, mlp_out.data_ptr(), down, t, self.hidden,
+                                      self.eps, threads), "add_rmsnorm")
             residual = down
         decode_ops.check(norm(x, residual, self.norm.data_ptr(), out, t, self.hidden, self.eps,
                               threads), "add_rmsnorm")
@@ -200,15 +222,40 @@ def _weight(module, name: str) -> torch.Tensor | None:
     return None if t is None else t.detach().float().contiguous()
 
 
-# what QuantizedForward computes: Llama's pre-norm SwiGLU layer at head_dim ** -0.5, with the
-# q/k/v bias (Qwen2), per-head q/k norms (Qwen3) and sliding windows (Mistral, Phi-3) it takes
-SERVED = ("llama", "mistral", "phi3", "qwen2", "qwen3")
+def _norm_weight(norm) -> torch.Tensor | None:
+    """An RMSNorm's scale as the C norm multiplies by it: its weight, or ``1 + weight`` for
+    Gemma's form (``model.GemmaRMSNorm``: Hugging Face adds 1 in float32 too); None for None."""
+    w = _weight(norm, "weight")
+    return w + 1.0 if w is not None and norm.unit_offset else w
+
+
+def _pre_mlp_norm(layer):
+    """The norm before the MLP: Gemma's ``pre_feedforward_layernorm`` (its
+    ``post_attention_layernorm`` normalises the attention's output), Llama's
+    ``post_attention_layernorm``."""
+    gemma = getattr(layer, "pre_feedforward_layernorm", None)
+    return layer.post_attention_layernorm if gemma is None else gemma
+
+
+def _output_norms(layer) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Gemma's norms of the attention's and the MLP's outputs (``_norm_weight``), else None."""
+    if getattr(layer, "pre_feedforward_layernorm", None) is None:
+        return None, None
+    return (_norm_weight(layer.post_attention_layernorm),
+            _norm_weight(layer.post_feedforward_layernorm))
+
+
+# what QuantizedForward computes: Llama's pre-norm gated layer, with the q/k/v bias (Qwen2),
+# per-head q/k norms (Qwen3, Gemma 3), sliding windows (Mistral, Phi-3, Gemma) and Gemma's
+# norms, GeGLU, scaled embeddings, soft-capped attention and per-layer rotary tables it takes
+SERVED = ("llama", "mistral", "phi3", "qwen2", "qwen3", "gemma2", "gemma3_text")
 
 
 def unsupported_reason(cfg) -> str | None:
     """Why ``QuantizedForward`` cannot run a model of ``cfg`` (``config.ModelConfig``), or None
-    for the architectures of ``SERVED``. Gemma's layer (norms around attention and MLP, GeGLU,
-    scaled embeddings, soft-capped logits) is not computed in C."""
+    for the architectures of ``SERVED``."""
     if cfg.architecture not in SERVED:
         return f"the fused C forward pass does not compute {cfg.architecture}'s layers"
+    if cfg.hidden_act not in decode_ops.ACTIVATIONS:
+        return f"the fused C forward pass has no {cfg.hidden_act} activation"
     return None

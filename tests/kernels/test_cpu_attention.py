@@ -184,3 +184,32 @@ def test_sliding_window_matches_the_reference_and_reads_no_block_before_it(windo
                                           batch.seq_lens[nd:], locs[nd:], batch.scale, out=out,
                                           sliding_window=window)
     torch.testing.assert_close(out, want, atol=2e-5, rtol=0)
+
+
+@pytest.mark.parametrize("softcap,window", [(50.0, None), (2.0, None), (20.0, 7)])
+def test_softcap_matches_the_reference(softcap, window):
+    """Gemma 2's scores c * tanh(s / c) before the softmax, decode rows and prefill chunks (the
+    long context split in parts); a small cap bends every score, so the cap matters."""
+    from tests.kernels.conftest import make_paged_batch
+
+    seqs = [(6, 1), (300, 1), (0, 1), (5, 11), (31, 2), (0, 17)]
+    batch = make_paged_batch(seqs, 6, 2, 32, 4, device=torch.device("cpu"))
+    q = batch.q * 8  # scores well beyond the smallest cap
+    nd = 3
+    want = reference.paged_attention(q, batch.k_cache, batch.v_cache, batch.block_tables,
+                                     batch.seq_lens, batch.query_start_loc, nd, batch.scale,
+                                     sliding_window=window, softcap=softcap)
+    uncapped = reference.paged_attention(q, batch.k_cache, batch.v_cache, batch.block_tables,
+                                         batch.seq_lens, batch.query_start_loc, nd, batch.scale,
+                                         sliding_window=window)
+    out = torch.empty_like(q)
+    cpu_attention.paged_decode_attention(q[:nd], batch.k_cache, batch.v_cache,
+                                         batch.block_tables[:nd], batch.seq_lens[:nd],
+                                         batch.scale, out=out[:nd], sliding_window=window,
+                                         softcap=softcap)
+    cpu_attention.paged_prefill_attention(q, batch.k_cache, batch.v_cache,
+                                          batch.block_tables[nd:], batch.seq_lens[nd:],
+                                          batch.query_start_loc[nd:], batch.scale, out=out,
+                                          sliding_window=window, softcap=softcap)
+    torch.testing.assert_close(out, want, atol=2e-5, rtol=0)
+    assert (want - uncapped).abs().max() > 1e-2

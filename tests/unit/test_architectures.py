@@ -126,7 +126,7 @@ def test_gguf_f32_through_the_fused_c_path_matches_transformers(arch, tiny, tmp_
 
 
 @pytest.mark.skipif(not QuantizedForward.supports(torch.float32), reason="C kernels not built")
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "phi3"])
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "phi3", "gemma2", "gemma3_text"])
 def test_the_fused_c_path_is_batch_invariant(arch, tiny, tmp_path):
     """A request's logprobs are the same bits alone and inside a batch, chunked differently."""
     path, _ = tiny(arch)
@@ -186,16 +186,29 @@ def test_llamacpp_q4_k_m_file_matches_transformers_on_the_weights_it_decodes_to(
     assert [len(o) for o in run(auto)] == [NUM_TOKENS] * len(PROMPTS)
 
 
-def test_auto_quantization_falls_back_where_the_fused_path_does_not_serve(tiny, tmp_path, caplog):
+@pytest.mark.skipif(not QuantizedForward.supports(torch.float32), reason="C kernels not built")
+def test_auto_quantization_serves_gemma_in_place_through_the_fused_path(tiny, tmp_path):
     path, _ = tiny("gemma2")
     gguf = write_gguf(path, tmp_path / "gemma2.q8_0.gguf", "q8_0")
-    with caplog.at_level(logging.INFO, logger="services.engine.quantized"):
-        engine = engine_for(gguf, quantization="auto")
-    assert engine.precision.quantization == "none"
-    assert "does not compute gemma2's layers" in caplog.text
+    engine = engine_for(gguf, quantization="auto")
+    assert engine.precision.quantization == "q8_0"
+    assert engine.runner.model.fused_forward is not None
     assert [len(o) for o in run(engine)] == [NUM_TOKENS] * len(PROMPTS)
-    qwen3 = write_gguf(tiny("qwen3")[0], tmp_path / "qwen3.q8_0.gguf", "q8_0")
-    assert engine_for(qwen3, quantization="auto").precision.quantization == "q8_0"
+
+
+def test_auto_quantization_stays_dense_where_the_fused_path_does_not_serve(tiny):
+    """An architecture (or activation) the C layer loop lacks: ``auto`` runs the modules."""
+    import dataclasses
+
+    from services.engine.quantized import resolve_precision
+    from services.engine.quantized_forward import unsupported_reason
+
+    config, _ = load_model(tiny("llama")[0])
+    assert unsupported_reason(config) is None
+    for change in ({"architecture": "falcon"}, {"hidden_act": "relu"}):
+        reason = unsupported_reason(dataclasses.replace(config, **change))
+        assert reason is not None and next(iter(change.values())) in reason
+        assert resolve_precision("float32", "auto", {"q8_0"}, "cpu", reason).quantization == "none"
 
 
 @pytest.mark.parametrize("arch", ["mistral", "phi3", "gemma2", "gemma3_text"])
