@@ -244,8 +244,8 @@ class BlockManager:
         block stays in the prefix cache until evicted). The entries stay in
         ``request.block_table``; returns the number of blocks freed by this call.
         """
-        first_visible = request.num_computed_tokens - sliding_window + 1
-        outside = min(max(first_visible, 0) // self.block_size, len(request.block_table))
+        outside = min(self.blocks_before_window(request.num_computed_tokens, sliding_window),
+                      len(request.block_table))
         done = self._window_freed.get(request, 0)
         if outside <= done:
             return 0
@@ -253,6 +253,17 @@ class BlockManager:
             self._release(block_id)
         self._window_freed[request] = outside
         return outside - done
+
+    def blocks_before_window(self, position: int, sliding_window: int) -> int:
+        """Leading blocks wholly before the window of a token at ``position`` and every later
+        one: it sees positions ``> position - sliding_window``."""
+        return max(position - sliding_window + 1, 0) // self.block_size
+
+    def never_cache(self, request: Request) -> None:
+        """None of ``request``'s blocks enters the prefix cache from now on: some hold no KV
+        (a remote prefill skipped the blocks before the window), and a chain cannot pass
+        them. Blocks it shares from the cache stay cached."""
+        self._chains[request] = (0, _ROOT_HASH, _DEAD)
 
     def num_window_freed(self, request: Request) -> int:
         """Leading entries of ``request.block_table`` already freed by the sliding window."""

@@ -166,6 +166,8 @@ class Scheduler:
             return None
         request.num_computed_tokens = request.num_prompt_tokens
         if self.config.enable_prefix_caching:
+            if self.skipped_prompt_blocks(request):  # a gap of unwritten blocks
+                self.block_manager.never_cache(request)
             self.block_manager.cache_full_blocks(request)
         self._free_outside_window(request)
         output = self._append_token(request, first_token_id)
@@ -391,6 +393,18 @@ class Scheduler:
         if any(r.is_finished() for r in self.running):
             self.running = [r for r in self.running if not r.is_finished()]
         return outputs
+
+    def skipped_prompt_blocks(self, request: Request) -> int:
+        """Decode role: the prompt's blocks after its cached prefix that no token still to come
+        reads (every layer slides: before the window of the token after the prompt), so a
+        remote prefill need not write them (``KVReservation.num_skipped_blocks``)."""
+        if self.config.sliding_window is None:
+            return 0
+        bm = self.block_manager
+        cached = max(request.num_cached_tokens, 0) // bm.block_size
+        before = bm.blocks_before_window(request.num_prompt_tokens, self.config.sliding_window)
+        last = bm.blocks_needed(request.num_prompt_tokens) - 1  # a handoff writes one at least
+        return max(min(before, last) - cached, 0)
 
     def _free_outside_window(self, request: Request) -> None:
         """Sliding window on every layer: free the blocks no later token attends to. Not for

@@ -262,8 +262,12 @@ class MetricsServer:
         def text_only(environ, start_response):
             return app({**environ, "HTTP_ACCEPT": "text/plain"}, start_response)
 
-        self._httpd = make_server(host, port, text_only, ThreadingWSGIServer,
-                                  handler_class=_QuietHandler)
+        try:
+            self._httpd = make_server(host, port, text_only, ThreadingWSGIServer,
+                                      handler_class=_QuietHandler)
+        except OSError as exc:  # the message names the address (a port taken meanwhile)
+            raise OSError(exc.errno, f"metrics port: cannot listen on {host}:{port}: "
+                                     f"{exc.strerror}") from exc
         self.port: int = self._httpd.server_port
         threading.Thread(target=self._httpd.serve_forever, name="metrics", daemon=True).start()
 

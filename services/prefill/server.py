@@ -140,11 +140,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
                 self._write, dest, req.block_table[first:first + n_blocks], note.encode(),
                 lease.deadline,
                 faults))
-            await asyncio.shield(write)
-            t_done = time.monotonic()
-            trace.kv_transfer(t_first, t_done, n_blocks, n_blocks * self.kv_block_bytes,
-                              dest.transport, "landed")
-            self._count_transfer(t_done - t_first, n_blocks, None)
+            t_done = await asyncio.shield(write)
+            self._landed(trace, dest, t_first, t_done, n_blocks)
         except BaseException as exc:
             keeper.cancel()
             if write is not None:
@@ -152,6 +149,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
                 if _failed(write):
                     trace.kv_transfer(t_first, time.monotonic(), n_blocks, 0, dest.transport,
                                       "failed", _reason(exc, write))
+                else:  # landed, then the gateway stopped waiting (the stream had ended)
+                    self._landed(trace, dest, t_first, write.result(), n_blocks)
             self._count_transfer(0.0, 0, _failure_kind(exc, write))
             if write is None or _failed(write):
                 await self._send_not_written(dest, rid, _reason(exc, write))
@@ -171,15 +170,23 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
 
     def _blocks_to_write(self, num_tokens: int, dest: worker_pb2.KVReservation) -> tuple[int, int]:
         """(first, count) of the prompt's blocks to write: those after the prefix the
-        destination holds already. Raises ValueError naming ``destination.block_ids`` when
-        they are not exactly as many as its block ids (or none)."""
-        first = dest.num_cached_blocks
+        destination holds already and the blocks before its sliding window it skips. Raises
+        ValueError naming ``destination.block_ids`` when they are not exactly as many as its
+        block ids (or none)."""
+        first = dest.num_cached_blocks + dest.num_skipped_blocks
         n_blocks = self.rt.engine.block_manager.blocks_needed(num_tokens) - first
         if n_blocks < 1 or len(dest.block_ids) != n_blocks:
             raise InvalidArgument("destination.block_ids", f"{len(dest.block_ids)} blocks for "
-                                  f"{num_tokens} prompt tokens after {first} cached blocks, "
-                                  f"expected {max(n_blocks, 1)}")
+                                  f"{num_tokens} prompt tokens after {first} cached or skipped "
+                                  f"blocks, expected {max(n_blocks, 1)}")
         return first, n_blocks
+
+    def _landed(self, trace, dest: worker_pb2.KVReservation, t_first: float, t_done: float,
+                n_blocks: int) -> None:
+        """A handoff's KV landed at ``t_done`` (monotonic): its span and metrics."""
+        trace.kv_transfer(t_first, t_done, n_blocks, n_blocks * self.kv_block_bytes,
+                          dest.transport, "landed")
+        self._count_transfer(t_done - t_first, n_blocks, None)
 
     def _count_transfer(self, seconds: float, num_blocks: int, failure: str | None) -> None:
         """Metrics of one handoff: its write's duration and bytes, or why it did not land."""
@@ -192,9 +199,10 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             self.rt.metrics.transferred(seconds, num_blocks * layout.block_bytes * 2 * layout.num_layers)
 
     def _write(self, dest: worker_pb2.KVReservation, local_ids: list[int], note: bytes,
-               deadline: float, faults: Faults) -> None:
-        """Transfer thread: write the KV into the reservation, ending by ``deadline``.
-        Raises KVTransferError (nothing or part written; the caller reports it)."""
+               deadline: float, faults: Faults) -> float:
+        """Transfer thread: write the KV into the reservation, ending by ``deadline``; returns
+        when it landed (``time.monotonic()``). Raises KVTransferError (nothing or part
+        written; the caller reports it)."""
         time.sleep(faults.kv_write_delay_s)
         if faults.fail_kv_write:
             raise KVTransferError("injected fault: fail_kv_write")
@@ -205,6 +213,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         self.transport.write_blocks(peer, local_ids, list(dest.block_ids), note,
                                     min(self.transfer_timeout_s, remaining),
                                     token=dest.write_token)
+        return time.monotonic()
 
     async def _keep_lease(self, dest: worker_pb2.KVReservation, lease: _Lease) -> None:
         """Renew the destination's lease every third of it until cancelled (the write starts,

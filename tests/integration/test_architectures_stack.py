@@ -11,10 +11,11 @@ import subprocess
 import pytest
 import torch
 
-from scripts.tiny_checkpoints import ARCHITECTURES, save_tiny
+from scripts.tiny_checkpoints import ARCHITECTURES, WINDOW, save_tiny
 from services.api import gateway_pb2
 from services.engine.tokenizer import Tokenizer
-from tests.integration.conftest import WORKER_ARGS, assert_all_blocks_freed, start_stack
+from tests.integration.conftest import WORKER_ARGS, assert_all_blocks_freed, start_stack, wait_until
+from tests.integration.test_routing import metric
 from tests.integration.test_stack import generate
 from tests.integration.up_process import TANDEM
 from tests.unit.test_architectures import NUM_TOKENS, PROMPTS, hf_greedy
@@ -22,11 +23,33 @@ from tests.unit.test_architectures import NUM_TOKENS, PROMPTS, hf_greedy
 pytestmark = pytest.mark.integration
 
 
+BS = 4  # tokens per KV block
+
+
+class _Bytes(float):
+    """A falsy byte count (for ``wait_until``'s message)."""
+
+    def __bool__(self) -> bool:
+        return False
+
+
+def written_blocks(num_tokens: int, window: int | None) -> int:
+    """Blocks a handoff writes: all of the prompt's, less those before the window of the token
+    after it where every layer slides (``KVReservation.num_skipped_blocks``)."""
+    blocks = -(-num_tokens // BS)
+    skipped = 0 if window is None else min(max(num_tokens - window + 1, 0) // BS, blocks - 1)
+    return blocks - skipped
+
+
 @pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
 def test_the_disaggregated_stack_matches_transformers(arch, tmp_path):
-    expected = hf_greedy(save_tiny(arch, tmp_path))
+    """Mistral and Phi-3 slide on every layer: their handoffs skip the blocks before the window
+    (6 of the 40-token prompt's 10) and still give transformers' tokens."""
+    model_hf = save_tiny(arch, tmp_path)
+    expected = hf_greedy(model_hf)
+    window = WINDOW if arch in ("mistral", "phi3") else None
     model = ["--model", str(tmp_path)]
-    stack = start_stack([*WORKER_ARGS, *model, "--block-size", "4"], redis_url=None,
+    stack = start_stack([*WORKER_ARGS, *model, "--block-size", str(BS)], redis_url=None,
                         gateway_args=model)
     try:
         for i, (ids, want) in enumerate(zip(PROMPTS, expected)):
@@ -37,6 +60,15 @@ def test_the_disaggregated_stack_matches_transformers(arch, tmp_path):
             assert tokens == want, i
             assert last.finish_reason == "length"
         asyncio.run(assert_all_blocks_freed(stack, timeout_s=60))
+        cfg = model_hf.config  # K and V, every layer, float32
+        block_bytes = 2 * cfg.num_hidden_layers * BS * cfg.num_key_value_heads * cfg.head_dim * 4
+        want = block_bytes * sum(written_blocks(len(ids), window) for ids in PROMPTS)
+
+        async def sent():  # counted once the prefill worker's write returns: soon after landing
+            got = metric(stack.metrics_targets["prefill-0"], "tandem:kv_transfer_bytes_sum")
+            return got == want or _Bytes(got)
+
+        asyncio.run(wait_until(sent, 10, f"prefill-0 wrote {want} bytes of KV"))
     finally:
         stack.stop()
 

@@ -363,6 +363,38 @@ def test_sliding_window_frees_a_remote_prefills_blocks_when_its_kv_lands():
     assert s.block_manager.num_free_blocks == 32
 
 
+def test_a_remote_prefill_skips_the_blocks_before_the_window_and_none_enters_the_cache():
+    """The decode worker asks for the blocks the window still reads (3 of 5: the token after a
+    20-token prompt sees positions 13..20); the 3 blocks never written must not become prefix
+    cache entries, so nothing of the request is cached, and a later prompt finds no hit."""
+    s = create_scheduler(num_blocks=32, block_size=4, sliding_window=8)
+    (r,) = create_requests(1, prompt_len=20, max_tokens=5)
+    assert s.reserve(r) and s.skipped_prompt_blocks(r) == 3
+    s.finish_remote_prefill(r.request_id, TOKEN)
+    assert s.block_manager.num_cached_blocks == 0
+    while s.has_work():
+        step(s)
+    assert s.block_manager.num_cached_blocks == 0 and s.block_manager.num_free_blocks == 32
+    (again,) = create_requests(1, prompt_len=20, max_tokens=1)
+    again.request_id = "again"
+    s.add_request(again)
+    out, _ = step(s)
+    assert out.num_scheduled_tokens == {"again": 20}  # computed whole: no stale hit
+
+
+def test_the_skip_keeps_the_cached_prefix_and_one_block_at_least():
+    s = create_scheduler(num_blocks=32, block_size=4, sliding_window=8)
+    (r,) = create_requests(1, prompt_len=20, max_tokens=5)
+    r.num_cached_tokens = 8  # 2 blocks pinned from the decode worker's cache
+    assert s.skipped_prompt_blocks(r) == 1
+    r.num_cached_tokens = 16
+    assert s.skipped_prompt_blocks(r) == 0
+    tiny = create_scheduler(num_blocks=32, block_size=4, sliding_window=1)
+    (w,) = create_requests(1, prompt_len=8, max_tokens=5)
+    assert tiny.skipped_prompt_blocks(w) == 1  # the last block is written whatever the window
+    assert create_scheduler(num_blocks=32, block_size=4).skipped_prompt_blocks(w) == 0
+
+
 @pytest.mark.parametrize("policy", ["static"])
 def test_static_batching_keeps_its_slots_under_a_sliding_window(policy):
     s = create_scheduler(num_blocks=64, block_size=4, sliding_window=8, policy=policy,
