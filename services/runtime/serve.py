@@ -5,7 +5,7 @@ import asyncio
 import functools
 import logging
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from services.api import worker_pb2, worker_pb2_grpc
 from services.auth import warn_if_open
@@ -78,27 +78,16 @@ async def serve_worker(opts: WorkerOptions, num_threads: int) -> None:
     metrics = MetricsServer(runtime.metrics.registry, opts.host, opts.metrics_port)
     servicer, add, name = _servicer(runtime)
     full_name = worker_pb2.DESCRIPTOR.services_by_name[name].full_name
-    server, health = create_server([full_name], opts.internal_secret)
-    await mark_not_serving(health, [full_name])
-    add(servicer, server)
-    port = bind(server, opts.host, opts.port,
-                opts.internal_tls.server_credentials() if opts.internal_tls else None)
-    await server.start()
+    server, health, port = await _start_server(opts, full_name, lambda s: add(servicer, s))
     runtime.start(f"{opts.advertise_host}:{port}", served_model_name(opts.engine.model))
     await mark_serving(health, [full_name])
     log.info("%s worker %s ready on %s:%d (Prometheus metrics on http://%s:%d/metrics)",
              opts.role, runtime.worker_id, opts.host, port, opts.host, metrics.port)
     signals = Signals()
-    listener_lost = asyncio.ensure_future(
-        watch_listener(_loopback_if_wildcard(opts.host), port, opts.heartbeat_s))
+    listener_lost = asyncio.ensure_future(watch_listener(
+        opts.host, port, opts.heartbeat_s, what=f"{opts.role} worker {runtime.worker_id}"))
     try:
         await _first_of(signals.received.wait(), runtime.died.wait(), listener_lost)
-        if listener_lost.done():
-            log.critical("%s worker %s: its gRPC port %s:%d refuses connections (%d probes in a "
-                         "row; gRPC closes a server's acceptor on an accept4 error it does not "
-                         "expect, see its log): leaving the registry, finishing what runs on open "
-                         "connections, then exiting with %d", opts.role, runtime.worker_id,
-                         opts.host, port, LISTENER_PROBES, EXIT_LISTENER_LOST)
         await health.enter_graceful_shutdown()  # NOT_SERVING for every service
         runtime.draining = True  # new requests: UNAVAILABLE (the gateway goes elsewhere)
         await runtime.heartbeater.stop()  # leave the registry: the gateway stops routing here
@@ -120,10 +109,23 @@ async def serve_worker(opts: WorkerOptions, num_threads: int) -> None:
         raise SystemExit(EXIT_LISTENER_LOST)
 
 
+async def _start_server(opts: WorkerOptions, full_name: str, add) -> tuple[Any, Any, int]:
+    """The worker's gRPC server (``add`` puts its servicer on it), listening and NOT_SERVING
+    until the caller marks it: (server, health servicer, bound port)."""
+    server, health = create_server([full_name], opts.internal_secret)
+    await mark_not_serving(health, [full_name])
+    add(server)
+    port = bind(server, opts.host, opts.port,
+                opts.internal_tls.server_credentials() if opts.internal_tls else None)
+    await server.start()
+    return server, health, port
+
+
 async def watch_listener(host: str, port: int, interval_s: float,
-                         probes: int = LISTENER_PROBES) -> None:
-    """Return once ``host:port`` has refused ``probes`` TCP connections in a row, trying
-    every ``interval_s`` seconds; run forever while it accepts.
+                         probes: int = LISTENER_PROBES, what: str = "worker") -> None:
+    """Return once ``host:port`` (a wildcard host: on loopback) has refused ``probes`` TCP
+    connections in a row, trying every ``interval_s`` seconds, and log it as ``what``'s;
+    run forever while it accepts.
 
     Why a worker watches its own port: gRPC closes a server's acceptor when accept4() fails
     with an error it does not expect (its log: "Closing acceptor. Failed accept4") and the
@@ -134,10 +136,14 @@ async def watch_listener(host: str, port: int, interval_s: float,
     registered and unreachable for the rest of the test module."""
     from services.runtime.process import refuses_connections
 
-    refused = 0
+    refused, probe_host = 0, _loopback_if_wildcard(host)
     while refused < probes:
         await asyncio.sleep(interval_s)
-        refused = refused + 1 if await refuses_connections(host, port) else 0
+        refused = refused + 1 if await refuses_connections(probe_host, port) else 0
+    log.critical("%s: its gRPC port %s:%d refuses connections (%d probes in a row; gRPC closes "
+                 "a server's acceptor on an accept4 error it does not expect, see its log): "
+                 "leaving the registry, finishing what runs on open connections, then exiting "
+                 "with %d", what, host, port, probes, EXIT_LISTENER_LOST)
 
 
 def _loopback_if_wildcard(host: str) -> str:
