@@ -146,25 +146,23 @@ def rope_write_kv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int,
 def silu_mul(gate_up: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """``out = silu(gate) * up`` for ``gate_up = [gate | up]`` (``[M, 2F]`` -> ``[M, F]``
     float32; SwiGLU, Shazeer 2020). Returns ``out``. Raises ``ValueError`` for bad tensors."""
-    so = _require(gate_up, out)
-    m, f = out.shape
-    if tuple(gate_up.shape) != (m, 2 * f):
-        raise ValueError(f"gate_up: expected [{m}, {2 * f}], got {list(gate_up.shape)}")
-    check(so.tandem_silu_mul_f32(gate_up.data_ptr(), out.data_ptr(), m, f,
-                                 torch.get_num_threads()), "silu_mul")
-    return out
+    return _gated_mul("tandem_silu_mul_f32", gate_up, out)
 
 
 def gelu_tanh_mul(gate_up: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """``out = gelu(gate) * up`` with GELU's tanh form (torch's ``gelu(approximate="tanh")``,
     Gemma's ``gelu_pytorch_tanh``; GeGLU, Shazeer 2020) for ``gate_up = [gate | up]`` (``[M,
     2F]`` -> ``[M, F]`` float32). Returns ``out``. Raises ``ValueError`` for bad tensors."""
+    return _gated_mul("tandem_gelu_tanh_mul_f32", gate_up, out)
+
+
+def _gated_mul(fn: str, gate_up: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     so = _require(gate_up, out)
     m, f = out.shape
     if tuple(gate_up.shape) != (m, 2 * f):
         raise ValueError(f"gate_up: expected [{m}, {2 * f}], got {list(gate_up.shape)}")
-    check(so.tandem_gelu_tanh_mul_f32(gate_up.data_ptr(), out.data_ptr(), m, f,
-                                      torch.get_num_threads()), "gelu_tanh_mul")
+    check(getattr(so, fn)(gate_up.data_ptr(), out.data_ptr(), m, f, torch.get_num_threads()),
+          fn.removeprefix("tandem_").removesuffix("_f32"))
     return out
 
 

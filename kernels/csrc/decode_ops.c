@@ -136,8 +136,36 @@ int tandem_rope_write_kv_f32(const float *qkv, float *q_out, int64_t T, int64_t 
     return TANDEM_OK;
 }
 
-int tandem_silu_mul_f32(const float *gate_up, float *out, int64_t M, int64_t F,
-                        int num_threads) {
+enum { ACT_SILU, ACT_GELU_TANH }; /* the gated MLP's activation */
+#define GELU_BETA 0.7978845608028654f /* sqrt(2 / pi) */
+#define GELU_KAPPA 0.044715f
+
+/* act(x) of one element and of 16, the same operations in the same order (a value's result does
+ * not depend on whether it sat in a vector or in a tail). SiLU: x / (1 + e^-x); GELU's tanh
+ * form: 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))). */
+static inline float act1(float x, int act) {
+    if (act == ACT_GELU_TANH)
+        return 0.5f * x * (1.0f + tandem_tanh(GELU_BETA * (x + GELU_KAPPA * (x * x * x))));
+    return x / (1.0f + tandem_exp(-x));
+}
+
+#if defined(__AVX512F__)
+static inline __m512 act16(__m512 x, int act) {
+    const __m512 one = _mm512_set1_ps(1.0f);
+    if (act == ACT_GELU_TANH) {
+        const __m512 cube = _mm512_mul_ps(_mm512_mul_ps(x, x), x);
+        const __m512 inner = _mm512_mul_ps(
+            _mm512_set1_ps(GELU_BETA), _mm512_add_ps(x, _mm512_mul_ps(_mm512_set1_ps(GELU_KAPPA), cube)));
+        return _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(0.5f), x),
+                             _mm512_add_ps(one, tandem_tanh16(inner)));
+    }
+    return _mm512_div_ps(x, _mm512_add_ps(one, tandem_exp16(_mm512_sub_ps(_mm512_setzero_ps(), x))));
+}
+#endif
+
+/* out = act(gate) * up, rows of gate_up = [gate | up]. */
+static int gated_mul(const float *gate_up, float *out, int64_t M, int64_t F, int num_threads,
+                     int act) {
     if (M < 0 || F <= 0) return TANDEM_BAD_SHAPE;
 #pragma omp parallel for num_threads(num_threads) if (M > 1) schedule(static)
     for (int64_t m = 0; m < M; m++) {
@@ -145,50 +173,25 @@ int tandem_silu_mul_f32(const float *gate_up, float *out, int64_t M, int64_t F,
         float *o = out + m * F;
         int64_t f = 0;
 #if defined(__AVX512F__)
-        const __m512 one = _mm512_set1_ps(1.0f);
-        for (; f < F; f += 16) { /* the tail masked: every element through tandem_exp16 */
+        for (; f < F; f += 16) { /* the tail masked: every element through act16 */
             const __mmask16 k = F - f >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (F - f)) - 1);
-            const __m512 gv = _mm512_maskz_loadu_ps(k, g + f);
-            const __m512 e = tandem_exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
-            _mm512_mask_storeu_ps(o + f, k, _mm512_mul_ps(_mm512_div_ps(gv, _mm512_add_ps(one, e)),
+            _mm512_mask_storeu_ps(o + f, k, _mm512_mul_ps(act16(_mm512_maskz_loadu_ps(k, g + f), act),
                                                           _mm512_maskz_loadu_ps(k, u + f)));
         }
 #endif
-        for (; f < F; f++) o[f] = g[f] / (1.0f + tandem_exp(-g[f])) * u[f];
+        for (; f < F; f++) o[f] = act1(g[f], act) * u[f];
     }
     return TANDEM_OK;
 }
 
-#define GELU_BETA 0.7978845608028654f /* sqrt(2 / pi) */
-#define GELU_KAPPA 0.044715f
+int tandem_silu_mul_f32(const float *gate_up, float *out, int64_t M, int64_t F,
+                        int num_threads) {
+    return gated_mul(gate_up, out, M, F, num_threads, ACT_SILU);
+}
 
 int tandem_gelu_tanh_mul_f32(const float *gate_up, float *out, int64_t M, int64_t F,
                              int num_threads) {
-    if (M < 0 || F <= 0) return TANDEM_BAD_SHAPE;
-#pragma omp parallel for num_threads(num_threads) if (M > 1) schedule(static)
-    for (int64_t m = 0; m < M; m++) {
-        const float *g = gate_up + m * 2 * F, *u = g + F;
-        float *o = out + m * F;
-        int64_t f = 0;
-#if defined(__AVX512F__)
-        const __m512 half = _mm512_set1_ps(0.5f), one = _mm512_set1_ps(1.0f);
-        const __m512 beta = _mm512_set1_ps(GELU_BETA), kappa = _mm512_set1_ps(GELU_KAPPA);
-        for (; f < F; f += 16) { /* the tail masked: every element through tandem_tanh16 */
-            const __mmask16 k = F - f >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (F - f)) - 1);
-            const __m512 x = _mm512_maskz_loadu_ps(k, g + f);
-            const __m512 cube = _mm512_mul_ps(_mm512_mul_ps(x, x), x);
-            const __m512 inner = _mm512_mul_ps(beta, _mm512_add_ps(x, _mm512_mul_ps(kappa, cube)));
-            const __m512 gelu = _mm512_mul_ps(_mm512_mul_ps(half, x),
-                                              _mm512_add_ps(one, tandem_tanh16(inner)));
-            _mm512_mask_storeu_ps(o + f, k, _mm512_mul_ps(gelu, _mm512_maskz_loadu_ps(k, u + f)));
-        }
-#endif
-        for (; f < F; f++) {
-            const float x = g[f], inner = GELU_BETA * (x + GELU_KAPPA * (x * x * x));
-            o[f] = 0.5f * x * (1.0f + tandem_tanh(inner)) * u[f];
-        }
-    }
-    return TANDEM_OK;
+    return gated_mul(gate_up, out, M, F, num_threads, ACT_GELU_TANH);
 }
 
 /* ---- the decode step's layer loop (tandem_decode_layers_f32) ---- */
@@ -213,7 +216,6 @@ typedef int (*attention_fn)(const float *q, const float *k_cache, const float *v
 enum { L_W_IN, L_W_POST, L_QKV, L_O = L_QKV + 3, L_GU = L_O + 3, L_DOWN = L_GU + 3,
        L_K = L_DOWN + 3, L_V, L_QKV_BIAS, L_Q_NORM, L_K_NORM, L_WINDOW, L_W_ATTN_OUT,
        L_W_MLP_OUT, L_COS, L_SIN, LAYER_FIELDS };
-enum { ACT_SILU, ACT_GELU_TANH }; /* the gated MLP's activation */
 
 /* Errors: this file's codes as they are; the matmul's + 10; the attention's + 20. */
 #define MATMUL(f, in, out, n, k)                                                               \
@@ -277,8 +279,7 @@ int tandem_decode_layers_f32(
                                     eps, num_threads);
         if (rc) return rc;
         MATMUL(L_GU, h, gu, 2 * ffn, hidden);
-        rc = activation == ACT_GELU_TANH ? tandem_gelu_tanh_mul_f32(gu, act, T, ffn, num_threads)
-                                         : tandem_silu_mul_f32(gu, act, T, ffn, num_threads);
+        rc = gated_mul(gu, act, T, ffn, num_threads, activation);
         if (rc) return rc;
         MATMUL(L_DOWN, act, down, hidden, ffn);
         if (L[L_W_MLP_OUT]) {
