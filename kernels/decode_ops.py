@@ -45,6 +45,7 @@ def lib() -> ctypes.CDLL | None:
     so.tandem_silu_mul_f32.argtypes = [_PTR] * 2 + [_I64] * 2 + [_INT]
     so.tandem_gelu_tanh_mul_f32.argtypes = [_PTR] * 2 + [_I64] * 2 + [_INT]
     so.tandem_argmax_rows_f32.argtypes = [_PTR, _I64, _I64, _PTR, _INT]
+    so.tandem_softcap_f32.argtypes = [_PTR, _I64, _I64, _F32, _INT]
     so.tandem_decode_layers_f32.argtypes = (
         [_PTR, _I64] + [_PTR] * 11 + [_I64] * 6 + [_F32] + [_PTR, _I64, _PTR] + [_I64] * 2
         + [_PTR] * 2 + [_I64] * 2 + [_PTR, _F32, _F32] + [_INT] * 4 + [_PTR] * 2)
@@ -164,6 +165,17 @@ def _gated_mul(fn: str, gate_up: torch.Tensor, out: torch.Tensor) -> torch.Tenso
     check(getattr(so, fn)(gate_up.data_ptr(), out.data_ptr(), m, f, torch.get_num_threads()),
           fn.removeprefix("tandem_").removesuffix("_f32"))
     return out
+
+
+def softcap_(x: torch.Tensor, softcap: float) -> torch.Tensor:
+    """``x = softcap * tanh(x / softcap)`` in place for ``[M, N]`` contiguous float32 CPU
+    ``x`` (Gemma 2's final logits); returns ``x``. The tanh is the kernels' (through their exp):
+    within a few ulp of torch's, the same bits for a row alone or in a batch. Raises
+    ``ValueError`` for bad tensors or a cap that is not positive."""
+    so = _require(x)
+    check(so.tandem_softcap_f32(x.data_ptr(), x.shape[0], x.shape[1], softcap,
+                                torch.get_num_threads()), "softcap")
+    return x
 
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:

@@ -73,7 +73,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--gguf-type", default="q8_0", choices=("f32", "q8_0", "q4_0"))
+    parser.add_argument("--gguf-type", default="q8_0", choices=("f32", "q8_0", "q4_0", "q4_k_m"),
+                        help="q4_k_m: llama.cpp's K-quant mix (rows of 256: --hidden and --ffn "
+                             "multiples of 256), which auto serves re-encoded to Q8_0")
     parser.add_argument("--out", default="bench_architectures.json")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)

@@ -291,21 +291,6 @@ static void softmax_part(float *sc, int64_t n, int whole, float *max_out, float 
     *sum_out = sum;
 }
 
-/* sc[0..n) -> cap tanh(sc / cap), every element through tandem_tanh16 (the tail masked). */
-static void softcap_part(float *sc, int64_t n, float cap) {
-    int64_t t = 0;
-#if defined(__AVX512F__)
-    const __m512 cv = _mm512_set1_ps(cap);
-    for (; t < n; t += 16) {
-        const __mmask16 k = n - t >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - t)) - 1);
-        const __m512 v = _mm512_div_ps(_mm512_maskz_loadu_ps(k, sc + t), cv);
-        _mm512_mask_storeu_ps(sc + t, k, _mm512_mul_ps(tandem_tanh16(v), cv));
-    }
-#endif
-    for (; t < n; ++t)
-        sc[t] = tandem_tanh(sc[t] / cap) * cap;
-}
-
 /* One part [t_begin, t_end) of query i's context: scores, softmax, the weighted V sum into
  * dst ([num_heads, head_dim]); whole (the part is the context): normalised in place, else the
  * part's max and sum per head into part_max, part_sum [num_heads]. */
@@ -320,7 +305,7 @@ static void attend_part(const float *q, const float *k_cache, const float *v_cac
     for (int64_t h = 0; h < num_heads; ++h) {
         float max, sum;
         if (softcap > 0.0f)
-            softcap_part(scores + h * n, n, softcap);
+            tandem_softcap(scores + h * n, n, softcap);
         softmax_part(scores + h * n, n, whole, &max, &sum);
         if (!whole) {
             part_max[h] = max;

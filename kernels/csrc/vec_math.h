@@ -13,6 +13,7 @@
 #ifndef TANDEM_VEC_MATH_H
 #define TANDEM_VEC_MATH_H
 #include <math.h>
+#include <stdint.h>
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -77,6 +78,22 @@ static inline __m512 tandem_tanh16(__m512 x) {
     return _mm512_sub_ps(one, _mm512_div_ps(_mm512_set1_ps(2.0f), _mm512_add_ps(e, one)));
 }
 #endif
+
+/* x[0..n) -> cap tanh(x / cap) in place (soft-capping: Gemma 2's attention scores and final
+ * logits), every element through tandem_tanh16 where AVX-512 is built (the tail masked). */
+static inline void tandem_softcap(float *x, int64_t n, float cap) {
+    int64_t t = 0;
+#if defined(__AVX512F__)
+    const __m512 cv = _mm512_set1_ps(cap);
+    for (; t < n; t += 16) {
+        const __mmask16 k = n - t >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - t)) - 1);
+        const __m512 v = _mm512_div_ps(_mm512_maskz_loadu_ps(k, x + t), cv);
+        _mm512_mask_storeu_ps(x + t, k, _mm512_mul_ps(tandem_tanh16(v), cv));
+    }
+#endif
+    for (; t < n; ++t)
+        x[t] = tandem_tanh(x[t] / cap) * cap;
+}
 
 /* sum of x[0..n) in one order: 16 lane sums (lane j: i = j mod 16, i in order), then the
  * tree ((l_j + l_{j+8}) pairs, then halves); fma_y: when given, the sum of x[i] * y[i] (one fma

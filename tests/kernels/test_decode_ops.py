@@ -134,6 +134,18 @@ def test_gelu_tanh_mul_matches_torch(m, f):
     assert torch.equal(out[:1], decode_ops.gelu_tanh_mul(gate_up[:1].clone(), torch.empty(1, f)))
 
 
+@pytest.mark.parametrize("m,n,cap", [(1, 49152, 30.0), (8, 100, 30.0), (3, 17, 2.0)])
+def test_softcap_matches_torch(m, n, cap):
+    """Gemma 2's final logits, in place: cap * tanh(x / cap) against torch in float64."""
+    x = torch.randn(m, n, generator=torch.Generator().manual_seed(n)) * 40
+    want = torch.tanh(x.double() / cap) * cap
+    got = decode_ops.softcap_(x.clone(), cap)
+    assert ((got.double() - want).abs() <= 1e-6 * cap).all()
+    assert torch.equal(got[-1:], decode_ops.softcap_(x[-1:].clone(), cap))  # a row alone
+    with pytest.raises(ValueError, match="softcap"):
+        decode_ops.softcap_(x.clone(), 0.0)
+
+
 def test_bad_tensors_are_rejected():
     with pytest.raises(ValueError, match="gate_up"):
         decode_ops.silu_mul(torch.randn(2, 6), torch.empty(2, 4))
