@@ -17,9 +17,9 @@ expanded to float32, otherwise), and returns the model ready to run.
   linear weights are all in one supported format (F32 included) and the fused C forward pass
   serves its architecture (``quantized_forward.unsupported_reason``); Q8_0 (re-encoded once at
   load) when they are block-quantized otherwise: K-quants (Q4_K_M's Q4_K and Q6_K), Q5_0 /
-  Q5_1, or several formats; else ``none``; for other checkpoints ``none``. The choice, and why, is logged. An explicit format runs any
-  architecture: through the fused C forward pass where it serves it, else through the model's
-  own modules with quantized linear layers.
+  Q5_1, or several formats; else ``none``; for other checkpoints ``none``. The choice, and
+  why, is logged. An explicit format runs any architecture: through the fused C forward pass
+  where it serves it, else through the model's own modules with quantized linear layers.
 """
 from __future__ import annotations
 
@@ -38,6 +38,8 @@ from .config import ModelConfig
 from .gguf_file import FLOAT_TYPES
 from .loader import load_config, load_model
 from .model import LlamaForCausalLM, fuse_projections
+from .quantized_loader import (REQUANTIZED, file_weight_formats, load_gguf_quantized,
+                               quantize_state_dict)
 from .models import model_class
 from .quantized_forward import QuantizedForward, unsupported_reason
 
@@ -45,10 +47,6 @@ log = logging.getLogger(__name__)
 
 DTYPES = ("float32", "bfloat16", "auto")
 QUANTIZATIONS = ("none", "auto", *quant.FORMATS)
-# ``auto``'s format for block-quantized files the C kernels cannot run as stored (llama.cpp's
-# K-quant mixes, Q5_0 / Q5_1) or that mix formats: 8.5 bits a weight keeps a 4-6-bit file's
-# values within Q8_0's rounding, where re-encoding to a 4-bit format would round them twice
-REQUANTIZED = "q8_0"
 
 
 @dataclass(frozen=True)
@@ -89,7 +87,8 @@ def resolve_precision(dtype: str, quantization: str, file_formats: set[str], dev
         if len(file_formats) == 1 and file_formats <= quant.FORMATS.keys():
             quantization = next(iter(file_formats)) if runs else "none"
         else:  # several formats, or one without a C kernel (K-quants, Q5_x): re-encoded
-            quantization = REQUANTIZED if runs and file_formats and not file_formats & FLOAT_TYPES else "none"
+            blocks = bool(file_formats) and not file_formats & FLOAT_TYPES
+            quantization = REQUANTIZED if runs and blocks else "none"
     if dtype == "auto":
         # NOTE: the kernel's layers compute in int8 (F32: float32) whatever the activation
         # dtype; bf16 elsewhere only pays where the CPU has bf16 instructions (measured 5x
@@ -152,8 +151,6 @@ def build_model(path: str | None, dtype: str, quantization: str, device: str,
     Returns the model (eval mode, on ``device``) and the precision chosen (logged). Raises what
     ``load_model`` / ``load_gguf_quantized`` raise, and ``ValueError`` for bad settings.
     """
-    from .quantized_loader import file_weight_formats, load_gguf_quantized
-
     is_gguf = weights is None and path is not None and str(path).lower().endswith(".gguf")
     formats = file_weight_formats(path) if is_gguf else set()  # not GGUF: auto stays dense
     reason = unsupported_reason(load_config(path)) if is_gguf else None
@@ -173,7 +170,6 @@ def build_model(path: str | None, dtype: str, quantization: str, device: str,
         model = model.to(device=device, dtype=torch_dtype).eval()
     else:
         if weights is not None:
-            from .quantized_loader import quantize_state_dict
             model_config, dense, blocks = quantize_state_dict(*weights, precision.quantization)
         else:
             model_config, dense, blocks = load_gguf_quantized(path, precision.quantization)

@@ -22,6 +22,10 @@ from .gguf_file import FLOAT_TYPES, GGUFFile, blocks_of, dequantized
 from .loader import GGUFLayout, check_keys
 
 _EMBEDDINGS = ("model.embed_tokens.weight", "lm_head.weight")
+# the format of block-quantized tensors the C kernels cannot run as stored (llama.cpp's K-quant
+# mixes, Q5_0 / Q5_1; ``auto``'s choice for such files and for mixed ones): 8.5 bits a weight
+# keeps a 4-6-bit file's values within Q8_0's rounding, where a 4-bit format would round twice
+REQUANTIZED = "q8_0"
 
 
 @functools.lru_cache(maxsize=8)
@@ -62,8 +66,8 @@ def load_gguf_quantized(path: str | os.PathLike, fmt: str,
 
     Linear layers come back in ``fmt`` (in place when stored so, else dequantized and
     requantized once); a quantized embedding (and untied LM head) stays in its stored format
-    when ``kernels.quant`` supports it, else (a K-quant, Q5_x) becomes Q8_0. Names are Hugging
-    Face's.
+    when ``kernels.quant`` supports it, else (a K-quant, Q5_x) becomes ``REQUANTIZED``. Names
+    are Hugging Face's.
 
     Raises ``FileNotFoundError`` for a missing file and ``ValueError`` (naming the tensor) for an
     unsupported architecture, tensor or format.
@@ -84,7 +88,7 @@ def load_gguf_quantized(path: str | os.PathLike, fmt: str,
             # an embedding keeps a block format the kernels read; a K-quant one becomes Q8_0
             keep = stored == fmt or (name in _EMBEDDINGS and stored in quant.FORMATS)
             w = (blocks_of(t) if keep
-                 else _quantize(dequantized(t), "q8_0" if name in _EMBEDDINGS else fmt))
+                 else _quantize(dequantized(t), REQUANTIZED if name in _EMBEDDINGS else fmt))
             order = layout.row_order(name)
             if order is not None:
                 w = w.rows(torch.from_numpy(order))
