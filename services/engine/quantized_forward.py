@@ -31,6 +31,8 @@ migration recomputes them (tests/unit/test_batch_invariance.py).
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from kernels import cpu_attention, decode_ops, quant
@@ -66,17 +68,13 @@ class QuantizedForward:
                         PreparedMatmul(layer.mlp.gate_up_proj.parts),
                         PreparedMatmul(layer.mlp.down_proj.parts))
                        for layer in model.model.layers]
-        # per layer: q/k/v bias, q_norm and k_norm weights (None: none), sliding window (0: none)
-        self.extras = [(_weight(layer.self_attn.qkv_proj, "bias"),
-                        _norm_weight(getattr(layer.self_attn, "q_norm", None)),
-                        _norm_weight(getattr(layer.self_attn, "k_norm", None)),
-                        layer.self_attn.sliding_window or 0)
+        self.extras = [_LayerExtras(_weight(layer.self_attn.qkv_proj, "bias"),
+                                    _norm_weight(getattr(layer.self_attn, "q_norm", None)),
+                                    _norm_weight(getattr(layer.self_attn, "k_norm", None)),
+                                    layer.self_attn.sliding_window or 0, *_output_norms(layer),
+                                    layer.self_attn.rope.cos.contiguous(),
+                                    layer.self_attn.rope.sin.contiguous())
                        for layer in model.model.layers]
-        # per layer: Gemma's norms of the attention's and the MLP's outputs (None: none), and
-        # the rotary tables (cos, sin: [max_positions, head_dim], shared where layers share)
-        self.gemma = [(*_output_norms(layer), layer.self_attn.rope.cos.contiguous(),
-                       layer.self_attn.rope.sin.contiguous())
-                      for layer in model.model.layers]
         self._ops = decode_ops.lib()
         self._caches: tuple[tuple[int, tuple[int, ...]], list] | None = None
         self._table: tuple[list, torch.Tensor] | None = None
@@ -105,7 +103,7 @@ class QuantizedForward:
         return {w: cpu_attention.AttentionPlan.for_tokens(
             meta.block_tables, meta.seq_lens, meta.query_start_loc, self.num_heads,
             self.num_kv_heads, self.scale, threads, w or None, self.softcap)
-            for w in {extra[3] for extra in self.extras}}
+            for w in {extra.window for extra in self.extras}}
 
     def _layer_table(self, kv_cache: torch.Tensor) -> torch.Tensor | None:
         """``[num_layers, len(LAYER_FIELDS)]`` int64 addresses for ``tandem_decode_layers_f32``
@@ -116,12 +114,10 @@ class QuantizedForward:
         if self._table is None or self._table[0] is not caches:
             rows = [[w_in.data_ptr(), w_post.data_ptr(), *qkv.addresses(), *o.addresses(),
                      *gu.addresses(), *down.addresses(), k.data_ptr(), v.data_ptr(),
-                     *(0 if t is None else t.data_ptr() for t in (bias, q_norm, k_norm)), window,
-                     *(0 if t is None else t.data_ptr() for t in (attn_out, mlp_out)),
-                     cos.data_ptr(), sin.data_ptr()]
-                    for (w_in, qkv, o, w_post, gu, down), (k, v), (bias, q_norm, k_norm, window),
-                    (attn_out, mlp_out, cos, sin)
-                    in zip(self.layers, caches, self.extras, self.gemma)]
+                     *(_address(t) for t in (e.bias, e.q_norm, e.k_norm)), e.window,
+                     _address(e.attn_out), _address(e.mlp_out), e.cos.data_ptr(), e.sin.data_ptr()]
+                    for (w_in, qkv, o, w_post, gu, down), (k, v), e
+                    in zip(self.layers, caches, self.extras)]
             self._table = (caches, torch.tensor(rows, dtype=torch.int64))
         return self._table[1]
 
@@ -167,29 +163,28 @@ class QuantizedForward:
         act_mul = (ops.tandem_gelu_tanh_mul_f32 if self.activation else ops.tandem_silu_mul_f32)
         x, h, qkv, q, a, o, gu, act, down, out = b.pointers()
         residual = None  # the previous layer's MLP output, added at the next norm
-        for (w_in, qkv_mm, o_mm, w_post, gu_mm, down_mm), (k_cache, v_cache), extra, (
-                attn_out, mlp_out, cos, sin) in zip(self.layers, caches, self.extras, self.gemma):
+        for (w_in, qkv_mm, o_mm, w_post, gu_mm, down_mm), (k_cache, v_cache), e in zip(
+                self.layers, caches, self.extras):
             decode_ops.check(norm(x, residual, w_in.data_ptr(), h, t, self.hidden, self.eps,
                                   threads), "add_rmsnorm")
             qkv_mm(b.h, b.qkv, threads)
             decode_ops.check(rope(qkv, q, t, b.qkv.shape[1], heads, kv_heads, d, pos.data_ptr(),
-                                  cos.data_ptr(), sin.data_ptr(), cos.shape[0],
+                                  e.cos.data_ptr(), e.sin.data_ptr(), e.cos.shape[0],
                                   k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(),
-                                  num_slots, *(None if w is None else w.data_ptr()
-                                               for w in extra[:3]), self.eps, threads),
-                             "rope_write_kv")
-            plans[extra[3]](b.q, k_cache, v_cache, b.a)
+                                  num_slots, _address(e.bias), _address(e.q_norm),
+                                  _address(e.k_norm), self.eps, threads), "rope_write_kv")
+            plans[e.window](b.q, k_cache, v_cache, b.a)
             o_mm(b.a.view(t, heads * d), b.o, threads)
-            if attn_out is not None:  # in place
-                decode_ops.check(norm(o, None, attn_out.data_ptr(), o, t, self.hidden, self.eps,
+            if e.attn_out is not None:  # in place
+                decode_ops.check(norm(o, None, e.attn_out.data_ptr(), o, t, self.hidden, self.eps,
                                       threads), "add_rmsnorm")
             decode_ops.check(norm(x, o, w_post.data_ptr(), h, t, self.hidden, self.eps, threads),
                              "add_rmsnorm")
             gu_mm(b.h, b.gate_up, threads)
             decode_ops.check(act_mul(gu, act, t, self.ffn, threads), "act_mul")
             down_mm(b.act, b.down, threads)
-            if mlp_out is not None:
-                decode_ops.check(norm(down, None, mlp_out.data_ptr(), down, t, self.hidden,
+            if e.mlp_out is not None:
+                decode_ops.check(norm(down, None, e.mlp_out.data_ptr(), down, t, self.hidden,
                                       self.eps, threads), "add_rmsnorm")
             residual = down
         decode_ops.check(norm(x, residual, self.norm.data_ptr(), out, t, self.hidden, self.eps,
@@ -214,6 +209,23 @@ class _Buffers:
         """x, h, qkv, q, a, o, gate_up, act, down, out: the C functions' order."""
         return tuple(b.data_ptr() for b in (self.x, self.h, self.qkv, self.q, self.a, self.o,
                                             self.gate_up, self.act, self.down, self.out))
+
+
+class _LayerExtras(NamedTuple):
+    """What a layer adds to Llama's, each None (0 for the window) where it has none."""
+    bias: torch.Tensor | None  # q/k/v projection bias (Qwen2)
+    q_norm: torch.Tensor | None  # per-head q and k norm weights (Qwen3, Gemma 3)
+    k_norm: torch.Tensor | None
+    window: int  # sliding window in tokens (0: none)
+    attn_out: torch.Tensor | None  # norm of the attention's output (Gemma)
+    mlp_out: torch.Tensor | None  # norm of the MLP's output (Gemma)
+    cos: torch.Tensor  # the layer's rotary tables, [max_positions, head_dim]
+    sin: torch.Tensor
+
+
+def _address(t: torch.Tensor | None) -> int:
+    """``t``'s data pointer, 0 (C's NULL) for None."""
+    return 0 if t is None else t.data_ptr()
 
 
 def _weight(module, name: str) -> torch.Tensor | None:
