@@ -85,26 +85,26 @@ def terminate(procs: list[tuple[str, subprocess.Popen]], timeout_s: float) -> No
 
 async def listening(host: str, port: int) -> bool:
     """True when something accepts TCP connections on ``host:port``."""
-    try:
-        _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout=1.0)
-    except (OSError, asyncio.TimeoutError):
-        return False
-    writer.close()
-    return True
+    return await _connect(host, port, 1.0) is True
 
 
 async def refuses_connections(host: str, port: int, timeout_s: float = 1.0) -> bool:
     """True when a TCP connection to ``host:port`` is refused: nothing listens there. False
     when it is accepted, and when the attempt fails otherwise (timeout, unreachable host):
     those prove nothing about the listener."""
+    return await _connect(host, port, timeout_s) is False
+
+
+async def _connect(host: str, port: int, timeout_s: float) -> bool | None:
+    """One TCP connection attempt, closed at once: True accepted, False refused, None neither."""
     try:
         _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout=timeout_s)
     except ConnectionRefusedError:
-        return True
-    except (OSError, asyncio.TimeoutError):
         return False
+    except (OSError, asyncio.TimeoutError):
+        return None
     writer.close()
-    return False
+    return True
 
 
 @dataclass
