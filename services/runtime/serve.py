@@ -127,23 +127,22 @@ async def watch_listener(host: str, port: int, interval_s: float,
     connections in a row, trying every ``interval_s`` seconds, and log it as ``what``'s;
     run forever while it accepts.
 
-    Why a worker watches its own port: gRPC closes a server's acceptor when accept4() fails
-    with an error it does not expect (its log: "Closing acceptor. Failed accept4") and the
-    process goes on. Its heartbeats keep it in the registry and its open connections keep
-    working, but every new connection is refused: the gateway routes to it, fails, marks it
-    suspect, and tries again a few heartbeats later, for good. CI saw it once: a fresh prefill
-    worker refused the gateway's first connection 0.1 s after it said ready, and stayed
-    registered and unreachable for the rest of the test module."""
+    Why a worker watches its own port: a port can stop taking connections while the process
+    goes on. The machine may refuse some ports whatever listens on them (the project's CI
+    machines refuse five loopback ports of the ephemeral range, which a port-0 bind can draw),
+    or gRPC may close the server's acceptor after an accept4() error it does not expect ("Closing
+    acceptor. Failed accept4" in its log). Heartbeats would keep such a worker in the registry:
+    the gateway routes to it, fails, marks it suspect, and tries again a few heartbeats later,
+    for good. Exiting lets a supervisor restart it on another port."""
     from services.runtime.process import refuses_connections
 
     refused, probe_host = 0, _loopback_if_wildcard(host)
     while refused < probes:
         await asyncio.sleep(interval_s)
         refused = refused + 1 if await refuses_connections(probe_host, port) else 0
-    log.critical("%s: its gRPC port %s:%d refuses connections (%d probes in a row; gRPC closes "
-                 "a server's acceptor on an accept4 error it does not expect, see its log): "
-                 "leaving the registry, finishing what runs on open connections, then exiting "
-                 "with %d", what, host, port, probes, EXIT_LISTENER_LOST)
+    log.critical("%s: its gRPC port %s:%d refuses connections (%d probes in a row): leaving the "
+                 "registry, finishing what runs on open connections, then exiting with %d",
+                 what, host, port, probes, EXIT_LISTENER_LOST)
 
 
 def _loopback_if_wildcard(host: str) -> str:
