@@ -104,6 +104,9 @@ def main() -> None:
                         help="greedy tokens per prompt in the bf16-vs-fp32 comparison")
     parser.add_argument("--peak-gbps", type=float, default=None,
                         help="peak HBM bandwidth, GB/s (default: from the device name)")
+    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graph replays")
+    parser.add_argument("--skip-agreement", action="store_true",
+                        help="throughput only (no bf16-vs-fp32 greedy comparison)")
     parser.add_argument("--out", type=Path, default=Path("bench-results/gpu_engine.json"))
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -116,10 +119,11 @@ def main() -> None:
     config = EngineConfig(
         **({"model": args.model} if args.model else {}), device="cuda", dtype="bfloat16",
         kv_cache_memory_gib=args.kv_cache_gib, max_num_seqs=max(args.batches),
-        max_num_batched_tokens=max(8192, max(args.batches)))
+        max_num_batched_tokens=max(8192, max(args.batches)), enforce_eager=args.enforce_eager)
     engine = LLMEngine(config)
     throughput = []
-    print(f"{name}, peak {peak:.0f} GB/s; prompt {args.prompt_len} tokens, {args.steps} steps")
+    print(f"{name}, peak {peak:.0f} GB/s; prompt {args.prompt_len} tokens, {args.steps} steps, "
+          f"{'eager' if args.enforce_eager else 'CUDA graphs'}")
     print(f"{'batch':>6} {'tokens/s':>10} {'ms/step':>8} {'roofline tok/s':>15} {'% roof':>7}")
     for batch in args.batches:
         row = decode_throughput(engine, batch, args.prompt_len, args.steps, args.warmup)
@@ -131,12 +135,14 @@ def main() -> None:
     del engine
     torch.cuda.empty_cache()
 
-    agreement = compare_greedy(args.model, max(MUST_MATCH, args.compare_tokens))
+    agreement = ([] if args.skip_agreement else
+                 compare_greedy(args.model, max(MUST_MATCH, args.compare_tokens)))
     print(f"\nbf16 CUDA vs fp32 CPU, greedy, {max(MUST_MATCH, args.compare_tokens)} tokens:")
     for row in agreement:
         print(f"  first divergence {str(row['first_divergence']):>5}  "
               f"first {MUST_MATCH} match: {row[f'first_{MUST_MATCH}_match']}  {row['prompt']}")
     report = {"device": name, "peak_gbps": peak, "model": config.model, "dtype": "bfloat16",
+              "enforce_eager": args.enforce_eager,
               "prompt_len": args.prompt_len, "torch": torch.__version__,
               "python": platform.python_version(), "throughput": throughput,
               "greedy_agreement": agreement}

@@ -41,11 +41,13 @@ SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynch
                "cudaMemcpy")  # cudaMemcpy without Async: a synchronous copy
 
 
-def make_engine(dtype: str, quantization: str, max_batch: int, device: str = "cpu"):
+def make_engine(dtype: str, quantization: str, max_batch: int, device: str = "cpu",
+                enforce_eager: bool = False):
     from services.engine.engine import EngineConfig, LLMEngine
 
     e = LLMEngine(EngineConfig(dtype=dtype, quantization=quantization, num_kv_blocks=2048,
-                               max_num_seqs=max(64, max_batch), device=device))
+                               max_num_seqs=max(64, max_batch), device=device,
+                               enforce_eager=enforce_eager))
     e.warm_up()
     return e
 
@@ -156,11 +158,14 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=64)
     p.add_argument("--profile-steps", type=int, default=4)
     p.add_argument("--top", type=int, default=12)
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="CUDA: no graph replays, so every kernel launch is counted")
     p.add_argument("--out", default="profile_decode_step.json")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     batches = [int(b) for b in args.batches.split(",")]
-    e = make_engine(args.dtype, args.quantization, max(batches), args.device)
+    e = make_engine(args.dtype, args.quantization, max(batches), args.device,
+                    args.enforce_eager)
     rows = [profile_batch(e, b, args.warmup, args.steps, args.profile_steps, args.top, seed=b,
                           sampling=args.sampling) for b in batches]
     result = {"precision": vars(e.precision), "device": args.device, "sampling": args.sampling,
