@@ -191,7 +191,9 @@ def rope_write_kv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
 
 
 _SILU, _GELU_TANH = 0, 1
-_SQRT_2_OVER_PI = 0.7978845608028654
+# NOTE: a global read inside @triton.jit must be a tl.constexpr on a GPU (the interpreter
+# accepts a plain float, so only a GPU run catches it)
+_SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
 
 
 @triton.jit

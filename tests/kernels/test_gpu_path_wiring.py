@@ -1,10 +1,13 @@
-"""The model's CUDA path, wired as on a GPU but run on CPU tensors in Triton's interpreter: the
+"""The model's CUDA path, on the GPU when there is one, else wired as on a GPU but run on CPU
+tensors in Triton's interpreter: the
 Triton layer ops (fused add + RMSNorm with the residual updated in place, rotary in place in the
 fused q/k/v output with the cache write, SiLU-and-multiply) and the Triton paged attention
 reading the strided q, through prefill, mixed and decode steps of a tiny random Llama. The
 hidden states must match the torch path's (what the CPU runs) to float32 rounding, and the KV
 cache must hold the same values in the same slots."""
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
@@ -13,6 +16,8 @@ from services.engine import layer_ops, model as model_module
 from services.engine.attention import AttentionMetadata, _triton_attention
 from services.engine.config import ModelConfig
 from services.engine.model import LlamaForCausalLM
+
+from .conftest import DEVICE
 
 pytest.importorskip("triton")
 
@@ -52,18 +57,22 @@ STEPS = [  # (token ids, positions, slot mapping, block tables, seq lens, query 
 
 
 def run(model, monkeypatch, on_gpu_path: bool):
+    """The STEPS' hidden states and the KV cache, on CPU (the GPU path runs on ``DEVICE``)."""
+    device = DEVICE if on_gpu_path else torch.device("cpu")
+    model = copy.deepcopy(model).to(device) if device.type == "cuda" else model
     with monkeypatch.context() as m:
         if on_gpu_path:
             m.setattr(layer_ops, "_ops", lambda t: layer_ops._triton_layer_ops())
             m.setattr(model_module, "paged_attention", triton_attention)
-        kv = torch.zeros(2, 2, 16, 4, 2, 16)
+        kv = torch.zeros(2, 2, 16, 4, 2, 16, device=device)
         hidden = []
         with torch.inference_mode():
             for ids, pos, slots, tables, lens, qsl, nd in STEPS:
-                meta = AttentionMetadata(torch.tensor(slots), torch.tensor(tables),
-                                         torch.tensor(lens), qsl, nd)
-                hidden.append(model(torch.tensor(ids), torch.tensor(pos), kv, meta))
-        return hidden, kv
+                meta = AttentionMetadata(*(torch.tensor(x, device=device)
+                                           for x in (slots, tables, lens)), qsl, nd)
+                hidden.append(model(torch.tensor(ids, device=device),
+                                    torch.tensor(pos, device=device), kv, meta).cpu())
+        return hidden, kv.cpu()
 
 
 def test_the_triton_path_computes_what_the_torch_path_does(monkeypatch):

@@ -129,7 +129,7 @@ def test_engine_dispatch_uses_triton_on_cuda(monkeypatch):
     real = engine_attention._triton_attention()
     monkeypatch.setattr(reference, "paged_attention",
                         lambda *a: (_ for _ in ()).throw(AssertionError("reference on CUDA")))
-    monkeypatch.setattr(real, "paged_attention", lambda *a: calls.append(a) or a[0])
+    monkeypatch.setattr(real, "paged_attention", lambda *a, **kw: calls.append(a) or a[0])
     batch = make_paged_batch([(4, 1), (0, 5)], 4, 2, 64, 16, device="cuda")
     meta = engine_attention.AttentionMetadata(torch.zeros(6, dtype=torch.int64, device="cuda"),
                                               batch.block_tables, batch.seq_lens,
