@@ -1,8 +1,6 @@
 """Launch helpers shared by the Triton wrappers (host side only; imports no triton)."""
 from __future__ import annotations
 
-import functools
-
 import torch
 
 
@@ -47,18 +45,6 @@ def check_attention_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     if len(block_tables) != len(seq_lens):
         raise ValueError(f"{len(block_tables)} block tables for {len(seq_lens)} sequences")
     check_devices(q, k_cache, v_cache, block_tables, seq_lens)
-
-
-@functools.cache
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def num_parallel_units(device: torch.device) -> int:
-    """Streaming multiprocessors of a CUDA device; a nominal 64 elsewhere (the interpreter)."""
-    if device.type == "cuda":
-        return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-    return 64
 
 
 def next_power_of_2(n: int) -> int:

@@ -72,7 +72,8 @@ def paged_cache(batch: int, context: int, shape: tuple[int, int, int], dtype: to
 
 def decode_row(batch: int, context: int, shape, dtype, device, peak: float | None) -> dict:
     """One decode case: Triton on the paged cache vs SDPA on the gathered dense K/V."""
-    from kernels.decode_attention import choose_num_splits, paged_decode_attention
+    from kernels.decode_attention import (choose_num_splits, default_block_n,
+                                          paged_decode_attention)
 
     num_heads, num_kv_heads, head_dim = shape
     k_cache, v_cache, tables, seq_lens = paged_cache(batch, context, shape, dtype, device)
@@ -90,7 +91,7 @@ def decode_row(batch: int, context: int, shape, dtype, device, peak: float | Non
     gbps = kv_bytes / triton_ms / 1e6
     return {
         "batch": batch, "context": context, "kv_bytes": kv_bytes,
-        "num_splits": choose_num_splits(batch, num_kv_heads, context, device),
+        "num_splits": choose_num_splits(context, default_block_n(head_dim)),
         "triton_ms": triton_ms, "sdpa_ms": sdpa_ms,
         "triton_gbps": gbps, "sdpa_gbps": kv_bytes / sdpa_ms / 1e6,
         "triton_pct_peak": 100 * gbps / peak if peak else None,

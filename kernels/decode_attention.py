@@ -5,9 +5,19 @@ two-stage form of LightLLM's / SGLang's Triton decode kernels. Stage 1 runs one 
 (sequence, KV head, split); the program holds all ``num_heads // num_kv_heads`` query heads of
 its KV head as the rows of one ``tl.dot`` (so each K/V tile is loaded once for the whole group),
 walks its share of the context through the block table with an online softmax, and writes a
-partial output and its log-sum-exp. Stage 2 merges the splits. With one split, stage 1 writes
-the normalized output directly and stage 2 is skipped. Splits are chosen on the host from
-shapes alone (no device sync), so that short batches of long sequences still fill the GPU.
+partial output and its log-sum-exp. Stage 2 merges the splits in a fixed order. With one
+split, stage 1 writes the normalized output directly and stage 2 is skipped.
+
+Batch invariance: how a sequence's context is split depends on its own length alone (as in
+vLLM's batch-invariant mode and SGLang's deterministic inference, where split sizes are fixed
+per sequence rather than chosen to fill the GPU): ``max(ceil(tiles / max_splits), min_tiles)``
+key tiles per split, so at most ``max_splits`` splits, and the merge reduces a fixed-size
+vector of ``max_splits`` slots. So a sequence's output is the same bits whatever else is in
+the batch, however wide the block table (CUDA graphs pass the model's full width) and whichever
+path (split or direct) the batch takes. The grid's split axis is an upper bound from the block
+table's width; programs past a sequence's last split write an empty split (zero output,
+log-sum-exp -inf), which the merge adds as exact zeros. The price: a large batch of short
+contexts is split where filling the GPU would not need it (measured in docs/benchmarks.md).
 """
 from __future__ import annotations
 
@@ -18,19 +28,20 @@ import triton
 import triton.language as tl
 
 from ._attention_tile import attend_tile, kv_tile_offsets, score_scales
-from ._launch import check_attention_args, dot_options, next_power_of_2, num_parallel_units
-MIN_TOKENS_PER_SPLIT = 256  # a split shorter than this costs more to merge than it saves
-MAX_SPLITS = 32
+from ._launch import check_attention_args, dot_options, next_power_of_2
+
+MAX_SPLITS = 32  # splits per sequence at most
+MIN_TILES_PER_SPLIT = 2  # key tiles: a shorter split costs more to write and merge than it saves
 
 
 @triton.jit
 def _decode_split_kernel(
     Q, K_cache, V_cache, Block_tables, Seq_lens, Out, Lse, qk_scale, cap_log2, window,
-    num_splits, stride_qs, stride_qh, stride_bt, stride_b, stride_s, stride_h,
+    max_splits, stride_qs, stride_qh, stride_bt, stride_b, stride_s, stride_h,
     stride_os, stride_oh, stride_ok, stride_ls, stride_lh,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-    PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr, SLIDING: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MIN_TILES: tl.constexpr,
+    SPLIT: tl.constexpr, PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr, SLIDING: tl.constexpr,
     SOFTCAP: tl.constexpr,
 ):
     seq = tl.program_id(0)
@@ -40,7 +51,9 @@ def _decode_split_kernel(
     lo = 0
     if SLIDING:  # the query (position seq_len - 1) sees the last ``window`` keys
         lo = tl.maximum(seq_len - window, 0)
-    split_len = tl.cdiv(tl.cdiv(seq_len - lo, num_splits), BLOCK_N) * BLOCK_N
+    # from this sequence's length alone: the same split whatever the batch
+    tiles = tl.cdiv(seq_len - lo, BLOCK_N)
+    split_len = tl.maximum(tl.cdiv(tiles, max_splits), MIN_TILES) * BLOCK_N
     start = lo + split * split_len
     end = tl.minimum(start + split_len, seq_len)
 
@@ -75,6 +88,9 @@ def _decode_merge_kernel(
     stride_ps, stride_ph, stride_pk, stride_ls, stride_lh, stride_os, stride_oh,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
+    """Softmax-weighted sum of the splits. ``BLOCK_K`` comes from ``max_splits``, not from the
+    grid's split count, so the reduction has the same shape (and order) in every batch; the
+    splits a sequence does not use enter as exact zeros (weight 0, partial 0)."""
     seq = tl.program_id(0)
     head = tl.program_id(1)
     offs_k = tl.arange(0, BLOCK_K)
@@ -83,30 +99,33 @@ def _decode_merge_kernel(
     lse = tl.load(Lse + seq * stride_ls + head * stride_lh + offs_k, mask=mask_k,
                   other=float("-inf"))
     weight = tl.exp2(lse - tl.max(lse, 0))
-    weight = weight / tl.sum(weight, 0)
     partial_ptrs = (Partial + seq * stride_ps + head * stride_ph + offs_k[:, None] * stride_pk
                     + offs_d[None, :])
     partial = tl.load(partial_ptrs, mask=mask_k[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
-    out = tl.sum(partial * weight[:, None], 0)
+    out = tl.sum(partial * weight[:, None], 0) / tl.sum(weight, 0)
     tl.store(Out + seq * stride_os + head * stride_oh + offs_d, out.to(Out.dtype.element_ty),
              mask=offs_d < HEAD_DIM)
 
 
-def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context: int,
-                      device: torch.device) -> int:
-    """Splits per sequence: enough (sequence, KV head, split) programs for about two per SM,
-    each split at least ``MIN_TOKENS_PER_SPLIT`` tokens of ``max_context`` (an upper bound of
-    the longest context, in tokens), at most ``MAX_SPLITS``."""
-    by_length = math.ceil(max_context / MIN_TOKENS_PER_SPLIT)
-    by_occupancy = math.ceil(2 * num_parallel_units(device) / max(1, num_seqs * num_kv_heads))
-    return max(1, min(by_length, by_occupancy, MAX_SPLITS))
+def default_block_n(head_dim: int) -> int:
+    """Keys per tile: 64, or 32 for heads wider than 128 (registers)."""
+    return 64 if head_dim <= 128 else 32
+
+
+def choose_num_splits(max_context: int, block_n: int, max_splits: int = MAX_SPLITS,
+                      min_tiles: int = MIN_TILES_PER_SPLIT) -> int:
+    """The grid's split axis: splits of the longest possible context (``max_context`` tokens,
+    an upper bound such as the block table's width), each at least ``min_tiles`` key tiles of
+    ``block_n``, at most ``max_splits``. Each sequence uses as many as its own length needs."""
+    return max(1, min(max_splits, math.ceil(max_context / (block_n * min_tiles))))
 
 
 def paged_decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     seq_lens: torch.Tensor, scale: float, *, sliding_window: int | None = None,
-    softcap: float | None = None, num_splits: int | None = None,
-    block_n: int | None = None, out: torch.Tensor | None = None,
+    softcap: float | None = None, max_splits: int = MAX_SPLITS,
+    min_tiles: int = MIN_TILES_PER_SPLIT, block_n: int | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its paged K/V.
 
@@ -115,8 +134,9 @@ def paged_decode_attention(
     strides; block_tables: ``[num_seqs, max_blocks]`` int32/int64; seq_lens: ``[num_seqs]``
     int, each >= 1 (positions ``0 .. seq_len - 1`` are attended; with ``sliding_window`` W only
     the last W, and no block before them is read); scale: softmax scale; softcap c: scores
-    become ``c * tanh(s / c)``. num_splits / block_n: override the split count and the
-    key-tile size (tests, tuning).
+    become ``c * tanh(s / c)``. max_splits / min_tiles / block_n: override the most splits per
+    sequence, the fewest key tiles per split and the key-tile size (tests, tuning); a
+    sequence's output depends on them and its own K/V, never on the rest of the batch.
     Returns ``out`` (``[num_seqs, num_heads, head_dim]``, q's dtype), written in place if given.
     Same result as ``kernels.reference.paged_decode_attention``. Raises ``ValueError`` on
     mismatched shapes, dtypes or devices.
@@ -130,11 +150,12 @@ def paged_decode_attention(
     context = block_tables.shape[1] * block_size
     if sliding_window is not None:
         context = min(context, sliding_window + block_size)
-    splits = num_splits or choose_num_splits(num_seqs, num_kv_heads, context, q.device)
+    block_n = block_n or default_block_n(head_dim)
+    splits = choose_num_splits(context, block_n, max_splits, min_tiles)
     group = num_heads // num_kv_heads
     meta = dict(GROUP=group, BLOCK_G=max(16, next_power_of_2(group)), HEAD_DIM=head_dim,
                 BLOCK_D=max(16, next_power_of_2(head_dim)), BLOCK_SIZE=block_size,
-                BLOCK_N=block_n or (64 if head_dim <= 128 else 32), SPLIT=splits > 1,
+                BLOCK_N=block_n, MIN_TILES=min_tiles, SPLIT=splits > 1,
                 SLIDING=sliding_window is not None, SOFTCAP=bool(softcap),
                 **dot_options(q.dtype, q.device))
     qk_scale, cap_log2 = score_scales(scale, softcap)
@@ -143,17 +164,18 @@ def paged_decode_attention(
     args = (q, k_cache, v_cache, block_tables, seq_lens)
     strides = (q.stride(0), q.stride(1), block_tables.stride(0), *k_cache.stride()[:3])
     if splits == 1:
-        _decode_split_kernel[grid](*args, out, out, qk_scale, cap_log2, window, 1, *strides,
+        _decode_split_kernel[grid](*args, out, out, qk_scale, cap_log2, window, max_splits,
+                                   *strides,
                                    out.stride(0), out.stride(1), 0, 0, 0, **meta)
         return out
     partial = torch.empty((num_seqs, num_heads, splits, head_dim), dtype=torch.float32,
                           device=q.device)
     lse = torch.empty((num_seqs, num_heads, splits), dtype=torch.float32, device=q.device)
-    _decode_split_kernel[grid](*args, partial, lse, qk_scale, cap_log2, window, splits, *strides,
-                               *partial.stride()[:3], *lse.stride()[:2], **meta)
+    _decode_split_kernel[grid](*args, partial, lse, qk_scale, cap_log2, window, max_splits,
+                               *strides, *partial.stride()[:3], *lse.stride()[:2], **meta)
     _decode_merge_kernel[(num_seqs, num_heads)](
         partial, lse, out, splits, *partial.stride()[:3], *lse.stride()[:2], out.stride(0),
         out.stride(1), HEAD_DIM=head_dim, BLOCK_D=meta["BLOCK_D"],
-        BLOCK_K=next_power_of_2(splits))
+        BLOCK_K=next_power_of_2(max_splits))
     return out
 

@@ -30,25 +30,25 @@ def check(batch, dtype, **kwargs):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("max_splits", [1, 3])
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(2, 2), (6, 2), (8, 2)])
 @pytest.mark.parametrize("block_size", [1, 16])
-def test_decode_matches_reference(block_size, num_heads, num_kv_heads, num_splits, dtype):
+def test_decode_matches_reference(block_size, num_heads, num_kv_heads, max_splits, dtype):
     batch = make_paged_batch([(n - 1, 1) for n in LENS], num_heads, num_kv_heads, HEAD_DIM,
                              block_size, dtype)
-    check(batch, dtype, num_splits=num_splits)
+    check(batch, dtype, max_splits=max_splits)
 
 
 @pytest.mark.parametrize("head_dim", [40, 64])
 def test_decode_head_dims(head_dim):
     """head_dim padded to the next power of two (40), and the default model's (64)."""
     batch = make_paged_batch([(n - 1, 1) for n in LENS], 9, 3, head_dim, 16)
-    check(batch, torch.float32, num_splits=2)
+    check(batch, torch.float32, max_splits=2)
 
 
 def test_decode_more_splits_than_tiles_and_default_splits():
     batch = make_paged_batch([(0, 1), (4, 1)], 4, 1, HEAD_DIM, 4)
-    check(batch, torch.float32, num_splits=8)  # most splits are empty
+    check(batch, torch.float32, max_splits=8)
     check(batch, torch.float32)
 
 
@@ -64,11 +64,33 @@ def test_decode_writes_into_out_view():
 
 
 def test_choose_num_splits():
-    cpu = torch.device("cpu")  # 64 nominal parallel units
-    assert choose_num_splits(1, 8, 8192, cpu) == 16  # fill the device: 128 programs
-    assert choose_num_splits(1, 8, 300, cpu) == 2  # splits of at least ~256 tokens
-    assert choose_num_splits(256, 8, 8192, cpu) == 1  # the batch fills it already
-    assert choose_num_splits(1, 1, 10**6, cpu) == 32  # capped
+    assert choose_num_splits(8192, 64) == 32  # capped
+    assert choose_num_splits(300, 64) == 3  # at least two key tiles per split
+    assert choose_num_splits(300, 64, min_tiles=1) == 5
+    assert choose_num_splits(128, 64) == 1 and choose_num_splits(8192, 64, max_splits=1) == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_a_sequence_gets_the_same_bits_in_any_batch(dtype):
+    """Batch invariance: each sequence's output, computed alone (its own block table width,
+    so fewer grid splits), equals bit for bit its row in the whole batch, and in the batch
+    with a block table four times as wide (as CUDA graphs pass it)."""
+    batch = make_paged_batch([(n - 1, 1) for n in LENS], 8, 2, HEAD_DIM, 4, dtype)
+    args = (batch.k_cache, batch.v_cache)
+
+    def attend(q, tables, lens):
+        return paged_decode_attention(q, *args, tables, lens, batch.scale, block_n=BLOCK_N,
+                                      min_tiles=1)
+
+    together = attend(batch.q, batch.block_tables, batch.seq_lens)
+    wide = torch.zeros(len(LENS), 4 * batch.block_tables.shape[1], dtype=batch.block_tables.dtype,
+                       device=batch.block_tables.device)
+    wide[:, :batch.block_tables.shape[1]] = batch.block_tables
+    assert torch.equal(attend(batch.q, wide, batch.seq_lens), together)
+    for i, n in enumerate(LENS):
+        alone = attend(batch.q[i:i + 1], batch.block_tables[i:i + 1, :-(-n // 4)],
+                       batch.seq_lens[i:i + 1])
+        assert torch.equal(alone, together[i:i + 1]), n
 
 
 def test_decode_rejects_mismatched_arguments():

@@ -105,13 +105,13 @@ def test_triton_ragged_batch_matches_reference(block_size, window, softcap, dtyp
     torch.testing.assert_close(out.float(), expected, atol=ATOL[dtype], rtol=0)
 
 
-@pytest.mark.parametrize("num_splits", [1, 3])
-def test_triton_decode_splits_cover_only_the_window(num_splits):
+@pytest.mark.parametrize("max_splits", [1, 3])
+def test_triton_decode_splits_cover_only_the_window(max_splits):
     lens = [1, 16, 17, 40]
     batch = make_paged_batch([(n - 1, 1) for n in lens], 8, 2, HEAD_DIM, 4)
     k_cache, v_cache, tables = poison_outside_windows(batch, 9, len(lens))
     out = paged_decode_attention(batch.q, k_cache, v_cache, tables, batch.seq_lens, batch.scale,
-                                 sliding_window=9, num_splits=num_splits, block_n=BLOCK_N)
+                                 sliding_window=9, max_splits=max_splits, block_n=BLOCK_N)
     expected = reference_in_float32(reference.paged_decode_attention, batch, batch.block_tables,
                                     batch.seq_lens, batch.scale, 8, 9)
     torch.testing.assert_close(out.float(), expected, atol=ATOL[torch.float32], rtol=0)
