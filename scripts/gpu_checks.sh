@@ -8,6 +8,8 @@
 # Make the carried files here first:
 #   f=$(.venv/bin/python -c 'from services.engine.model_files import default_model_path as p; print(p())')
 #   mkdir -p .gpu/a .gpu/b; head -c 50000000 $f >.gpu/a/part1; tail -c +50000001 $f >.gpu/b/part2
+# NOTE: the machine stays warm only 30 s after a call and /tmp goes with it: issue stage b at
+# once after stage a returns (read a's output afterwards), or b finds no first part.
 # Logs and JSON land in $OUT (default ./gpu-out).
 set -u
 stage=${1:?usage: scripts/gpu_checks.sh a|b}
