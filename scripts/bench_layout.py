@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from loadtest import serve
-from services.runtime import process
+from services import ports
 from services.runtime.launcher import Stack, UpOptions
 from services.runtime.layout import choose_layout, usable_cores
 from services.config.settings import UpSection
@@ -106,7 +106,7 @@ def pin_workers(stack: Stack) -> None:
 
 
 def free_port() -> int:
-    return process.free_port("127.0.0.1")
+    return ports.free_port("127.0.0.1")
 
 
 def serve_argv(args, address: str, concurrency: int, out: Path, name: str) -> list[str]:

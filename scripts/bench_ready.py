@@ -38,7 +38,6 @@ def mark(name):
 import torch
 torch.set_num_threads({threads})
 mark("import_torch")
-from services.runtime import process
 from services.engine.engine import EngineConfig, LLMEngine
 from services.engine.quantized import build_model
 from services.engine.quantized_loader import file_weight_formats

@@ -45,7 +45,7 @@ from loadtest.datasets import DatasetOptions, random_dataset
 from loadtest.metrics import summarize
 from loadtest.runner import RunConfig, run_benchmark
 from loadtest.serve import load_tokenizer
-from services.runtime import process
+from services import ports
 from services.runtime.launcher import Stack, UpOptions
 
 
@@ -68,7 +68,7 @@ class SpanCounter(trace_service_pb2_grpc.TraceServiceServicer):
 
 
 def free_port() -> int:
-    return process.free_port("127.0.0.1")
+    return ports.free_port("127.0.0.1")
 
 
 def cpu_seconds(pid: int) -> float:

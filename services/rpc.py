@@ -14,6 +14,7 @@ from grpc_reflection.v1alpha import reflection
 
 from services.auth import InternalAuthInterceptor
 from services.errors import InvalidArgument, error_status
+from services.ports import listen
 
 log = logging.getLogger(__name__)
 
@@ -117,11 +118,18 @@ async def mark_not_serving(health_servicer, service_names: Iterable[str]) -> Non
 
 def bind(server: grpc.aio.Server, host: str, port: int,
          credentials: grpc.ServerCredentials | None = None) -> int:
-    """Listen on ``host:port`` (0: a free port), with TLS when ``credentials`` are given;
-    returns the bound port. Raises OSError."""
-    address = f"{host}:{port}"
-    bound = (server.add_insecure_port(address) if credentials is None
-             else server.add_secure_port(address, credentials))
-    if bound == 0:
-        raise OSError(f"cannot listen on {host}:{port}")
-    return bound
+    """Listen on ``host:port`` (0: a free port below the ephemeral range, see
+    ``services.ports``), with TLS when ``credentials`` are given; returns the bound port.
+    Raises OSError."""
+    def add_port(p: int) -> int:
+        address = f"{host}:{p}"
+        try:
+            bound = (server.add_insecure_port(address) if credentials is None
+                     else server.add_secure_port(address, credentials))
+        except RuntimeError as exc:  # grpc's "Failed to bind"
+            raise OSError(f"cannot listen on {address}: {exc}") from exc
+        if bound == 0:
+            raise OSError(f"cannot listen on {address}")
+        return bound
+
+    return listen(add_port, host, port)

@@ -30,6 +30,7 @@ import torch
 
 from kernels.kv_layout import KVCacheLayout
 from services.kv_transfer.errors import KVTransferError
+from services.ports import listen
 from services.kv_transfer.layouts import check_layouts_match, layout_from_dict, layout_to_dict
 from services.kv_transfer.transport import MAX_NOTIFICATION_BYTES, KVTransport
 from services.kv_transfer.grants import handshake_proof
@@ -43,8 +44,8 @@ logger = logging.getLogger(__name__)
 class TcpKVTransport(KVTransport):
     """``KVTransport`` over plain TCP sockets (see the module doc for the wire and staging).
 
-    The receiver listens on ``host:port`` (port 0: an ephemeral port, reported by
-    ``metadata()``) and serves each connection on its own thread. ``advertise_host`` is the
+    The receiver listens on ``host:port`` (port 0: a free port below the ephemeral range,
+    ``services.ports``, reported by ``metadata()``) and serves each connection on its own thread. ``advertise_host`` is the
     address peers dial (default: ``host``, or this machine's hostname when ``host`` is a
     wildcard). The sender keeps a pool of connections per peer, so concurrent writes to one
     peer run in parallel. ``connect_timeout_s`` bounds ``add_remote``'s connect and handshake;
@@ -73,7 +74,8 @@ class TcpKVTransport(KVTransport):
         self._sockets: set[socket.socket] = set()  # every open connection, both sides
         self._serve_threads: list[threading.Thread] = []
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self._listener = socket.create_server((host, port), family=family)
+        self._listener = listen(lambda p: socket.create_server((host, p), family=family),
+                                host, port)  # port 0: one below the ephemeral range
         self._listener.settimeout(1.0)  # NOTE: where shutdown() cannot wake accept, it polls
         wildcard = host in ("", "0.0.0.0", "::")
         self._address = (advertise_host or (socket.gethostname() if wildcard else host),

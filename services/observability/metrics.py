@@ -33,6 +33,7 @@ from prometheus_client.registry import Collector
 from services.engine.metrics import (FINISH_REASONS, ITL_BUCKETS_S, REQUEST_LATENCY_BUCKETS_S,
                                      TTFT_BUCKETS_S)
 from services.engine.metrics import Histogram as StatsHistogram
+from services.ports import listen
 
 prometheus_client.disable_created_metrics()  # no ``_created`` series (vLLM does the same)
 
@@ -248,7 +249,8 @@ class TokenClock:
 
 
 class MetricsServer:
-    """``/metrics`` of ``registry`` on ``host:port`` (0: a free port; ``port`` then says which)
+    """``/metrics`` of ``registry`` on ``host:port`` (0: a free port below the ephemeral range,
+    ``services.ports``; ``port`` then says which)
     from prometheus-client's threaded WSGI server: scrapes run on its threads, never on an
     event loop or the engine thread. Raises OSError when the port cannot be bound.
 
@@ -263,8 +265,8 @@ class MetricsServer:
             return app({**environ, "HTTP_ACCEPT": "text/plain"}, start_response)
 
         try:
-            self._httpd = make_server(host, port, text_only, ThreadingWSGIServer,
-                                      handler_class=_QuietHandler)
+            self._httpd = listen(lambda p: make_server(host, p, text_only, ThreadingWSGIServer,
+                                                       handler_class=_QuietHandler), host, port)
         except OSError as exc:  # the message names the address (a port taken meanwhile)
             raise OSError(exc.errno, f"metrics port: cannot listen on {host}:{port}: "
                                      f"{exc.strerror}") from exc

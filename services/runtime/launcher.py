@@ -31,7 +31,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pydantic import SecretStr
 
 from services.observability.scrape import write_scrape_config
-from services.runtime.process import Child, free_port, listening, spawn, terminate
+from services.ports import free_port
+from services.runtime.process import Child, listening, spawn, terminate
 from services.config.settings import Settings
 from services.config.sources import leaves, load_settings, write_settings_file
 from services.state.redis_server import RedisServer, check_redis, start_redis_server

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import logging
-import random
 import signal
 import socket
 import subprocess
@@ -25,40 +24,6 @@ def die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
     except (OSError, AttributeError):
         pass
-
-
-def free_port(host: str) -> int:
-    """A TCP port free on ``host`` now, for a child to listen on.
-
-    Drawn at random below the kernel's ephemeral range (``ip_local_port_range``), where no
-    outgoing connection (to Redis, to a worker) can take it between this check and the child's
-    bind, as one would if the OS picked it (``bind(0)`` draws from that very range). Falls back
-    to the OS's pick when no port below the range is free."""
-    low = _ephemeral_low()
-    for _ in range(64):
-        port = random.randrange(max(1024, low - 12000), low)
-        if _bindable(host, port):
-            return port
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def _ephemeral_low() -> int:
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            return int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768  # Linux's default
-
-
-def _bindable(host: str, port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind((host, port))
-        except OSError:
-            return False
-    return True
 
 
 def spawn(argv: list[str], env: dict[str, str]) -> subprocess.Popen:

@@ -129,8 +129,8 @@ async def watch_listener(host: str, port: int, interval_s: float,
 
     Why a worker watches its own port: a port can stop taking connections while the process
     goes on. The machine may refuse some ports whatever listens on them (the project's CI
-    machines refuse five loopback ports of the ephemeral range, which a port-0 bind can draw),
-    or gRPC may close the server's acceptor after an accept4() error it does not expect ("Closing
+    machines refuse five loopback ports of the ephemeral range, which ``services.ports`` now
+    keeps our own picks out of, but a configured port may be one), or gRPC may close the server's acceptor after an accept4() error it does not expect ("Closing
     acceptor. Failed accept4" in its log). Heartbeats would keep such a worker in the registry:
     the gateway routes to it, fails, marks it suspect, and tries again a few heartbeats later,
     for good. Exiting lets a supervisor restart it on another port."""

@@ -25,7 +25,8 @@ import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
-from services.runtime.process import die_with_parent, free_port
+from services.ports import free_port
+from services.runtime.process import die_with_parent
 
 REDIS_BINARY = "redis-server"
 INSTALL_HINT = ("install it with `apt-get install -y redis-server` (Debian/Ubuntu) "

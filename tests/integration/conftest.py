@@ -13,7 +13,7 @@ import grpc
 import pytest
 import redis.asyncio as aioredis
 
-from services.runtime import process
+from services import ports
 from services.auth import internal_channel
 from services.api import worker_pb2, worker_pb2_grpc
 from services.runtime.launcher import Stack, UpOptions
@@ -27,7 +27,7 @@ GET_LOAD_TIMEOUT_S = 20.0
 
 
 def free_port() -> int:
-    return process.free_port("127.0.0.1")
+    return ports.free_port("127.0.0.1")
 
 
 @pytest.fixture(scope="package", autouse=True)

@@ -16,7 +16,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from services.gateway.health import ReadinessMonitor
 from services.runtime.launcher import Stack, UpOptions
-from services.runtime.process import Child, free_port
+from services.ports import free_port
+from services.runtime.process import Child
 from services.state.redis_server import start_redis_server
 from services.state.registry import WorkerInfo, WorkerRegistry
 from tests.unit.test_drain import FakeHealth
