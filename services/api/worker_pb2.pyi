@@ -96,7 +96,7 @@ class DecodeRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., local_prefill: _Optional[bool] = ..., kv_failure_policy: _Optional[_Union[KVFailurePolicy, str]] = ...) -> None: ...
 
 class KVReservation(_message.Message):
-    __slots__ = ("worker_id", "transport", "transport_metadata", "block_ids", "lease_s", "write_token", "num_cached_blocks", "num_skipped_blocks")
+    __slots__ = ("worker_id", "transport", "transport_metadata", "block_ids", "lease_s", "write_token", "num_cached_blocks", "num_skipped_blocks", "num_partial_blocks")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_METADATA_FIELD_NUMBER: _ClassVar[int]
@@ -105,6 +105,7 @@ class KVReservation(_message.Message):
     WRITE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_SKIPPED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PARTIAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     transport: str
     transport_metadata: bytes
@@ -113,7 +114,8 @@ class KVReservation(_message.Message):
     write_token: bytes
     num_cached_blocks: int
     num_skipped_blocks: int
-    def __init__(self, worker_id: _Optional[str] = ..., transport: _Optional[str] = ..., transport_metadata: _Optional[bytes] = ..., block_ids: _Optional[_Iterable[int]] = ..., lease_s: _Optional[float] = ..., write_token: _Optional[bytes] = ..., num_cached_blocks: _Optional[int] = ..., num_skipped_blocks: _Optional[int] = ...) -> None: ...
+    num_partial_blocks: int
+    def __init__(self, worker_id: _Optional[str] = ..., transport: _Optional[str] = ..., transport_metadata: _Optional[bytes] = ..., block_ids: _Optional[_Iterable[int]] = ..., lease_s: _Optional[float] = ..., write_token: _Optional[bytes] = ..., num_cached_blocks: _Optional[int] = ..., num_skipped_blocks: _Optional[int] = ..., num_partial_blocks: _Optional[int] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
     __slots__ = ("reservation", "token_ids", "finish_reason", "num_output_tokens", "logprobs", "kv_recomputed", "num_cached_tokens", "prompt_logprobs")

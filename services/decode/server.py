@@ -101,16 +101,20 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
     def open_reservation(self, req: Request) -> tuple[worker_pb2.KVReservation, asyncio.Future]:
         """Open the reservation of ``req`` (blocks reserved by the engine): the prefix its
         prefix cache held is pinned, so only the blocks after it are granted to the writer,
-        less those before a sliding window that covers every layer (never read)."""
+        less those before a sliding window that covers every layer (never read); of the
+        rest, those before the sliding layers' window of a mixed model are written for its
+        global layers only."""
         num_cached = req.num_cached_tokens // self.rt.engine.block_manager.block_size
         skipped = self.rt.engine.scheduler.skipped_prompt_blocks(req)  # before the window
+        partial = self.rt.engine.scheduler.partial_prompt_blocks(req)
         writable = list(req.block_table[num_cached + skipped:])
         token, outcome = self._grant(req.request_id, writable)
         return worker_pb2.KVReservation(
             worker_id=self.rt.worker_id, transport=self.rt.options.kv_transport,
             transport_metadata=self.transport.metadata(), block_ids=writable,
             lease_s=self.rt.options.kv_lease_s, write_token=token,
-            num_cached_blocks=num_cached, num_skipped_blocks=skipped), outcome
+            num_cached_blocks=num_cached, num_skipped_blocks=skipped,
+            num_partial_blocks=partial), outcome
 
     async def Decode(self, request: worker_pb2.DecodeRequest, context):
         """One request's stream: admit it (``local_prefill``: compute the prompt here; else

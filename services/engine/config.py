@@ -97,3 +97,11 @@ class ModelConfig:
         None (no window, or some layers attend to the whole context)."""
         windows = {self.layer_window(i) for i in range(self.num_hidden_layers)}
         return windows.pop() if len(windows) == 1 else None
+
+    @property
+    def mixed_sliding_window(self) -> int | None:
+        """The sliding layers' window when the others attend to the whole context (Gemma 2/3:
+        every block stays, but the sliding layers never read those before their window),
+        else None."""
+        windows = {self.layer_window(i) for i in range(self.num_hidden_layers)}
+        return max(windows - {None}) if None in windows and len(windows) > 1 else None

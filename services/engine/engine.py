@@ -98,7 +98,8 @@ class LLMEngine:
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
                             config.scheduling_policy, config.enable_prefix_caching,
                             config.long_prefill_token_threshold or 0, config.queue_policy,
-                            sliding_window=model_config.uniform_sliding_window),
+                            sliding_window=model_config.uniform_sliding_window,
+                            mixed_sliding_window=model_config.mixed_sliding_window),
             self.block_manager,
         )
         self.step_cost = StepCostModel()  # seconds per step, learned (time budget, heartbeat)

@@ -68,6 +68,8 @@ class SchedulerConfig:
     queue_aging_tokens_per_s: float = QUEUE_AGING_TOKENS_PER_S
     # the model's window when every layer slides (Mistral): blocks before it are freed
     sliding_window: int | None = None
+    # the sliding layers' window when other layers attend to everything (Gemma): blocks stay
+    mixed_sliding_window: int | None = None
 
 
 @dataclass
@@ -166,7 +168,8 @@ class Scheduler:
             return None
         request.num_computed_tokens = request.num_prompt_tokens
         if self.config.enable_prefix_caching:
-            if self.skipped_prompt_blocks(request):  # a gap of unwritten blocks
+            # a gap of unwritten blocks, or blocks the sliding layers left unwritten
+            if self.skipped_prompt_blocks(request) or self.partial_prompt_blocks(request):
                 self.block_manager.never_cache(request)
             self.block_manager.cache_full_blocks(request)
         self._free_outside_window(request)
@@ -398,11 +401,21 @@ class Scheduler:
         """Decode role: the prompt's blocks after its cached prefix that no token still to come
         reads (every layer slides: before the window of the token after the prompt), so a
         remote prefill need not write them (``KVReservation.num_skipped_blocks``)."""
-        if self.config.sliding_window is None:
+        return self._blocks_before_window(request, self.config.sliding_window)
+
+    def partial_prompt_blocks(self, request: Request) -> int:
+        """Decode role: the prompt's blocks after its cached prefix that only the global layers
+        read (sliding and global layers mixed: before the sliding layers' window of the token
+        after the prompt), so a remote prefill writes them for those layers alone
+        (``KVReservation.num_partial_blocks``)."""
+        return self._blocks_before_window(request, self.config.mixed_sliding_window)
+
+    def _blocks_before_window(self, request: Request, window: int | None) -> int:
+        if window is None:
             return 0
         bm = self.block_manager
         cached = max(request.num_cached_tokens, 0) // bm.block_size
-        before = bm.blocks_before_window(request.num_prompt_tokens, self.config.sliding_window)
+        before = bm.blocks_before_window(request.num_prompt_tokens, window)
         last = bm.blocks_needed(request.num_prompt_tokens) - 1  # a handoff writes one at least
         return max(min(before, last) - cached, 0)
 

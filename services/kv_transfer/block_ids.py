@@ -29,3 +29,23 @@ def block_runs(block_ids: Sequence[int]) -> list[tuple[int, int]]:
         else:
             runs.append((block_id, 1))
     return runs
+
+
+def check_layer_starts(layer_starts: Sequence[int] | None, num_layers: int,
+                       num_ids: int) -> tuple[tuple[int, ...], str | None]:
+    """A write's per-layer first positions in its id lists (layer ``l`` copies the blocks from
+    position ``layer_starts[l]`` on; None: every layer copies every block), and why they are
+    invalid (None if they are not): one int per layer, each in ``[0, num_ids]``."""
+    if layer_starts is None:
+        return (0,) * num_layers, None
+    starts = tuple(layer_starts)
+    if len(starts) != num_layers or any(type(s) is not int for s in starts):
+        return starts, f"layer_starts: expected {num_layers} ints, one per layer"
+    if any(not 0 <= s <= num_ids for s in starts):
+        return starts, f"layer_starts: each must lie in [0, {num_ids}] (the write's blocks)"
+    return starts, None
+
+
+def layer_block_count(layer_starts: Sequence[int], num_ids: int) -> int:
+    """(layer, block) pairs a write copies, each once for K and once for V."""
+    return sum(num_ids - s for s in layer_starts)

@@ -12,7 +12,7 @@ byte + an 8-byte tag (matches an answer to its waiting call) + a body:
   checks layout and proof (HMAC of the internal secret over both agent names) and answers
   ``A`` + JSON ``{"ok", "error", "fields", "proof"}``.
 - write: one prepped WRITE of all the blocks' descriptors carrying ``W`` + ``encode_write``
-  (token, remote block ids, the user's bytes), delivered after the data landed; the receiver
+  (token, remote block ids, layer starts, the user's bytes), delivered after the data landed; the receiver
   admits it (``KVTransport._admit_write``), runs the handler, answers ``A``. NOTE: one-sided
   WRITEs land before the receiver sees anything: it can refuse to act on a forged write, not
   keep its bytes out (docs/architecture.md: network isolation does that).
@@ -32,7 +32,8 @@ from collections.abc import Sequence
 import torch
 
 from kernels.kv_layout import KVCacheLayout
-from services.kv_transfer.block_ids import invalid_block_ids
+from services.kv_transfer.block_ids import (check_layer_starts, invalid_block_ids,
+                                            layer_block_count)
 from services.kv_transfer.errors import KVTransferError
 from services.kv_transfer.layouts import check_layouts_match
 from services.kv_transfer.transport import KVTransport
@@ -151,7 +152,8 @@ class NixlKVTransport(KVTransport):
         return name
 
     def _write(self, peer: str, local_ids: list[int], remote_ids: list[int],
-               notification: bytes, token: bytes, timeout_s: float, deadline: float) -> None:
+               notification: bytes, token: bytes, timeout_s: float, deadline: float,
+               layer_starts: tuple[int, ...]) -> None:
         self._check_open()
         with self._lock:
             target = self._peers.get(peer)
@@ -161,11 +163,11 @@ class NixlKVTransport(KVTransport):
             raise KVTransferError(f"unknown peer {peer!r}; call add_remote first")
         if problem := invalid_block_ids(remote_ids, target.num_blocks):
             raise KVTransferError(f"peer {peer} refuses the write: remote {problem}")
-        regions = 2 * self.layout.num_layers
-        blocks = (self._local_dlist, descriptor_indices(regions, self.num_blocks, local_ids),
-                  target.dlist, descriptor_indices(regions, target.num_blocks, remote_ids))
-        reply = self._request(peer, _WRITE + encode_write(token, remote_ids, notification),
-                              deadline, "write", blocks if local_ids else None)
+        blocks = (self._local_dlist, descriptor_indices(self.num_blocks, local_ids, layer_starts),
+                  target.dlist, descriptor_indices(target.num_blocks, remote_ids, layer_starts))
+        copies = layer_block_count(layer_starts, len(local_ids))
+        message = _WRITE + encode_write(token, remote_ids, layer_starts, notification)
+        reply = self._request(peer, message, deadline, "write", blocks if copies else None)
         if not reply.get("ok"):
             raise KVTransferError(f"peer {peer} refused the write: {reply.get('error')}")
 
@@ -271,12 +273,16 @@ class NixlKVTransport(KVTransport):
     def _admit(self, sender: str, tag: bytes, body: bytes) -> None:
         """A write's notification: its blocks have landed; queue it for the handler if its
         token admits them, else answer the refusal (the blocks are not acted on)."""
-        token, remote_ids, notification = decode_write(body)
-        grant, problem = self.receiver.admit_write(sender, token, remote_ids)
+        token, remote_ids, layer_starts, notification = decode_write(body)
+        n_ids = len(remote_ids) if isinstance(remote_ids, list) else 0
+        starts, problem = check_layer_starts(layer_starts, self.layout.num_layers, n_ids)
+        grant = None
+        if not problem:
+            grant, problem = self.receiver.admit_write(sender, token, remote_ids)
         if problem:
             self._answer(sender, tag, {"ok": False, "error": problem})
         else:
-            self.receiver.received(len(remote_ids) * 2 * self.layout.num_layers * self.layout.block_bytes)
+            self.receiver.received(layer_block_count(starts, n_ids) * 2 * self.layout.block_bytes)
             self._inbox.put((sender, tag, grant, notification))
 
     def _peer_gone(self, name: str) -> None:

@@ -123,25 +123,32 @@ def register_cache(agent, kv_cache: torch.Tensor, layout: KVCacheLayout,
     return registered, dlist, hello, metadata.encode()
 
 
-def descriptor_indices(num_regions: int, num_blocks: int, block_ids: list[int]) -> np.ndarray:
-    """Indices into a descriptor list of ``num_regions`` (layer, K/V) x ``num_blocks`` entries
-    of ``block_ids`` in every region, region-major (int32)."""
-    regions = np.arange(num_regions, dtype=np.int64)[:, None]
-    return (regions * num_blocks + block_ids).astype(np.int32).ravel()
+def descriptor_indices(num_blocks: int, block_ids: list[int],
+                       layer_starts: tuple[int, ...]) -> np.ndarray:
+    """Indices into a descriptor list of (layer, K/V) x ``num_blocks`` entries: ``block_ids``
+    from position ``layer_starts[l]`` on in layer ``l``'s two regions, region-major (int32)."""
+    ids = np.asarray(block_ids, dtype=np.int64)
+    return np.concatenate([
+        np.concatenate([(2 * layer + kv) * num_blocks + ids[start:] for kv in (0, 1)])
+        for layer, start in enumerate(layer_starts)]).astype(np.int32)
 
 
-def encode_write(token: bytes, remote_ids: list[int], notification: bytes) -> bytes:
-    """A write's message body: 2-byte length, JSON ``{"token", "remote_block_ids"}``, the
-    user's notification bytes."""
-    head = json.dumps({"token": token.hex(), "remote_block_ids": remote_ids}).encode()
-    return len(head).to_bytes(2, "big") + head + bytes(notification)
+def encode_write(token: bytes, remote_ids: list[int], layer_starts: tuple[int, ...],
+                 notification: bytes) -> bytes:
+    """A write's message body: 4-byte length, JSON ``{"token", "remote_block_ids",
+    "layer_starts"}``, the user's notification bytes."""
+    head = json.dumps({"token": token.hex(), "remote_block_ids": remote_ids,
+                       "layer_starts": list(layer_starts)}).encode()
+    return len(head).to_bytes(4, "big") + head + bytes(notification)
 
 
-def decode_write(body: bytes) -> tuple[bytes, object, bytes]:
-    """Inverse of ``encode_write``: (token, remote block ids as sent, notification)."""
-    size = int.from_bytes(body[:2], "big")
-    head = json.loads(body[2:2 + size])
-    return bytes.fromhex(str(head.get("token", ""))), head.get("remote_block_ids"), body[2 + size:]
+def decode_write(body: bytes) -> tuple[bytes, object, object, bytes]:
+    """Inverse of ``encode_write``: (token, remote block ids and layer starts as sent,
+    notification)."""
+    size = int.from_bytes(body[:4], "big")
+    head = json.loads(body[4:4 + size])
+    return (bytes.fromhex(str(head.get("token", ""))), head.get("remote_block_ids"),
+            head.get("layer_starts"), body[4 + size:])
 
 
 def call_agent(agent, what: str, method: str, *args, quiet: bool = False):

@@ -5,9 +5,10 @@ Wire protocol (every frame: 4-byte big-endian length + UTF-8 JSON; framing in ``
   "nonce", "proof"}`` -> receiver ``{"ok", "name", "layout", "num_blocks", "proof"}`` or
   ``{"ok": false, "error", "fields"}``. Both sides compare layouts; with an internal secret
   each proves it (``proof``: HMAC over both nonces and the receiver's name), or is refused.
-- write: sender ``{"op": "write", "remote_block_ids", "token", "notif_len", "payload_bytes",
-  "timeout_s"}``, then the notification bytes, then the payload in layer-major order
-  (layer, K then V, blocks in list order) -> receiver ``{"ok": true}`` or ``{"ok": false,
+- write: sender ``{"op": "write", "remote_block_ids", "token", "notif_len", "layer_starts",
+  "payload_bytes", "timeout_s"}``, then the notification bytes, then the payload in
+  layer-major order (layer, K then V, the layer's blocks in list order: from its
+  ``layer_starts`` entry on) -> receiver ``{"ok": true}`` or ``{"ok": false,
   "error"}``. A refused write (bad ids, no valid token) is read off the socket into scratch
   memory: not a byte reaches the cache. The receiver ``recvmsg_into``s an admitted payload
   straight into its cache's memory, never past the grant's lease; the sender ``sendmsg``s
@@ -26,17 +27,20 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Sequence
+
 import torch
 
 from kernels.kv_layout import KVCacheLayout
+from services.kv_transfer.block_ids import check_layer_starts, layer_block_count
 from services.kv_transfer.errors import KVTransferError
-from services.ports import listen
 from services.kv_transfer.layouts import check_layouts_match, layout_from_dict, layout_to_dict
 from services.kv_transfer.transport import MAX_NOTIFICATION_BYTES, KVTransport
 from services.kv_transfer.grants import handshake_proof
 from services.kv_transfer.tcp_wire import (
     as_bytes, discard, payload_views, recv_frame, recv_into, recv_payload, remaining, send_frame,
 )
+from services.ports import listen
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +68,6 @@ class TcpKVTransport(KVTransport):
         self._staged = kv_cache.device.type != "cpu"  # through host buffers (module doc)
         # NOTE: a flat byte view of a CPU cache; slices of it are zero-copy regions.
         self._memory = None if self._staged else as_bytes(kv_cache)
-        self._bytes_per_block = layout.num_layers * 2 * layout.block_bytes  # all layers, K+V
         self.name = f"tcp-{uuid.uuid4().hex[:12]}"
         self._connect_timeout_s, self._io_timeout_s = connect_timeout_s, io_timeout_s
         self._lock = threading.Lock()  # guards the fields below
@@ -173,14 +176,20 @@ class TcpKVTransport(KVTransport):
             raise KVTransferError(f"handshake with peer {name} failed: {exc!r}") from exc
 
     def _write(self, peer: str, local_ids: list[int], remote_ids: list[int],
-               notification: bytes, token: bytes, timeout_s: float, deadline: float) -> None:
+               notification: bytes, token: bytes, timeout_s: float, deadline: float,
+               layer_starts: tuple[int, ...]) -> None:
         header = {"op": "write", "remote_block_ids": remote_ids, "timeout_s": timeout_s,
                   "token": token.hex(), "notif_len": len(notification),
-                  "payload_bytes": len(local_ids) * self._bytes_per_block}
-        reply = self._exchange(peer, header, [memoryview(notification),
-                                              *payload_views(self.kv_cache, self._cache_bytes(), local_ids)], deadline, "write")
+                  "layer_starts": list(layer_starts),
+                  "payload_bytes": self._payload_bytes(layer_starts, len(local_ids))}
+        payload = payload_views(self.kv_cache, self._cache_bytes(), local_ids, layer_starts)
+        reply = self._exchange(peer, header, [memoryview(notification), *payload], deadline,
+                               "write")
         if not reply.get("ok"):
             raise KVTransferError(f"peer {peer} refused the write: {reply.get('error')}")
+
+    def _payload_bytes(self, layer_starts: Sequence[int], num_ids: int) -> int:
+        return layer_block_count(layer_starts, num_ids) * 2 * self.layout.block_bytes
 
     def _send_renewal(self, peer: str, token: bytes, deadline: float) -> dict:
         return self._exchange(peer, {"op": "renew", "token": token.hex()}, [], deadline, "renew")
@@ -283,16 +292,19 @@ class TcpKVTransport(KVTransport):
         notification = bytearray(notif_len)
         recv_into(sock, [memoryview(notification)], deadline)
         grant, problem = None, ""
-        if isinstance(ids, list) and payload_bytes != len(ids) * self._bytes_per_block:
-            problem = f"payload of {payload_bytes} bytes does not match {len(ids)} blocks"
-        else:
+        n_ids = len(ids) if isinstance(ids, list) else 0
+        starts, problem = check_layer_starts(header.get("layer_starts"), self.layout.num_layers,
+                                             n_ids)
+        if not problem and payload_bytes != self._payload_bytes(starts, n_ids):
+            problem = f"payload of {payload_bytes} bytes does not match {n_ids} blocks"
+        if not problem:
             grant, problem = self.receiver.admit_write(peer, token, ids)
         if problem:
             discard(sock, payload_bytes, deadline)
             send_frame(sock, {"ok": False, "error": problem}, deadline)
             return
         try:  # NOTE: an admitted write lands before its lease ends, or not at all
-            recv_payload(sock, self.kv_cache, self._cache_bytes(), ids,
+            recv_payload(sock, self.kv_cache, self._cache_bytes(), ids, starts,
                          deadline if grant is None else min(deadline, grant.expires_at))
         except BaseException as exc:
             self.receiver.write_lost(grant, f"the KV write broke off at the receiver ({exc!r})")

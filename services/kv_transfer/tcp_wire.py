@@ -86,39 +86,56 @@ def recv_frame(sock: socket.socket, deadline: float | None, body_timeout_s: floa
     return obj
 
 
-def payload_views(cache: torch.Tensor, memory: memoryview | None,
-                  block_ids: Sequence[int]) -> list[memoryview]:
+def payload_views(cache: torch.Tensor, memory: memoryview | None, block_ids: Sequence[int],
+                  layer_starts: Sequence[int]) -> list[memoryview]:
     """The payload of a write of ``block_ids`` from ``cache`` (``[num_layers, 2, num_blocks,
-    block_size, num_kv_heads, head_dim]``): views of ``memory`` (its flat bytes), or, when
-    ``memory`` is None (a device cache), one host copy gathered on the device."""
+    block_size, num_kv_heads, head_dim]``), layer ``l`` from position ``layer_starts[l]`` of
+    the list on: views of ``memory`` (its flat bytes), or, when ``memory`` is None (a device
+    cache), one host copy gathered on the device."""
     if memory is not None:
-        return _regions(cache, memory, block_ids)
-    return [as_bytes(gather_blocks(cache, _index(cache, block_ids)).cpu())]
+        return _regions(cache, memory, block_ids, layer_starts)
+    if not any(layer_starts):
+        return [as_bytes(gather_blocks(cache, _index(cache, block_ids)).cpu())]
+    index = _index(cache, block_ids)
+    return [as_bytes(gather_blocks(cache[layer], index[start:]).cpu())
+            for layer, start in enumerate(layer_starts) if start < len(block_ids)]
 
 
 def recv_payload(sock: socket.socket, cache: torch.Tensor, memory: memoryview | None,
-                 block_ids: Sequence[int], deadline: float) -> None:
-    """Fill ``block_ids`` of ``cache`` from the socket by ``deadline``: straight into
-    ``memory``, or (None) through a host buffer scattered on the device."""
+                 block_ids: Sequence[int], layer_starts: Sequence[int], deadline: float) -> None:
+    """Fill ``block_ids`` of ``cache`` (layer ``l`` from position ``layer_starts[l]`` on) from
+    the socket by ``deadline``: straight into ``memory``, or (None) through host buffers
+    scattered on the device."""
     if memory is not None:
-        recv_into(sock, _regions(cache, memory, block_ids), deadline)
+        recv_into(sock, _regions(cache, memory, block_ids, layer_starts), deadline)
         return
-    buffer = torch.empty((*cache.shape[:2], len(block_ids), *cache.shape[3:]), dtype=cache.dtype)
-    recv_into(sock, [as_bytes(buffer)], deadline)
-    scatter_blocks(buffer.to(cache.device), cache, _index(cache, block_ids))
+    index = _index(cache, block_ids)
+    if not any(layer_starts):
+        buffer = torch.empty((*cache.shape[:2], len(block_ids), *cache.shape[3:]),
+                             dtype=cache.dtype)
+        recv_into(sock, [as_bytes(buffer)], deadline)
+        scatter_blocks(buffer.to(cache.device), cache, index)
+        return
+    buffers = [(layer, start, torch.empty((2, len(block_ids) - start, *cache.shape[3:]),
+                                          dtype=cache.dtype))
+               for layer, start in enumerate(layer_starts) if start < len(block_ids)]
+    recv_into(sock, [as_bytes(b) for _, _, b in buffers], deadline)
+    for layer, start, buffer in buffers:
+        scatter_blocks(buffer.to(cache.device), cache[layer], index[start:])
 
 
 def _index(cache: torch.Tensor, block_ids: Sequence[int]) -> torch.Tensor:
     return torch.tensor(block_ids, dtype=torch.int64, device=cache.device)
 
 
-def _regions(cache: torch.Tensor, memory: memoryview, block_ids: Sequence[int]) -> list[memoryview]:
-    """Views of a CPU cache in payload order: layer, K then V, runs of ``block_ids``."""
+def _regions(cache: torch.Tensor, memory: memoryview, block_ids: Sequence[int],
+             layer_starts: Sequence[int]) -> list[memoryview]:
+    """Views of a CPU cache in payload order: layer, K then V, runs of the layer's ids."""
     num_layers, _, num_blocks = cache.shape[:3]
     size = cache[0, 0, 0].numel() * cache.element_size()  # one block of one layer's K or V
     views = []
     for region in range(num_layers * 2):  # (layer, K/V) in order
         base = region * num_blocks
         views += [memory[(base + first) * size:(base + first + n) * size]
-                  for first, n in block_runs(block_ids)]
+                  for first, n in block_runs(block_ids[layer_starts[region // 2]:])]
     return views

@@ -22,7 +22,8 @@ from collections.abc import Callable, Sequence
 import torch
 
 from kernels.kv_layout import KVCacheLayout
-from services.kv_transfer.block_ids import invalid_block_ids
+from services.kv_transfer.block_ids import (check_layer_starts, invalid_block_ids,
+                                            layer_block_count)
 from services.kv_transfer.errors import KVLayoutMismatchError, KVLeaseRefusedError, KVTransferError
 from services.kv_transfer.grants import proof_ok
 from services.kv_transfer.receiver import KVReceiver, NotificationHandler
@@ -108,17 +109,24 @@ class KVTransport(ABC):
 
     def write_blocks(self, peer: str, local_block_ids: Sequence[int],
                      remote_block_ids: Sequence[int], notification: bytes, timeout_s: float,
-                     *, token: bytes = b"") -> None:
+                     *, token: bytes = b"", layer_starts: Sequence[int] | None = None) -> int:
         """Copy local block ``local_block_ids[i]`` into the peer's ``remote_block_ids[i]`` for
-        every layer and both K and V, then deliver ``notification`` to the peer's handler.
+        every layer and both K and V, then deliver ``notification`` to the peer's handler;
+        returns the payload bytes written.
+
+        ``layer_starts`` (one int per layer, each in ``[0, len(ids)]``): layer ``l`` copies
+        only the pairs from position ``layer_starts[l]`` on, and leaves its part of the earlier
+        remote blocks as it was (a sliding-window layer's blocks before its window, which no
+        later token reads, while the model's global layers need them: Gemma).
 
         Blocking: returns only after every byte landed in the peer's cache and the peer's
         notification handler returned. No other remote block is touched. An empty id list
         only delivers the notification. ``token``: the reservation's write token (a receiver
         with ``require_grants`` refuses any write without a valid one, touching nothing).
 
-        Raises ValueError when the lists differ in length or a local id is out of
-        ``[0, num_blocks)`` or ids repeat (caller bug; nothing is sent). Raises
+        Raises ValueError when the lists differ in length, a local id is out of
+        ``[0, num_blocks)``, ids repeat or ``layer_starts`` is malformed (caller bug; nothing
+        is sent). Raises
         KVTransferError on anything else, never later than ``timeout_s`` seconds after the
         call: unknown peer, remote ids out of the peer's range (refused by the peer, which
         keeps serving), no handler on the peer, handler raised, connection lost, timeout.
@@ -138,7 +146,12 @@ class KVTransport(ABC):
             raise ValueError(f"local {problem}")
         if len(set(remote_ids)) != len(remote_ids):
             raise ValueError("remote block ids contain duplicates")
-        self._write(peer, local_ids, remote_ids, notification, bytes(token), timeout_s, deadline)
+        starts, problem = check_layer_starts(layer_starts, self.layout.num_layers, len(local_ids))
+        if problem:
+            raise ValueError(problem)
+        self._write(peer, local_ids, remote_ids, notification, bytes(token), timeout_s, deadline,
+                    starts)
+        return layer_block_count(starts, len(local_ids)) * 2 * self.layout.block_bytes
 
     def renew_lease(self, peer: str, token: bytes, timeout_s: float) -> float:
         """Extend the lease of the peer's grant for ``token`` (the sender is still computing
@@ -157,10 +170,11 @@ class KVTransport(ABC):
 
     @abstractmethod
     def _write(self, peer: str, local_ids: list[int], remote_ids: list[int],
-               notification: bytes, token: bytes, timeout_s: float, deadline: float) -> None:
+               notification: bytes, token: bytes, timeout_s: float, deadline: float,
+               layer_starts: tuple[int, ...]) -> None:
         """The backend's ``write_blocks`` after the shared argument checks (ids are ints,
-        equal in number, local ones valid, remote ones distinct); ``deadline`` is
-        ``time.monotonic()`` at the call plus ``timeout_s``."""
+        equal in number, local ones valid, remote ones distinct; ``layer_starts`` valid, one
+        per layer); ``deadline`` is ``time.monotonic()`` at the call plus ``timeout_s``."""
 
     def _check_welcome(self, peer: str, reply: dict, *proof_parts) -> None:
         """Sender side: the receiver's answer to our handshake. Raises KVLayoutMismatchError

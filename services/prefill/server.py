@@ -60,8 +60,6 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         # a sender only: its listener is never written to, but costs nothing
         self.transport = runtime.create_transport(port=0)
         self.transfer_timeout_s = runtime.options.kv_transfer_timeout_s
-        layout = runtime.engine.layout
-        self.kv_block_bytes = 2 * layout.num_layers * layout.block_bytes  # K and V, every layer
         self._handoffs: dict[str, asyncio.Task] = {}
         self.GetLoad = runtime.GetLoad
 
@@ -138,10 +136,9 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
                                "logprobs": out.logprobs[0].to_dict() if out.logprobs else None})
             write = asyncio.ensure_future(asyncio.to_thread(
                 self._write, dest, req.block_table[first:first + n_blocks], note.encode(),
-                lease.deadline,
-                faults))
-            t_done = await asyncio.shield(write)
-            self._landed(trace, dest, t_first, t_done, n_blocks)
+                lease.deadline, faults))
+            t_done, _ = landed = await asyncio.shield(write)
+            self._landed(trace, dest, t_first, landed, n_blocks)
         except BaseException as exc:
             keeper.cancel()
             if write is not None:
@@ -179,30 +176,45 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             raise InvalidArgument("destination.block_ids", f"{len(dest.block_ids)} blocks for "
                                   f"{num_tokens} prompt tokens after {first} cached or skipped "
                                   f"blocks, expected {max(n_blocks, 1)}")
+        if dest.num_partial_blocks >= n_blocks:
+            raise InvalidArgument("destination.num_partial_blocks",
+                                  f"{dest.num_partial_blocks} of {n_blocks} blocks: the last "
+                                  "block is always written whole")
         return first, n_blocks
 
-    def _landed(self, trace, dest: worker_pb2.KVReservation, t_first: float, t_done: float,
-                n_blocks: int) -> None:
-        """A handoff's KV landed at ``t_done`` (monotonic): its span and metrics."""
-        trace.kv_transfer(t_first, t_done, n_blocks, n_blocks * self.kv_block_bytes,
-                          dest.transport, "landed")
-        self._count_transfer(t_done - t_first, n_blocks, None)
+    def _layer_starts(self, dest: worker_pb2.KVReservation) -> list[int] | None:
+        """Per layer, the first of the write's blocks it sends: the destination's
+        ``num_partial_blocks`` for a sliding layer (those before are outside its window), 0
+        for a global one; None when every layer sends every block."""
+        if not dest.num_partial_blocks:
+            return None
+        config = self.rt.engine.model_config
+        return [0 if config.layer_window(layer) is None else dest.num_partial_blocks
+                for layer in range(config.num_hidden_layers)]
 
-    def _count_transfer(self, seconds: float, num_blocks: int, failure: str | None) -> None:
-        """Metrics of one handoff: its write's duration and bytes, or why it did not land."""
+    def _landed(self, trace, dest: worker_pb2.KVReservation, t_first: float,
+                landed: tuple[float, int], n_blocks: int) -> None:
+        """A handoff's KV landed (``landed``: when, ``time.monotonic()``, and its payload
+        bytes): its span and metrics."""
+        t_done, nbytes = landed
+        trace.kv_transfer(t_first, t_done, n_blocks, nbytes, dest.transport, "landed")
+        self._count_transfer(t_done - t_first, nbytes, None)
+
+    def _count_transfer(self, seconds: float, nbytes: int, failure: str | None) -> None:
+        """Metrics of one handoff: its write's duration and payload bytes, or why it did not
+        land."""
         if self.rt.metrics is None:
             return
         if failure is not None:
             self.rt.metrics.kv_transfer_failures[failure].inc()
-        elif num_blocks:
-            layout = self.rt.engine.layout
-            self.rt.metrics.transferred(seconds, num_blocks * layout.block_bytes * 2 * layout.num_layers)
+        elif nbytes:
+            self.rt.metrics.transferred(seconds, nbytes)
 
     def _write(self, dest: worker_pb2.KVReservation, local_ids: list[int], note: bytes,
-               deadline: float, faults: Faults) -> float:
+               deadline: float, faults: Faults) -> tuple[float, int]:
         """Transfer thread: write the KV into the reservation, ending by ``deadline``; returns
-        when it landed (``time.monotonic()``). Raises KVTransferError (nothing or part
-        written; the caller reports it)."""
+        when it landed (``time.monotonic()``) and the payload bytes. Raises KVTransferError
+        (nothing or part written; the caller reports it)."""
         time.sleep(faults.kv_write_delay_s)
         if faults.fail_kv_write:
             raise KVTransferError("injected fault: fail_kv_write")
@@ -210,10 +222,11 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise KVTransferError("the reservation's lease ends before the KV could be written")
-        self.transport.write_blocks(peer, local_ids, list(dest.block_ids), note,
-                                    min(self.transfer_timeout_s, remaining),
-                                    token=dest.write_token)
-        return time.monotonic()
+        nbytes = self.transport.write_blocks(peer, local_ids, list(dest.block_ids), note,
+                                             min(self.transfer_timeout_s, remaining),
+                                             token=dest.write_token,
+                                             layer_starts=self._layer_starts(dest))
+        return time.monotonic(), nbytes
 
     async def _keep_lease(self, dest: worker_pb2.KVReservation, lease: _Lease) -> None:
         """Renew the destination's lease every third of it until cancelled (the write starts,

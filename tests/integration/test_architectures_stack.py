@@ -11,7 +11,7 @@ import subprocess
 import pytest
 import torch
 
-from scripts.tiny_checkpoints import ARCHITECTURES, WINDOW, save_tiny
+from scripts.tiny_checkpoints import ARCHITECTURES, save_tiny
 from services.api import gateway_pb2
 from services.engine.tokenizer import Tokenizer
 from tests.integration.conftest import WORKER_ARGS, assert_all_blocks_freed, start_stack, wait_until
@@ -33,21 +33,32 @@ class _Bytes(float):
         return False
 
 
-def written_blocks(num_tokens: int, window: int | None) -> int:
-    """Blocks a handoff writes: all of the prompt's, less those before the window of the token
-    after it where every layer slides (``KVReservation.num_skipped_blocks``)."""
+def written_layer_blocks(num_tokens: int, windows: list[int | None]) -> int:
+    """(layer, block) pairs a handoff writes: per layer, all of the prompt's blocks less those
+    before its window of the token after the prompt (``KVReservation.num_skipped_blocks``
+    where every layer slides, ``num_partial_blocks`` for the sliding layers of a mixed model);
+    the last block always."""
     blocks = -(-num_tokens // BS)
-    skipped = 0 if window is None else min(max(num_tokens - window + 1, 0) // BS, blocks - 1)
-    return blocks - skipped
+    return sum(blocks - (0 if w is None else min(max(num_tokens - w + 1, 0) // BS, blocks - 1))
+               for w in windows)
+
+
+def layer_windows(config) -> list[int | None]:
+    """Each layer's sliding window (None: it reads the whole context), from transformers'
+    config: ``layer_types`` where the model has them (Gemma), else one window for all."""
+    types = getattr(config, "layer_types", None) or ["sliding_attention"] * config.num_hidden_layers
+    window = getattr(config, "sliding_window", None)
+    return [window if t == "sliding_attention" else None for t in types]
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
 def test_the_disaggregated_stack_matches_transformers(arch, tmp_path):
     """Mistral and Phi-3 slide on every layer: their handoffs skip the blocks before the window
-    (6 of the 40-token prompt's 10) and still give transformers' tokens."""
+    (6 of the 40-token prompt's 10); Gemma's sliding layers send only the blocks their window
+    reads while its global layers send all; and the tokens are still transformers'."""
     model_hf = save_tiny(arch, tmp_path)
     expected = hf_greedy(model_hf)
-    window = WINDOW if arch in ("mistral", "phi3") else None
+    windows = layer_windows(model_hf.config)
     model = ["--model", str(tmp_path)]
     stack = start_stack([*WORKER_ARGS, *model, "--block-size", str(BS)], redis_url=None,
                         gateway_args=model)
@@ -60,9 +71,9 @@ def test_the_disaggregated_stack_matches_transformers(arch, tmp_path):
             assert tokens == want, i
             assert last.finish_reason == "length"
         asyncio.run(assert_all_blocks_freed(stack, timeout_s=60))
-        cfg = model_hf.config  # K and V, every layer, float32
-        block_bytes = 2 * cfg.num_hidden_layers * BS * cfg.num_key_value_heads * cfg.head_dim * 4
-        want = block_bytes * sum(written_blocks(len(ids), window) for ids in PROMPTS)
+        cfg = model_hf.config  # K and V of one layer's block, float32
+        block_bytes = 2 * BS * cfg.num_key_value_heads * cfg.head_dim * 4
+        want = block_bytes * sum(written_layer_blocks(len(ids), windows) for ids in PROMPTS)
 
         async def sent():  # counted once the prefill worker's write returns: soon after landing
             got = metric(stack.metrics_targets["prefill-0"], "tandem:kv_transfer_bytes_sum")

@@ -128,6 +128,36 @@ def test_blocks_land_bit_exact_and_nothing_else_changes(make, local_ids, remote_
     assert notes == [b"req-1"]
 
 
+@pytest.mark.parametrize("layer_starts", [(2, 0, 4), (0, 0, 0), (4, 4, 4), (1, 3, 2)])
+def test_layer_starts_leave_each_layer_s_earlier_blocks_untouched(make, layer_starts):
+    """A write with ``layer_starts`` (Gemma: a sliding layer skips the blocks before its window,
+    the global layers take them all): layer ``l`` lands only from position ``layer_starts[l]``
+    of the lists on; everything else in the receiver keeps its bytes, and the payload bytes
+    returned and counted are exactly those."""
+    sender, src, receiver, dst, notes, peer = make_pair(make)
+    local_ids, remote_ids = [19, 3, 7, 8], [2, 12, 0, 1]
+    before, received = dst.clone(), receiver.bytes_received
+    sent = sender.write_blocks(peer, local_ids, remote_ids, b"gemma", TIMEOUT_S,
+                               layer_starts=layer_starts)
+    expected = before.clone()
+    for layer, start in enumerate(layer_starts):
+        expected[layer, :, remote_ids[start:]] = src[layer, :, local_ids[start:]]
+    assert torch.equal(dst.view(torch.uint8), expected.view(torch.uint8))
+    pairs = sum(len(local_ids) - s for s in layer_starts)
+    assert sent == pairs * 2 * LAYOUT.block_bytes == receiver.bytes_received - received
+    assert notes == [b"gemma"]
+
+
+@pytest.mark.parametrize("layer_starts", [(0, 0), (0, 0, 5), (0, -1, 0), (0, 1.0, 0)])
+def test_malformed_layer_starts_are_refused_before_sending(make, layer_starts):
+    sender, src, receiver, dst, notes, peer = make_pair(make)
+    before = dst.clone()
+    with pytest.raises(ValueError, match="layer_starts"):
+        sender.write_blocks(peer, [1, 2, 3, 4], [5, 6, 7, 8], b"", TIMEOUT_S,
+                            layer_starts=layer_starts)
+    assert torch.equal(dst, before) and notes == []
+
+
 def test_bfloat16_cache_round_trips(make):
     layout = dataclasses.replace(LAYOUT, dtype="bfloat16")
     sender, src = make(6, layout, seed=3)

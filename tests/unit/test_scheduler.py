@@ -395,6 +395,23 @@ def test_the_skip_keeps_the_cached_prefix_and_one_block_at_least():
     assert create_scheduler(num_blocks=32, block_size=4).skipped_prompt_blocks(w) == 0
 
 
+def test_a_mixed_model_writes_the_blocks_before_the_window_for_its_global_layers_only():
+    """Gemma: the global layers read every block, so none is skipped or freed; the 3 blocks
+    before the sliding layers' window are partial (sent for the global layers only), and with
+    them half-written none of the request's blocks enters the prefix cache."""
+    s = create_scheduler(num_blocks=32, block_size=4, mixed_sliding_window=8)
+    (r,) = create_requests(1, prompt_len=20, max_tokens=5)
+    assert s.reserve(r) and s.skipped_prompt_blocks(r) == 0 and s.partial_prompt_blocks(r) == 3
+    r.num_cached_tokens = 8  # 2 blocks pinned from the decode worker's cache: 1 partial after
+    assert s.partial_prompt_blocks(r) == 1
+    r.num_cached_tokens = 0
+    s.finish_remote_prefill(r.request_id, TOKEN)
+    assert s.block_manager.num_used_blocks == 5 and s.block_manager.num_cached_blocks == 0
+    while s.has_work():
+        step(s)
+    assert s.block_manager.num_cached_blocks == 0 and s.block_manager.num_free_blocks == 32
+
+
 @pytest.mark.parametrize("policy", ["static"])
 def test_static_batching_keeps_its_slots_under_a_sliding_window(policy):
     s = create_scheduler(num_blocks=64, block_size=4, sliding_window=8, policy=policy,
