@@ -36,6 +36,9 @@ SOURCE = Path(__file__).with_name("csrc") / "quant_matmul.c"
 BLOCK = 32  # elements per block in every supported format
 # format name -> (kernel code, bytes per block of 32 elements); "f32" is not quantized
 FORMATS = {"q4_0": (0, 18), "q4_1": (1, 20), "q8_0": (2, 34), "f32": (3, 128)}
+# what a QuantizedWeight may hold: the file formats and Q4_1 in 16-row tiles (``tiled16``)
+RESIDENT = {**FORMATS, "q4_1x16": (4, 20)}
+TILE = 16  # rows of a q4_1x16 tile
 QUANTIZED = tuple(f for f in FORMATS if f != "f32")  # activations quantized to int8 for these
 _ERRORS = {1: "unknown block format", 2: "bad shape (in_features must be a positive multiple "
            "of 32; row ids inside the matrix)", 3: "out of memory for the kernel's scratch"}
@@ -60,13 +63,16 @@ class QuantizedWeight:
     in_features: int
 
     def __post_init__(self) -> None:
-        if self.fmt not in FORMATS:
+        if self.fmt not in RESIDENT:
             raise ValueError(f"fmt: unsupported block format {self.fmt!r}; "
-                             f"supported: {', '.join(FORMATS)}")
+                             f"supported: {', '.join(RESIDENT)}")
+        if self.fmt == "q4_1x16" and self.out_features % TILE:
+            raise ValueError(f"out_features: {self.out_features} is not a multiple of {TILE} "
+                             "(q4_1x16 stores tiles of 16 rows)")
         if self.in_features <= 0 or self.in_features % BLOCK:
             raise ValueError(f"in_features: {self.in_features} is not a positive multiple of "
                              f"{BLOCK} (the {self.fmt} block size)")
-        shape = (self.out_features, self.in_features // BLOCK * FORMATS[self.fmt][1])
+        shape = (self.out_features, self.in_features // BLOCK * RESIDENT[self.fmt][1])
         if (self.data.dtype != torch.uint8 or tuple(self.data.shape) != shape
                 or not self.data.is_contiguous()):
             raise ValueError(f"data: expected contiguous uint8 {list(shape)} for {self.fmt} "
@@ -78,9 +84,51 @@ class QuantizedWeight:
         return self.data.numel()
 
     def rows(self, index: torch.Tensor | np.ndarray) -> QuantizedWeight:
-        """The rows ``index`` (a permutation or selection), copied; still quantized."""
-        data = self.data[torch.as_tensor(index, dtype=torch.int64)].contiguous()
-        return QuantizedWeight(data, self.fmt, data.shape[0], self.in_features)
+        """The rows ``index`` (a permutation or selection), copied; still quantized (q4_1x16
+        comes back as q4_1)."""
+        flat = untiled16(self) if self.fmt == "q4_1x16" else self
+        data = flat.data[torch.as_tensor(index, dtype=torch.int64)].contiguous()
+        return QuantizedWeight(data, flat.fmt, data.shape[0], self.in_features)
+
+
+def tiled16(weight: QuantizedWeight) -> QuantizedWeight:
+    """A Q4_1 weight (``out_features`` a multiple of 16) repacked as ``q4_1x16``: per tile of 16
+    rows and block, the rows' nibble bytes ``4k..4k+3`` side by side for k = 0..3 (lanes = rows),
+    then their 16 fp16 ``d``, then their 16 fp16 ``m`` (320 bytes). The same bytes, so the same
+    size, and the same values: every kernel path gives the same bits as on the Q4_1 rows; the
+    decode kernel reads it without gathers or transposes (``csrc/quant_matmul.c``, ggml-cpu's
+    repacked-weights idea). Raises ValueError unless ``weight`` is Q4_1 with such rows."""
+    if weight.fmt != "q4_1" or weight.out_features % TILE:
+        raise ValueError(f"weight: q4_1 with a multiple of {TILE} rows is required, got "
+                         f"{weight.fmt} with {weight.out_features}")
+    t, nb = weight.out_features // TILE, weight.in_features // BLOCK
+    raw = weight.data.view(t, TILE, nb, 20)
+    nibbles = raw[..., 4:].reshape(t, TILE, nb, 4, 4).permute(0, 2, 3, 1, 4).reshape(t, nb, 256)
+    d = raw[..., 0:2].permute(0, 2, 1, 3).reshape(t, nb, 32)
+    m = raw[..., 2:4].permute(0, 2, 1, 3).reshape(t, nb, 32)
+    data = torch.cat([nibbles, d, m], -1).reshape(weight.data.shape).contiguous()
+    return QuantizedWeight(data, "q4_1x16", weight.out_features, weight.in_features)
+
+
+def untiled16(weight: QuantizedWeight) -> QuantizedWeight:
+    """Inverse of ``tiled16``: the Q4_1 rows as the file stores them."""
+    t, nb = weight.out_features // TILE, weight.in_features // BLOCK
+    raw = weight.data.view(t, nb, 320)
+    nibbles = raw[..., :256].reshape(t, nb, 4, TILE, 4).permute(0, 3, 1, 2, 4).reshape(t, TILE, nb, 16)
+    d = raw[..., 256:288].reshape(t, nb, TILE, 2).permute(0, 2, 1, 3)
+    m = raw[..., 288:].reshape(t, nb, TILE, 2).permute(0, 2, 1, 3)
+    data = torch.cat([d, m, nibbles], -1).reshape(weight.data.shape).contiguous()
+    return QuantizedWeight(data, "q4_1", weight.out_features, weight.in_features)
+
+
+def decode_layout(parts: Sequence[QuantizedWeight]) -> list[QuantizedWeight]:
+    """The parts of one projection as the decode kernel reads them fastest: Q4_1 parts that all
+    have a multiple of 16 rows repacked ``tiled16`` where the AVX-512 VNNI path runs (others
+    gain nothing from it); anything else as given."""
+    if (isa() != "avx512_vnni" or any(p.fmt != "q4_1" for p in parts)
+            or any(p.out_features % TILE for p in parts)):
+        return list(parts)
+    return [tiled16(p) for p in parts]
 
 
 def build(compiler: str | None = None) -> Path:
@@ -138,11 +186,12 @@ def dequantize_rows(weight: QuantizedWeight, ids: torch.Tensor) -> torch.Tensor:
     out = torch.empty(ids.numel(), weight.in_features, dtype=torch.float32)
     lib = _library()
     if lib is None:
-        return torch.from_numpy(_numpy_dequantize(weight.data[ids].numpy(), weight.fmt))
+        flat = untiled16(weight) if weight.fmt == "q4_1x16" else weight
+        return torch.from_numpy(_numpy_dequantize(flat.data[ids].numpy(), flat.fmt))
     data = weight.data.contiguous()
     _check(lib.tandem_quant_dequantize_rows(data.data_ptr(), ids.data_ptr(), out.data_ptr(),
                                             ids.numel(), weight.out_features,
-                                            weight.in_features, FORMATS[weight.fmt][0]),
+                                            weight.in_features, RESIDENT[weight.fmt][0]),
            "dequantize_rows")
     return out
 
@@ -211,7 +260,7 @@ def quant_matmul(x: torch.Tensor, weight: QuantizedWeight | Sequence[QuantizedWe
         out = torch.empty(x2.shape[0], n, dtype=torch.float32)
     ptrs, rows = _part_arrays(tuple((p.data.data_ptr(), p.out_features) for p in parts))
     _check(lib.tandem_quant_matmul_f32(x2.data_ptr(), ptrs, rows, len(parts), out.data_ptr(),
-                                       x2.shape[0], k, n, FORMATS[fmt][0], torch.get_num_threads(),
+                                       x2.shape[0], k, n, RESIDENT[fmt][0], torch.get_num_threads(),
                                        level),
            "quant_matmul")
     return out if x2 is x else out.reshape(*lead, n).to(dtype)
@@ -238,9 +287,11 @@ def block_scales(weight: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor]:
     """Per block ``(d, c)`` float32 ``[out_features, in_features // 32]`` with
     ``w = d * u + c`` for the kernel's unsigned ``u`` (Q4: 0..15, Q8_0: 0..255), read from the
     blocks' fp16 fields. Raises ``ValueError`` naming ``fmt`` for F32 (no block scales)."""
+    if weight.fmt == "q4_1x16":
+        return block_scales(untiled16(weight))
     if weight.fmt not in QUANTIZED:
         raise ValueError(f"fmt: {weight.fmt} weights have no block scales")
-    nb, nbytes = weight.in_features // BLOCK, FORMATS[weight.fmt][1]
+    nb, nbytes = weight.in_features // BLOCK, RESIDENT[weight.fmt][1]
     raw = weight.data.reshape(weight.out_features, nb, nbytes)
     d = raw[..., 0:2].contiguous().view(torch.float16).squeeze(-1).float()
     if weight.fmt == "q4_1":

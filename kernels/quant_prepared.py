@@ -11,7 +11,7 @@ from typing import Sequence
 
 import torch
 
-from kernels.quant import (FORMATS, QuantizedWeight, _check, _check_parts, _library,
+from kernels.quant import (RESIDENT, QuantizedWeight, _check, _check_parts, _library,
                            _part_arrays, isa_level)
 
 
@@ -29,7 +29,7 @@ class PreparedMatmul:
         fmt, k = _check_parts(parts)
         self.parts = tuple(parts)  # keeps the blocks alive while the addresses are used
         self.in_features, self.out_features = k, sum(p.out_features for p in parts)
-        self._fn, self.fmt_code = lib.tandem_quant_matmul_f32, FORMATS[fmt][0]
+        self._fn, self.fmt_code = lib.tandem_quant_matmul_f32, RESIDENT[fmt][0]
         self._ptrs, self._rows = _part_arrays(tuple((p.data.data_ptr(), p.out_features)
                                                     for p in parts))
 

@@ -209,11 +209,14 @@ def assemble_quantized(cfg: ModelConfig, dense: dict[str, torch.Tensor],
         p = f"model.layers.{i}."
         attn, mlp = layer.self_attn, layer.mlp
         bias = [dense.pop(p + f"self_attn.{n}_proj.bias", None) for n in "qkv"]
-        attn.qkv_proj = QuantLinear(*_stacked(blocks, p + "self_attn.", ("q", "k", "v"), "qkv"),
-                                    bias=torch.cat(bias) if bias[0] is not None else None)
-        attn.o_proj = QuantLinear(blocks[p + "self_attn.o_proj.weight"])
-        mlp.gate_up_proj = QuantLinear(*_stacked(blocks, p + "mlp.", ("gate", "up"), "gate_up"))
-        mlp.down_proj = QuantLinear(blocks[p + "mlp.down_proj.weight"])
+        # NOTE: Q4_1 linears are repacked in 16-row tiles where that is faster (decode_layout)
+        attn.qkv_proj = QuantLinear(
+            *quant.decode_layout(_stacked(blocks, p + "self_attn.", ("q", "k", "v"), "qkv")),
+            bias=torch.cat(bias) if bias[0] is not None else None)
+        attn.o_proj = QuantLinear(*quant.decode_layout([blocks[p + "self_attn.o_proj.weight"]]))
+        mlp.gate_up_proj = QuantLinear(
+            *quant.decode_layout(_stacked(blocks, p + "mlp.", ("gate", "up"), "gate_up")))
+        mlp.down_proj = QuantLinear(*quant.decode_layout([blocks[p + "mlp.down_proj.weight"]]))
     embed = blocks.get("model.embed_tokens.weight")
     if embed is not None:
         model.model.embed_tokens = QuantEmbedding(embed, dtype)
