@@ -24,6 +24,7 @@ import torch
 
 from kernels.bench import peak_hbm_gbps
 from loadtest.chat_prompts import ORACLE_PROMPTS as CHAT_PROMPTS
+from scripts.gpu_precision import first_divergence
 from services.engine.engine import EngineConfig, LLMEngine
 from services.engine.llm import LLM
 from services.engine.sampling_params import SamplingParams
@@ -84,8 +85,7 @@ def compare_greedy(model: str | None, num_tokens: int) -> list[dict]:
     gpu = LLM(EngineConfig(device="cuda", dtype="bfloat16", **extra)).chat(conversations, params)
     rows = []
     for prompt, want, got in zip(CHAT_PROMPTS, cpu, gpu):
-        diverge = next((i for i, (a, b) in enumerate(zip(want.token_ids, got.token_ids))
-                        if a != b), None)
+        diverge = first_divergence(want.token_ids, got.token_ids)
         rows.append({"prompt": prompt, "first_divergence": diverge,
                      f"first_{MUST_MATCH}_match": diverge is None or diverge >= MUST_MATCH,
                      "cpu_fp32_text": want.text, "cuda_bf16_text": got.text})

@@ -39,13 +39,12 @@ def listen(bind: Callable[[int], T], host: str, port: int, tries: int = LISTEN_T
     port the caller named."""
     if port:
         return bind(port)
-    for attempt in range(tries):
+    for _ in range(tries - 1):
         try:
             return bind(free_port(host))
         except OSError:
-            if attempt == tries - 1:
-                raise
-    raise AssertionError("unreachable")
+            continue
+    return bind(free_port(host))
 
 
 def _ephemeral_low() -> int:

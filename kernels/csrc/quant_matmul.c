@@ -175,9 +175,8 @@ static void unpack_row(int fmt, const uint8_t *src, int64_t nb, uint8_t *u, floa
     }
 }
 
-/* Row r's block b of a Q4_1X16 tile (nb blocks) -> the 20 bytes of its Q4_1 block. */
-static void x16_block(const uint8_t *tile, int64_t nb, int r, int64_t b, uint8_t *blk) {
-    (void)nb;
+/* Row r's block b of a Q4_1X16 tile -> the 20 bytes of its Q4_1 block. */
+static void x16_block(const uint8_t *tile, int r, int64_t b, uint8_t *blk) {
     const uint8_t *t = tile + b * X16_BLOCK;
     memcpy(blk, t + 256 + 2 * r, 2);
     memcpy(blk + 2, t + 288 + 2 * r, 2);
@@ -187,7 +186,7 @@ static void x16_block(const uint8_t *tile, int64_t nb, int r, int64_t b, uint8_t
 /* A Q4_1X16 tile -> its 16 rows in Q4_1's file layout (rows: 16 x nb x 20 bytes). */
 static void x16_tile_rows(const uint8_t *tile, int64_t nb, uint8_t *rows) {
     for (int r = 0; r < TILE_N; r++)
-        for (int64_t b = 0; b < nb; b++) x16_block(tile, nb, r, b, rows + (r * nb + b) * 20);
+        for (int64_t b = 0; b < nb; b++) x16_block(tile, r, b, rows + (r * nb + b) * 20);
 }
 
 /* One activation row x[K] -> q[K] int8, dx[nb], sx[nb] = dx * sum(q) and zq[nb] = -z * sum(q)
@@ -1287,20 +1286,20 @@ int tandem_quant_dequantize_rows(const uint8_t *w, const int64_t *ids, float *ou
         return TANDEM_OK;
     }
     const int64_t nb = K / QK;
-    if (fmt == FMT_Q4_1X16 && N % TILE_N != 0) return TANDEM_BAD_SHAPE;
-    uint8_t u[QK], x16[20];
+    const int x16 = fmt == FMT_Q4_1X16, ufmt = x16 ? FMT_Q4_1 : fmt;
+    if (x16 && N % TILE_N != 0) return TANDEM_BAD_SHAPE;
+    uint8_t u[QK], blk[20];
     float dw, cw;
     for (int64_t r = 0; r < R; r++) {
         const uint8_t *row = w + ids[r] * nb * bytes;
         for (int64_t b = 0; b < nb; b++) {
-            if (fmt == FMT_Q4_1X16) /* tile ids[r] / 16 starts where its first row would */
-                x16_block(w + (ids[r] / TILE_N) * TILE_N * nb * bytes, nb,
-                          (int)(ids[r] % TILE_N), b, x16);
-            unpack_row(fmt == FMT_Q4_1X16 ? FMT_Q4_1 : fmt,
-                       fmt == FMT_Q4_1X16 ? x16 : row + b * bytes, 1, u, &dw, &cw, 1);
+            if (x16) /* tile ids[r] / 16 starts where its first row would */
+                x16_block(w + (ids[r] / TILE_N) * TILE_N * nb * bytes, (int)(ids[r] % TILE_N), b,
+                          blk);
+            unpack_row(ufmt, x16 ? blk : row + b * bytes, 1, u, &dw, &cw, 1);
             /* the file's own arithmetic (as gguf-py dequantizes), not dw * u + cw */
-            const int zero = zero_point(fmt);
-            const float add = fmt == FMT_Q4_1 || fmt == FMT_Q4_1X16 ? cw : 0.0f;
+            const int zero = zero_point(ufmt);
+            const float add = ufmt == FMT_Q4_1 ? cw : 0.0f;
             for (int j = 0; j < QK; j++)
                 out[r * K + b * QK + j] = dw * (float)((int)u[j] - zero) + add;
         }

@@ -12,8 +12,8 @@ byte + an 8-byte tag (matches an answer to its waiting call) + a body:
   checks layout and proof (HMAC of the internal secret over both agent names) and answers
   ``A`` + JSON ``{"ok", "error", "fields", "proof"}``.
 - write: one prepped WRITE of all the blocks' descriptors carrying ``W`` + ``encode_write``
-  (token, remote block ids, layer starts, the user's bytes), delivered after the data landed; the receiver
-  admits it (``KVTransport._admit_write``), runs the handler, answers ``A``. NOTE: one-sided
+  (token, remote block ids, layer starts, the user's bytes), delivered after the data landed;
+  the receiver admits it (``KVTransport._admit_write``), runs the handler, answers ``A``. NOTE: one-sided
   WRITEs land before the receiver sees anything: it can refuse to act on a forged write, not
   keep its bytes out (docs/architecture.md: network isolation does that).
 - renew: ``R`` + the token -> ``A`` + JSON ``{"ok", "lease_s"}``.
@@ -32,8 +32,7 @@ from collections.abc import Sequence
 import torch
 
 from kernels.kv_layout import KVCacheLayout
-from services.kv_transfer.block_ids import (check_layer_starts, invalid_block_ids,
-                                            layer_block_count)
+from services.kv_transfer.block_ids import invalid_block_ids, layer_block_count
 from services.kv_transfer.errors import KVTransferError
 from services.kv_transfer.layouts import check_layouts_match
 from services.kv_transfer.transport import KVTransport
@@ -274,15 +273,14 @@ class NixlKVTransport(KVTransport):
         """A write's notification: its blocks have landed; queue it for the handler if its
         token admits them, else answer the refusal (the blocks are not acted on)."""
         token, remote_ids, layer_starts, notification = decode_write(body)
-        n_ids = len(remote_ids) if isinstance(remote_ids, list) else 0
-        starts, problem = check_layer_starts(layer_starts, self.layout.num_layers, n_ids)
+        _, nbytes, problem = self._incoming_layers(remote_ids, layer_starts)
         grant = None
         if not problem:
             grant, problem = self.receiver.admit_write(sender, token, remote_ids)
         if problem:
             self._answer(sender, tag, {"ok": False, "error": problem})
         else:
-            self.receiver.received(layer_block_count(starts, n_ids) * 2 * self.layout.block_bytes)
+            self.receiver.received(nbytes)
             self._inbox.put((sender, tag, grant, notification))
 
     def _peer_gone(self, name: str) -> None:

@@ -27,12 +27,10 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Sequence
 
 import torch
 
 from kernels.kv_layout import KVCacheLayout
-from services.kv_transfer.block_ids import check_layer_starts, layer_block_count
 from services.kv_transfer.errors import KVTransferError
 from services.kv_transfer.layouts import check_layouts_match, layout_from_dict, layout_to_dict
 from services.kv_transfer.transport import MAX_NOTIFICATION_BYTES, KVTransport
@@ -49,8 +47,8 @@ class TcpKVTransport(KVTransport):
     """``KVTransport`` over plain TCP sockets (see the module doc for the wire and staging).
 
     The receiver listens on ``host:port`` (port 0: a free port below the ephemeral range,
-    ``services.ports``, reported by ``metadata()``) and serves each connection on its own thread. ``advertise_host`` is the
-    address peers dial (default: ``host``, or this machine's hostname when ``host`` is a
+    ``services.ports``, reported by ``metadata()``) and serves each connection on its own
+    thread. ``advertise_host`` is the address peers dial (default: ``host``, or this machine's hostname when ``host`` is a
     wildcard). The sender keeps a pool of connections per peer, so concurrent writes to one
     peer run in parallel. ``connect_timeout_s`` bounds ``add_remote``'s connect and handshake;
     ``io_timeout_s`` bounds how long the receiver waits for the rest of a started frame.
@@ -188,9 +186,6 @@ class TcpKVTransport(KVTransport):
         if not reply.get("ok"):
             raise KVTransferError(f"peer {peer} refused the write: {reply.get('error')}")
 
-    def _payload_bytes(self, layer_starts: Sequence[int], num_ids: int) -> int:
-        return layer_block_count(layer_starts, num_ids) * 2 * self.layout.block_bytes
-
     def _send_renewal(self, peer: str, token: bytes, deadline: float) -> dict:
         return self._exchange(peer, {"op": "renew", "token": token.hex()}, [], deadline, "renew")
 
@@ -292,11 +287,9 @@ class TcpKVTransport(KVTransport):
         notification = bytearray(notif_len)
         recv_into(sock, [memoryview(notification)], deadline)
         grant, problem = None, ""
-        n_ids = len(ids) if isinstance(ids, list) else 0
-        starts, problem = check_layer_starts(header.get("layer_starts"), self.layout.num_layers,
-                                             n_ids)
-        if not problem and payload_bytes != self._payload_bytes(starts, n_ids):
-            problem = f"payload of {payload_bytes} bytes does not match {n_ids} blocks"
+        starts, expected, problem = self._incoming_layers(ids, header.get("layer_starts"))
+        if not problem and payload_bytes != expected:
+            problem = f"payload of {payload_bytes} bytes does not match its blocks ({expected})"
         if not problem:
             grant, problem = self.receiver.admit_write(peer, token, ids)
         if problem:

@@ -126,8 +126,7 @@ class KVTransport(ABC):
 
         Raises ValueError when the lists differ in length, a local id is out of
         ``[0, num_blocks)``, ids repeat or ``layer_starts`` is malformed (caller bug; nothing
-        is sent). Raises
-        KVTransferError on anything else, never later than ``timeout_s`` seconds after the
+        is sent). Raises KVTransferError on anything else, never later than ``timeout_s`` seconds after the
         call: unknown peer, remote ids out of the peer's range (refused by the peer, which
         keeps serving), no handler on the peer, handler raised, connection lost, timeout.
         After a failure the content of the remote blocks is unspecified. A failure does not
@@ -151,7 +150,20 @@ class KVTransport(ABC):
             raise ValueError(problem)
         self._write(peer, local_ids, remote_ids, notification, bytes(token), timeout_s, deadline,
                     starts)
-        return layer_block_count(starts, len(local_ids)) * 2 * self.layout.block_bytes
+        return self._payload_bytes(starts, len(local_ids))
+
+    def _payload_bytes(self, layer_starts: Sequence[int], num_ids: int) -> int:
+        """Bytes a write of ``num_ids`` blocks with valid ``layer_starts`` copies (K and V)."""
+        return layer_block_count(layer_starts, num_ids) * 2 * self.layout.block_bytes
+
+    def _incoming_layers(self, ids: object, layer_starts: object,
+                         ) -> tuple[tuple[int, ...], int, str | None]:
+        """Receiver side: a write's ``layer_starts`` as sent, checked against its remote
+        ``ids`` (anything: the receiver refuses what is not a list), with the payload bytes
+        they mean and why they are invalid (None: they are not; then the bytes are 0)."""
+        num_ids = len(ids) if isinstance(ids, list) else 0
+        starts, problem = check_layer_starts(layer_starts, self.layout.num_layers, num_ids)
+        return starts, 0 if problem else self._payload_bytes(starts, num_ids), problem
 
     def renew_lease(self, peer: str, token: bytes, timeout_s: float) -> float:
         """Extend the lease of the peer's grant for ``token`` (the sender is still computing
