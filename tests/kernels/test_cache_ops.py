@@ -9,7 +9,7 @@ from kernels import reference
 from .conftest import DEVICE, DTYPES, HAS_CUDA
 
 pytest.importorskip("triton", reason="triton is not installed: Triton kernels not tested")
-from kernels.cache_ops import gather_blocks, scatter_blocks, write_kv_cache  # noqa: E402
+from kernels.cache_ops import copy_blocks, gather_blocks, scatter_blocks, write_kv_cache  # noqa: E402
 
 NUM_BLOCKS = 12 if not HAS_CUDA else 4096
 
@@ -60,6 +60,23 @@ def test_gather_scatter_blocks_match_reference(block_size, lead, dtype):
     scatter_blocks(buffer, target, ids)
     reference.scatter_blocks(buffer, expected, ids)
     assert torch.equal(target, expected)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("lead", [(), (3, 2)], ids=["layer", "whole-cache"])
+def test_copy_blocks_between_caches_touches_only_the_destination_ids(lead, dtype):
+    src = random_cache((*lead, NUM_BLOCKS, 4, 3, 40), dtype)
+    dst = random_cache((*lead, NUM_BLOCKS + 3, 4, 3, 40), dtype)  # only num_blocks may differ
+    src_ids = torch.tensor([7, 0, 3, 11], device=DEVICE)
+    dst_ids = torch.tensor([2, 14, 9, 0], device=DEVICE)
+    expected = dst.clone()
+    expected[..., dst_ids, :, :, :] = src[..., src_ids, :, :, :]
+    copy_blocks(src, dst, src_ids, dst_ids)
+    assert torch.equal(dst.view(torch.uint8), expected.view(torch.uint8))
+    with pytest.raises(ValueError, match="cannot copy blocks"):
+        copy_blocks(src, dst[..., :2].contiguous(), src_ids, dst_ids)  # another head_dim
+    with pytest.raises(ValueError, match="cannot copy blocks"):
+        copy_blocks(src, dst, src_ids, dst_ids[:3])
 
 
 def test_block_ops_empty_and_bad_arguments():

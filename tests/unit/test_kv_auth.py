@@ -14,14 +14,16 @@ import torch
 
 from services.kv_transfer import KVLeaseRefusedError, KVTransferError, create_transport
 from services.kv_transfer.grants import new_token
+from services.kv_transfer.tcp import TcpKVTransport
 from tests.unit.test_kv_transfer import BACKENDS, LAYOUT, TIMEOUT_S, make_cache
 
 SECRET = "s3cret-s3cret-s3cret"
 GRANTED = [3, 4, 9]  # the reservation's blocks on the receiver
 
 
-@pytest.fixture(params=BACKENDS)
+@pytest.fixture(params=[*BACKENDS, "tcp-direct"])
 def backend(request) -> str:
+    """"tcp-direct": TCP's direct writes (``services.kv_transfer.direct``), in one process."""
     return request.param
 
 
@@ -34,8 +36,12 @@ def made():
 
 
 def make(backend: str, made: list, seed: int, secret: str | None = SECRET, grants: bool = True):
-    t = create_transport(backend, make_cache(LAYOUT, 12, seed), LAYOUT, host="127.0.0.1", port=0,
-                         secret=secret, require_grants=grants)
+    if backend == "tcp-direct":
+        t = TcpKVTransport(make_cache(LAYOUT, 12, seed), LAYOUT, host="127.0.0.1", port=0,
+                           secret=secret, require_grants=grants, direct_writes=True)
+    else:
+        t = create_transport(backend, make_cache(LAYOUT, 12, seed), LAYOUT, host="127.0.0.1",
+                             port=0, secret=secret, require_grants=grants)
     made.append(t)
     return t
 
@@ -211,6 +217,43 @@ def test_tcp_write_that_breaks_off_mid_payload_is_reported_lost(made):
         send_frame(sock, {"op": "write", "remote_block_ids": GRANTED, "token": token.hex(),
                           "notif_len": 0, "payload_bytes": payload, "timeout_s": 5.0},
                    deadline, [memoryview(bytes(payload // 2))])
+    wait_until(lambda: lost)
+    assert notes == [] and "broke off" in lost[0]
+    assert receiver.receiver.grants.admit(token, GRANTED) == (None, "the token was already used")
+
+
+@pytest.mark.parametrize("direct_offered", [True, False])
+def test_tcp_direct_write_whose_sender_never_reports_landing_is_lost(made, direct_offered):
+    """A direct write: the receiver says go only after admitting it, and a sender that then
+    goes away without reporting the copy landed costs the reservation at once (``on_lost``),
+    not silently. A receiver that offers no direct writes refuses one, touching nothing."""
+    import socket
+
+    from services.kv_transfer.tcp_wire import recv_frame, send_frame
+
+    receiver = TcpKVTransport(make_cache(LAYOUT, 12, 2), LAYOUT, host="127.0.0.1", port=0,
+                              require_grants=True, direct_writes=direct_offered)
+    made.append(receiver)
+    token, lost, notes = new_token(), [], []
+    receiver.grant_write(token, GRANTED, 30.0, notes.append, lost.append)
+    meta = json.loads(receiver.metadata())
+    assert (meta["direct"] is not None) == direct_offered
+    deadline = time.monotonic() + TIMEOUT_S
+    with socket.create_connection((meta["host"], meta["port"]), timeout=TIMEOUT_S) as sock:
+        recv_frame(sock, deadline)  # the challenge
+        send_frame(sock, {"op": "hello", "layout": meta["layout"], "nonce": "n", "proof": ""},
+                   deadline)
+        assert recv_frame(sock, deadline)["ok"]
+        payload = len(GRANTED) * LAYOUT.num_layers * 2 * LAYOUT.block_bytes
+        send_frame(sock, {"op": "write", "direct": True, "remote_block_ids": GRANTED,
+                          "token": token.hex(), "notif_len": 0, "payload_bytes": payload,
+                          "timeout_s": 5.0}, deadline)
+        reply = recv_frame(sock, deadline)
+        if not direct_offered:
+            assert reply == {"ok": False, "error": "this receiver does not offer direct writes"}
+            assert receiver.receiver.grants.lease_left(token) > 0  # still open for a real write
+            return
+        assert reply == {"ok": True, "go": True}
     wait_until(lambda: lost)
     assert notes == [] and "broke off" in lost[0]
     assert receiver.receiver.grants.admit(token, GRANTED) == (None, "the token was already used")

@@ -20,6 +20,7 @@ from services.engine.config import KVCacheLayout
 from services.kv_transfer import (
     KVLayoutMismatchError, KVTransferError, KVTransport, create_transport,
 )
+from services.kv_transfer.tcp import TcpKVTransport
 from services.kv_transfer.transport import MAX_NOTIFICATION_BYTES
 from tests.unit.nixl_install import require_nixl
 
@@ -77,18 +78,24 @@ def make_cache(layout: KVCacheLayout, num_blocks: int, seed: int) -> torch.Tenso
     return torch.randn(shape, generator=gen).to(layout.torch_dtype)
 
 
-@pytest.fixture(params=[*BACKENDS, "tcp-staged"])
+@pytest.fixture(params=[*BACKENDS, "tcp-staged", "tcp-direct"])
 def make(request):
     """``make(num_blocks, layout=LAYOUT, seed=0) -> (transport, kv_cache)``; closes all after.
 
     "tcp-staged": TCP through host staging buffers, the path of a GPU cache, forced on a CPU
-    cache (gather -> host copy -> socket -> host buffer -> scatter)."""
+    cache (gather -> host copy -> socket -> host buffer -> scatter). "tcp-direct": TCP's
+    direct writes (the sender copies into the receiver's cache after the receiver admits the
+    write: CUDA IPC between processes on a GPU), here within one process on CPU caches."""
     made: list[KVTransport] = []
-    backend = request.param.removesuffix("-staged")
+    backend = request.param.split("-")[0]
 
     def _make(num_blocks: int, layout: KVCacheLayout = LAYOUT, seed: int = 0):
         cache = make_cache(layout, num_blocks, seed)
-        transport = create_transport(backend, cache, layout, host="127.0.0.1", port=0)
+        if request.param == "tcp-direct":
+            transport = TcpKVTransport(cache, layout, host="127.0.0.1", port=0,
+                                       direct_writes=True)
+        else:
+            transport = create_transport(backend, cache, layout, host="127.0.0.1", port=0)
         if request.param.endswith("-staged"):
             transport._staged, transport._memory = True, None
         made.append(transport)
@@ -104,7 +111,10 @@ def make_pair(make, sender_blocks: int = 20, receiver_blocks: int = 13):
     receiver, dst = make(receiver_blocks, seed=2)
     notes: list[bytes] = []
     receiver.set_notification_handler(notes.append)
-    return sender, src, receiver, dst, notes, sender.add_remote(receiver.metadata())
+    peer = sender.add_remote(receiver.metadata())
+    if isinstance(sender, TcpKVTransport):  # direct writes are used exactly where offered
+        assert sender.direct_peers() == ([peer] if sender._direct else [])
+    return sender, src, receiver, dst, notes, peer
 
 
 def assert_landed(src, dst, before, local_ids, remote_ids) -> None:
