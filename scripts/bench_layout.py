@@ -19,6 +19,11 @@ Options (``--options``, comma-separated names, or ``all``):
   unified worker's threads: sleep at once, or spin, between parallel regions;
 - ``unified-bind``: OpenMP threads bound to cores (``OMP_PROC_BIND=close``, ``OMP_PLACES=cores``).
 
+On GPUs (the settings' engine on CUDA: ``TANDEM_DEVICE=cuda``, with ``TANDEM_MODEL`` /
+``TANDEM_DTYPE`` as wanted) the workers are placed as `tandem up` places them: ``unified`` is
+one worker on the GPU, ``disagg-1t`` a prefill and a decode worker sharing it (KV handoff by
+CUDA IPC).
+
 torch's inter-op pool is not an option: eager model execution runs no inter-op work (no
 ``torch.jit.fork``), so its size changes nothing the engine does. Prints a table (output tok/s,
 TTFT p50, TPOT mean/median per option and concurrency) and writes ``layout.json`` (with what
@@ -39,8 +44,10 @@ from pathlib import Path
 from loadtest import serve
 from services import ports
 from services.runtime.launcher import Stack, UpOptions
-from services.runtime.layout import choose_layout, usable_cores
-from services.config.settings import UpSection
+from services.runtime.layout import (WorkerLayout, choose_layout, gpu_placement, usable_cores,
+                                     visible_gpus)
+from services.config.settings import Device, UpSection
+from services.config.sources import load_settings
 
 log = logging.getLogger("bench_layout")
 
@@ -76,12 +83,13 @@ def start_stack(option: Option, cores: int, engine_args: list[str], port: int,
                 http_port: int = 0) -> Stack:
     """``option``'s stack, ready (gRPC on ``port``; HTTP on ``http_port``, 0: off)."""
     threads = {role: cores if n == "all" else n for role, n in option.threads.items()}
+    counts = {role: option.counts.get(role, 0) for role in ("prefill", "decode", "unified")}
     stack = Stack(UpOptions(
-        host="127.0.0.1", port=port, num_prefill=option.counts.get("prefill", 0),
-        num_decode=option.counts.get("decode", 0), num_unified=option.counts.get("unified", 0),
+        host="127.0.0.1", port=port, num_prefill=counts["prefill"],
+        num_decode=counts["decode"], num_unified=counts["unified"],
         redis_url=None, worker_args=engine_args, threads=threads, env=option.env,
         gateway_args=["--http-port", str(http_port)],  # 0: gRPC only, no collision on 8000
-        ready_timeout_s=600))
+        ready_timeout_s=600, gpus=gpu_shares(counts, threads)))
     try:
         stack.start()
         stack.wait_ready()
@@ -91,6 +99,17 @@ def start_stack(option: Option, cores: int, engine_args: list[str], port: int,
         stack.stop()
         raise
     return stack
+
+
+def gpu_shares(counts: dict[str, int], threads: dict[str, int]) -> dict[str, tuple[str, float]]:
+    """Where the workers go when the settings put the engine on CUDA (``TANDEM_DEVICE=cuda``):
+    as `tandem up` places them (the workers on one GPU split ``gpu_memory_utilization``)."""
+    engine = load_settings().settings.engine
+    if engine.device != Device.cuda:
+        return {}
+    layout = WorkerLayout(counts["prefill"], counts["decode"], counts["unified"], threads,
+                          "bench_layout", tuple(visible_gpus()))
+    return gpu_placement(layout, engine.gpu_memory_utilization)
 
 
 def pin_workers(stack: Stack) -> None:

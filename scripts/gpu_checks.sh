@@ -7,6 +7,7 @@
 #   stage b: carries .whl and .gpu/b/part2, joins the GGUF (the machine must still be warm);
 #            runs the CUDA-graph test, launch/sync counts, engine throughput.
 #   stage c: (warm after b) eager throughput, KV sizing, precision.
+#   stage stack: carries .gpu/stack (see there): the served stack, unified against P/D.
 # Make the carried files here first:
 #   f=$(.venv/bin/python -c 'from services.engine.model_files import default_model_path as p; print(p())')
 #   mkdir -p .gpu/a .gpu/b; head -c 50000000 $f >.gpu/a/part1; tail -c +50000001 $f >.gpu/b/part2
@@ -14,7 +15,7 @@
 # once after stage a returns (read a's output afterwards), or b finds no first part.
 # Logs and JSON land in $OUT (default ./gpu-out).
 set -u
-stage=${1:?usage: scripts/gpu_checks.sh a|b|c}
+stage=${1:?usage: scripts/gpu_checks.sh a|b|c|stack}
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -54,6 +55,28 @@ elif [ "$stage" = b ]; then
     step engine_graphs 130 python3 -m scripts.bench_gpu_engine --batches 1 16 64 256 --steps 32 \
         --compare-tokens 64 --out "$OUT/gpu_engine.json"
     tail -16 "$OUT/engine_graphs.log"
+elif [ "$stage" = stack ]; then  # the served stack on the GPU, unified against P/D
+    # carries .gpu/stack: wheels/ (the stack's Python packages the image lacks or has too old),
+    # debs/ (Debian's redis-server), hf/ (the built-in model's config.json and tokenizer, from
+    # the GGUF: weights are random, made here; outputs are ignore_eos, so speed is the model's)
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .gpu/stack/wheels/*.whl || exit 1
+    for d in .gpu/stack/debs/*.deb; do dpkg -x "$d" /tmp/redis; done
+    export PATH=/tmp/redis/usr/bin:$PATH LD_LIBRARY_PATH=/tmp/redis/usr/lib/x86_64-linux-gnu
+    redis-server --version
+    python3 -c 'import grpc, fastapi, uvicorn, llguidance, redis, opentelemetry.sdk; print("grpc", grpc.__version__)'
+    rm -rf /tmp/smol && cp -r .gpu/stack/hf /tmp/smol
+    python3 -c 'import torch, shutil; from transformers import LlamaConfig, LlamaForCausalLM
+torch.manual_seed(0); m = LlamaForCausalLM(LlamaConfig.from_pretrained("/tmp/smol")).to(torch.bfloat16)
+shutil.copy("/tmp/smol/config.json", "/tmp/config.json"); m.save_pretrained("/tmp/smol")
+shutil.copy("/tmp/config.json", "/tmp/smol/config.json")' || exit 1
+    export TANDEM_MODEL=/tmp/smol TANDEM_DEVICE=cuda TANDEM_DTYPE=bfloat16
+    step layout 330 python3 -m scripts.bench_layout --options unified,disagg-1t \
+        --concurrency 1,16,64 --num-prompts 256 --single-stream-prompts 8 --input-len 512 \
+        --output-len 128 --output-range-ratio 0 --engine-args "" --time-limit 60 \
+        --result-dir /tmp/layout
+    cp /tmp/layout/layout.json "$OUT/" 2>/dev/null
+    grep -E "^(option|unified|disagg|auto)|Error|error" "$OUT/layout.log" | tail -20
 else  # c: what changes rarely (stage b's joined GGUF must still be there)
     step kv_sizing 45 python3 -c 'import torch; from services.engine.engine import EngineConfig, LLMEngine
 e = LLMEngine(EngineConfig(device="cuda", dtype="bfloat16"))
