@@ -136,7 +136,8 @@ def serve_argv(args, address: str, concurrency: int, out: Path, name: str) -> li
             "--random-output-len", str(args.output_len), "--random-range-ratio",
             str(args.output_range_ratio), "--num-warmups", "2", "--seed", str(args.seed),
             "--percentiles", "50,90,99", "--time-limit", str(args.time_limit),
-            "--disable-progress", "--result-dir", str(out), "--result-name", name]
+            "--disable-progress", "--result-dir", str(out), "--result-name", name,
+            *(["--tokenizer", os.environ["TANDEM_MODEL"]] if os.environ.get("TANDEM_MODEL") else [])]
 
 
 FIGURES = ("output_throughput", "p50_ttft_ms", "mean_tpot_ms", "median_tpot_ms", "p99_itl_ms",
