@@ -71,8 +71,11 @@ torch.manual_seed(0); m = LlamaForCausalLM(LlamaConfig.from_pretrained("/tmp/smo
 shutil.copy("/tmp/smol/config.json", "/tmp/config.json"); m.save_pretrained("/tmp/smol")
 shutil.copy("/tmp/config.json", "/tmp/smol/config.json")' || exit 1
     export TANDEM_MODEL=/tmp/smol TANDEM_DEVICE=cuda TANDEM_DTYPE=bfloat16
+    # LAYOUT_ARGS: another workload (e.g. "--concurrency 1,16 --num-prompts 64
+    # --single-stream-prompts 4 --input-len 4096", long prompts)
+    # shellcheck disable=SC2086
     step layout 330 python3 -m scripts.bench_layout --options unified,disagg-1t \
-        --concurrency 1,16,64 --num-prompts 256 --single-stream-prompts 8 --input-len 512 \
+        ${LAYOUT_ARGS:---concurrency 1,16,64 --num-prompts 256 --single-stream-prompts 8 --input-len 512} \
         --output-len 128 --output-range-ratio 0 --engine-args "" --time-limit 60 \
         --result-dir /tmp/layout
     cp /tmp/layout/layout.json "$OUT/" 2>/dev/null

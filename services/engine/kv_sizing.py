@@ -17,6 +17,9 @@ import torch
 
 CPU_DEFAULT_GIB = 1.0  # kv_cache_memory_gib when unset, off a GPU
 GIB = 2**30
+# device memory a worker's runtime may hold outside torch's allocator once its CUDA context
+# exists (cuBLAS / cuDNN handles, loaded Triton modules): the cap of ``runtime_bytes``
+NON_TORCH_BYTES = 512 << 20
 
 
 @dataclass(frozen=True)
@@ -100,8 +103,16 @@ def measure_gpu(model, block_size: int, num_tokens: int, num_seqs: int,
     peak = profile_peak_bytes(model, block_size, num_tokens, num_seqs)
     free, total = torch.cuda.mem_get_info(device)
     allocated = torch.cuda.memory_allocated(device)
-    # what the device lost since the start beyond torch's allocations: the CUDA context,
-    # cuBLAS workspaces, the allocator's slack
-    runtime = max(0, (free_at_start - free) - allocated)
+    runtime = runtime_bytes(free_at_start - free, allocated, torch.cuda.memory_reserved(device))
     return DeviceMemory(total=total, free_at_start=free_at_start,
                         non_kv=allocated + peak + runtime)
+
+
+def runtime_bytes(device_used: int, allocated: int, reserved: int) -> int:
+    """This process's device memory beyond its live tensors: what the device lost since the
+    engine started (``device_used``) less torch's allocations, but at most the allocator's
+    cached slack (``reserved - allocated``) plus ``NON_TORCH_BYTES`` (cuBLAS / Triton
+    modules). The cap matters where workers share a GPU: `tandem up` starts them at once, and
+    a neighbour allocating its KV cache meanwhile must not count as ours (it did: a decode
+    worker beside a prefill worker on one H100 got 1,972 blocks instead of ~98,000)."""
+    return max(0, min(device_used - allocated, reserved - allocated + NON_TORCH_BYTES))

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from services.engine.kv_sizing import GIB, DeviceMemory, blocks_for_memory, gpu_kv_cache_bytes
+from services.engine.kv_sizing import (GIB, NON_TORCH_BYTES, DeviceMemory, blocks_for_memory,
+                                      gpu_kv_cache_bytes, runtime_bytes)
 
 
 def test_blocks_for_memory_is_the_floor_and_at_least_one():
@@ -25,6 +26,17 @@ def test_too_little_free_memory_for_the_share_names_the_setting():
     with pytest.raises(ValueError, match=r"engine.gpu_memory_utilization: 0.9 .* only 40.0 GiB"):
         gpu_kv_cache_bytes(mem, 0.9)
     assert gpu_kv_cache_bytes(mem, 0.45) == int(80 * GIB * 0.45) - GIB  # two workers' halves
+
+
+def test_a_neighbour_allocating_meanwhile_does_not_count_as_this_worker_s_runtime():
+    """Measured on an H100: a decode worker started beside a prefill worker saw the device lose
+    36 GiB while it profiled (the prefill worker's KV cache) and took it for its own."""
+    allocated, reserved = 2 * GIB, 2 * GIB + 300 * 2**20
+    alone = runtime_bytes(allocated + 400 * 2**20, allocated, reserved)
+    assert alone == 400 * 2**20  # what the device lost beyond our tensors
+    beside = runtime_bytes(allocated + 36 * GIB, allocated, reserved)
+    assert beside == 300 * 2**20 + NON_TORCH_BYTES  # our allocator's slack + the margin
+    assert runtime_bytes(allocated - GIB, allocated, reserved) == 0  # a neighbour freed memory
 
 
 def test_a_model_that_does_not_fit_its_share_names_the_setting():
