@@ -128,11 +128,14 @@ def test_visible_gpus_without_the_variable_counts_the_driver_s_gpus(monkeypatch)
     assert mod.visible_gpus({}) == []
 
 
-def test_auto_on_gpus_is_one_unified_worker_per_gpu_whatever_the_cores():
+def test_auto_on_gpus_pairs_one_gpu_and_puts_a_unified_worker_on_each_of_several():
     from services.runtime.layout import gpu_placement
 
     one = choose_layout(UpSection(), 16, None, ["0"])
-    assert counts(one) == (0, 0, 1) and one.gpus == ("0",) and "1 GPU" in one.reason
+    assert counts(one) == (1, 1, 0) and one.gpus == ("0",) and "1 GPU" in one.reason
+    assert gpu_placement(one, 0.9) == {"decode-0": ("0", 0.45), "prefill-0": ("0", 0.45)}
+    unified = choose_layout(UpSection(layout="unified"), 16, None, ["0"])
+    assert counts(unified) == (0, 0, 1) and gpu_placement(unified, 0.9) == {"unified-0": ("0", 0.9)}
     four = choose_layout(UpSection(), 2, None, ["0", "1", "2", "3"])
     assert counts(four) == (0, 0, 4) and four.threads == {"unified": 1}
     assert gpu_placement(four, 0.9) == {f"unified-{i}": (str(i), 0.9) for i in range(4)}
