@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import time
 import urllib.request
@@ -106,9 +107,22 @@ def test_kv_routing_sends_each_shared_prefix_back_where_it_was_computed(unified4
             assert worker == homes[d], f"document {d}'s second question went elsewhere"
             shared = len(tokenizer().encode(doc + " Q:")) // BS * BS
             assert cached >= shared - BS, (cached, shared)
-        # the second gateway routed nothing yet: only the workers' KV events tell it
+        # the second gateway routed nothing yet: only the workers' KV events tell it. Wait
+        # until each home's stream holds its document's blocks (publishers flush every
+        # FLUSH_S) and the second gateway's index holds every hash published so far (each
+        # stream read once is not enough: it may have been read before the last entries)
         await wait_until(lambda: _async(metric(second_metrics, "tandem:kv_index_workers",
                                                mode="events") == 4), 60, "events from 4 workers")
+        client = redis.Redis.from_url(unified4.redis_url)
+        for d, home in homes.items():
+            first_blocks = prompt_block_hashes(tokenizer().encode(document(d) + " Q:"), BS)[:2]
+            await wait_until(lambda: _async(all(h in stored_hashes(client, home)
+                                                for h in first_blocks)), 30,
+                             f"document {d}'s blocks in {home}'s KV events")
+        published = sum(len(stored_hashes(client, f"unified-{i}")) for i in range(4))
+        await wait_until(lambda: _async(metric(second_metrics, "tandem:kv_index_blocks")
+                                        >= published), 30,
+                         f"the second gateway's index holding all {published} published blocks")
         for d in range(3):
             worker, cached = await serve_prompt(second_gateway, document(d) + " Q: third?",
                                                 f"doc{d}-q2")
@@ -119,6 +133,20 @@ def test_kv_routing_sends_each_shared_prefix_back_where_it_was_computed(unified4
 
     homes = asyncio.run(run())
     unified4.homes = homes
+
+
+def stored_hashes(client: redis.Redis, worker_id: str) -> set[int]:
+    """The block hashes ``worker_id``'s KV event stream says its cache holds now."""
+    held: set[int] = set()
+    for _, fields in client.xrange(stream_key(worker_id)):
+        for kind, *hashes in json.loads(fields[b"events"]):
+            if kind == "cleared":
+                held.clear()
+            elif kind == "stored":
+                held.update(hashes[0])
+            else:
+                held.difference_update(hashes[0])
+    return held
 
 
 def test_gateway_hashes_match_what_workers_publish(unified4):
