@@ -6,8 +6,14 @@
 #            the handoff benchmark (none needs the model).
 #   stage b: carries .whl and .gpu/b/part2, joins the GGUF (the machine must still be warm);
 #            runs the CUDA-graph test, launch/sync counts, engine throughput.
-#   stage c: (warm after b) eager throughput, KV sizing, precision.
-#   stage stack: carries .gpu/stack (see there): the served stack, unified against P/D.
+#   stage c: (warm after b; carries .whl and .gpu/stack) the P/D stack's GPU tests (oracle, abort,
+#            a killed decode worker), eager throughput, KV sizing, precision.
+#   stage stack: carries .whl and .gpu/stack (see there): the served stack, unified against P/D.
+# Make .gpu/stack here: wheels/ (cp312 manylinux wheels of the stack's packages the GPU image
+# lacks: grpcio 1.85 and its health/reflection, protobuf, pydantic(-settings), redis, fastapi,
+# starlette, uvicorn, opentelemetry, llguidance, gguf and their pure-Python needs), debs/
+# (`apt-get download redis-server redis-tools libjemalloc2 liblzf1`), hf/ (the built-in model's
+# config.json, tokenizer.json and tokenizer_config.json, from the GGUF).
 # Make the carried files here first:
 #   f=$(.venv/bin/python -c 'from services.engine.model_files import default_model_path as p; print(p())')
 #   mkdir -p .gpu/a .gpu/b; head -c 50000000 $f >.gpu/a/part1; tail -c +50000001 $f >.gpu/b/part2
@@ -26,6 +32,14 @@ step() {  # step NAME SECONDS CMD...: run with a time limit, log to $OUT/NAME.lo
     echo "=== $name ($(date +%T))"
     timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
     echo "=== $name rc=$? ($(date +%T))"
+}
+stack_deps() {  # the served stack's packages and Debian's redis-server, from .gpu/stack
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .gpu/stack/wheels/*.whl || exit 1
+    for d in .gpu/stack/debs/*.deb; do dpkg -x "$d" /tmp/redis; done
+    export PATH=/tmp/redis/usr/bin:$PATH LD_LIBRARY_PATH=/tmp/redis/usr/lib/x86_64-linux-gnu
+    redis-server --version
+    python3 -c 'import grpc, fastapi, uvicorn, llguidance, redis, opentelemetry.sdk; print("grpc", grpc.__version__)'
 }
 if [ "$stage" = a ]; then
     nvidia-smi -L
@@ -59,12 +73,7 @@ elif [ "$stage" = stack ]; then  # the served stack on the GPU, unified against 
     # carries .gpu/stack: wheels/ (the stack's Python packages the image lacks or has too old),
     # debs/ (Debian's redis-server), hf/ (the built-in model's config.json and tokenizer, from
     # the GGUF: weights are random, made here; outputs are ignore_eos, so speed is the model's)
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/site .gpu/stack/wheels/*.whl || exit 1
-    for d in .gpu/stack/debs/*.deb; do dpkg -x "$d" /tmp/redis; done
-    export PATH=/tmp/redis/usr/bin:$PATH LD_LIBRARY_PATH=/tmp/redis/usr/lib/x86_64-linux-gnu
-    redis-server --version
-    python3 -c 'import grpc, fastapi, uvicorn, llguidance, redis, opentelemetry.sdk; print("grpc", grpc.__version__)'
+    stack_deps
     rm -rf /tmp/smol && cp -r .gpu/stack/hf /tmp/smol
     python3 -c 'import torch, shutil; from transformers import LlamaConfig, LlamaForCausalLM
 torch.manual_seed(0); m = LlamaForCausalLM(LlamaConfig.from_pretrained("/tmp/smol")).to(torch.bfloat16)
@@ -80,7 +89,10 @@ shutil.copy("/tmp/config.json", "/tmp/smol/config.json")' || exit 1
         --result-dir /tmp/layout
     cp /tmp/layout/layout.json "$OUT/" 2>/dev/null
     grep -E "^(option|unified|disagg|auto)|Error|error" "$OUT/layout.log" | tail -20
-else  # c: what changes rarely (stage b's joined GGUF must still be there)
+else  # c: (carries .whl and .gpu/stack; stage b's joined GGUF must still be there)
+    stack_deps
+    step gpu_stack 240 python3 -m pytest -q -p no:cacheprovider tests/integration/test_gpu_stack.py
+    tail -3 "$OUT/gpu_stack.log"; grep -E "^(FAILED|ERROR|E )" "$OUT/gpu_stack.log" | head -20
     step kv_sizing 45 python3 -c 'import torch; from services.engine.engine import EngineConfig, LLMEngine
 e = LLMEngine(EngineConfig(device="cuda", dtype="bfloat16"))
 print("free/total GiB", [x / 2**30 for x in torch.cuda.mem_get_info()], "kv blocks", e.block_manager.num_free_blocks)'

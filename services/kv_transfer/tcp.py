@@ -181,6 +181,10 @@ class TcpKVTransport(KVTransport):
             logger.warning("peer %s's cache is %s %s, its metadata says %s: writing over the "
                            "wire", name, tuple(remote.shape), remote.dtype, expected)
             return None
+        if remote is not None:
+            logger.info("KV writes to peer %s go straight into its cache (%s)", name,
+                        "CUDA IPC" if remote.is_cuda and remote is not self.kv_cache
+                        and meta["direct"].get("ipc") else "same process")
         return remote
 
     def _connect(self, name: str, address: tuple[str, int], deadline: float) -> socket.socket:
