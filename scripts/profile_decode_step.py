@@ -7,9 +7,11 @@ requests of 16 random prompt tokens are prefilled, ``--warmup`` decode steps run
 thread's CPU time, steady on a loaded machine; wall time is printed beside it), and
 ``--profile-steps`` more run under ``torch.profiler``: aten ops per step (all, and those that
 are not views, which is what launches a kernel on a GPU), the top ops by self CPU time, and on
-CUDA the kernel launches and host synchronisations per step. ``host_reads_per_step`` counts the
-runner's device-to-host copies of sampled tokens. Also the CPU split of the runner's phases
-(prepare_inputs, forward, sample) and the rest of ``engine.step``.
+CUDA the kernel launches and host synchronisations per step, and where each synchronisation is
+made (``sync_sites``: torch's sync debug mode, over ``--profile-steps`` more steps).
+``host_reads_per_step`` counts the runner's device-to-host copies of sampled tokens. Also the
+CPU split of the runner's phases (prepare_inputs, forward, sample) and the rest of
+``engine.step``.
 
 ``--sampling greedy`` (default) runs greedy requests; ``mixed`` cycles through four kinds in
 every batch: greedy, seeded temperature + top-k + top-p, penalties + min_tokens, greedy with 5
@@ -120,6 +122,7 @@ def profile_batch(e, batch: int, warmup: int, steps: int, profile_steps: int, to
                 e.step()
         everything = list(prof.key_averages())
     host_reads = e.runner.num_host_reads - reads0
+    sites = sync_sites(e, profile_steps) if cuda else {}
     while e.has_work():  # the batch finishes in a few steps: the next starts from empty
         e.step()
     events = [a for a in everything if a.key.startswith("aten::")]
@@ -140,10 +143,41 @@ def profile_batch(e, batch: int, warmup: int, steps: int, profile_steps: int, to
         "host_reads_per_step": host_reads / profile_steps,
         **({"kernel_launches_per_step": count(LAUNCH_EVENTS) / profile_steps,
             "host_syncs_per_step": count(SYNC_EVENTS) / profile_steps} if cuda else {}),
+        **({"sync_sites_per_step": {k: v / profile_steps for k, v in sites.items()}}
+           if cuda else {}),
         "top_ops": [{"op": a.key, "calls_per_step": a.count / profile_steps,
                      "self_cpu_ms_per_step": a.self_cpu_time_total / profile_steps / 1e3}
                     for a in events[:top]],
     }
+
+
+def sync_sites(e, steps: int) -> dict[str, int]:
+    """Where the host waits for the device in ``steps`` decode steps: torch's sync debug mode
+    (``torch.cuda.set_sync_debug_mode``) warns at every synchronising CUDA call; each warning
+    is counted at the innermost frame of our code (``services/``, ``kernels/``) that made it."""
+    import traceback
+    import warnings
+
+    sites: dict[str, int] = defaultdict(int)
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        ours = [f for f in traceback.extract_stack()[:-1]
+                if "/services/" in f.filename or "/kernels/" in f.filename]
+        where = ours[-1] if ours else None
+        key = (f"{where.filename.split('/')[-1]}:{where.lineno} {where.line}" if where
+               else f"{filename}:{lineno}")
+        sites[key] += 1
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            for _ in range(steps):
+                e.step()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    return dict(sites)
 
 
 def main() -> None:
@@ -181,6 +215,8 @@ def main() -> None:
               f"{r['wall_ms_per_step']:8.2f} wall ms/step, "
               f"{r['aten_ops_per_step']:7.0f} aten ops/step ({r['compute_ops_per_step']:.0f} not "
               f"views), {r['host_reads_per_step']:.0f} host reads{gpu} ({split})")
+        for site, n in sorted(r.get("sync_sites_per_step", {}).items(), key=lambda kv: -kv[1]):
+            print(f"    sync {n:5.1f}/step at {site}")
         for o in r["top_ops"]:
             print(f"    {o['op']:32s} {o['calls_per_step']:7.0f} calls "
                   f"{o['self_cpu_ms_per_step']:8.3f} ms self")
