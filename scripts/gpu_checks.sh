@@ -65,7 +65,7 @@ elif [ "$stage" = b ]; then
     step profile 90 python3 -m scripts.profile_decode_step --device cuda --dtype bfloat16 \
         --quantization none --sampling mixed --batches 1,16,64 --steps 16 --enforce-eager \
         --out /tmp/profile.json
-    grep -E "^(precision|batch)" "$OUT/profile.log"
+    grep -E "^(precision|batch)|^    sync" "$OUT/profile.log"
     step engine_graphs 130 python3 -m scripts.bench_gpu_engine --batches 1 16 64 256 --steps 32 \
         --compare-tokens 64 --out "$OUT/gpu_engine.json"
     tail -16 "$OUT/engine_graphs.log"
