@@ -8,7 +8,8 @@
 #            runs the CUDA-graph test, launch/sync counts, engine throughput.
 #   stage c: (warm after b; carries .whl and .gpu/stack) the P/D stack's GPU tests (oracle, abort,
 #            a killed decode worker), eager throughput, KV sizing, precision.
-#   stage stack: carries .whl and .gpu/stack (see there): the served stack, unified against P/D.
+#   stage stack: carries .whl and .gpu/stack (see there): the served stack, unified against P/D,
+#            and the TTFT split of a P/D request per prompt length.
 # Make .gpu/stack here: wheels/ (cp312 manylinux wheels of the stack's packages the GPU image
 # lacks: grpcio 1.85 and its health/reflection, protobuf, pydantic(-settings), redis, fastapi,
 # starlette, uvicorn, opentelemetry, llguidance, gguf and their pure-Python needs), debs/
@@ -88,6 +89,8 @@ shutil.copy("/tmp/config.json", "/tmp/smol/config.json")' || exit 1
         --output-len 128 --output-range-ratio 0 --engine-args "" --time-limit 60 \
         --result-dir /tmp/layout
     cp /tmp/layout/layout.json "$OUT/" 2>/dev/null
+    step ttft_split 150 python3 -m scripts.bench_ttft_split --out "$OUT/ttft_split.json"
+    tail -7 "$OUT/ttft_split.log"
     grep -E "^(option|unified|disagg|auto)|Error|error" "$OUT/layout.log" | tail -20
 else  # c: (carries .whl and .gpu/stack; stage b's joined GGUF must still be there)
     stack_deps

@@ -49,6 +49,9 @@ log = logging.getLogger(__name__)
 
 MAX_ATTEMPTS = 4  # per request: the first, plus retries and migrations
 ABORT_TIMEOUT_S = 5.0  # deadline of the Abort that frees an unused reservation
+# how long a stream's last message waits for the prefill worker's answer, which is on its way
+# once the KV landed (its timings go into the request's record and trace)
+PREFILL_ANSWER_S = 1.0
 LOST = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)  # the worker is gone
 
 
@@ -289,6 +292,11 @@ class Dispatcher:
                 if kind == "expired":  # (a failed transfer is an event already: _prefill)
                     job.trace.event("kv_lease_expired", reason=why)
                 job.trace.event("recompute", reason=why)
+            elif msg.finish_reason and prefill is not None:
+                # NOTE: a short output can end before the prefill worker's answer arrives;
+                # cancelled at the release, its timings would be lost from the record
+                if (await asyncio.wait({prefill}, timeout=PREFILL_ANSWER_S))[0]:
+                    prefilled, prefill = _prefill_answer(prefill, True, job), None
             yield msg
             if msg.finish_reason:
                 return

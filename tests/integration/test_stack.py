@@ -109,6 +109,24 @@ def test_blocks_freed_and_state_recorded(stack, redis_server):
     asyncio.run(check())
 
 
+def test_a_one_token_request_records_its_prefill(stack):
+    """The stream of a one-token request ends as soon as the KV landed, possibly before the
+    prefill worker's answer: its prefill and transfer timings are in the record all the same."""
+    async def run():
+        async with grpc.aio.insecure_channel(stack.address) as ch:
+            stub = gateway_pb2_grpc.GatewayStub(ch)
+            for i in range(4):
+                rid = f"one-token-{i}"
+                tokens, _, last = await generate(stack.address, chat_request(
+                    CHAT_PROMPTS[i], request_id=rid, max_tokens=1))
+                assert len(tokens) == 1 and last.finish_reason == "length"
+                info = await stub.GetRequest(gateway_pb2.GetRequestRequest(request_id=rid))
+                assert info.prefill_end_time >= info.prefill_start_time > 0, info
+                assert info.prefill_compute_time > 0 and info.kv_transfer_time > 0, info
+
+    asyncio.run(run())
+
+
 BAD_INPUTS = [
     ("empty prompt", gateway_pb2.GenerateRequest(prompt=""), "prompt"),
     ("prompt longer than the context", gateway_pb2.GenerateRequest(prompt="hello " * 9000), "prompt"),
