@@ -15,14 +15,16 @@ def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
     ``[..., n, block_size, num_kv_heads, head_dim]`` tensor. Raises RuntimeError for a CUDA
     cache without triton."""
     if cache.is_cuda:
-        return _cache_ops().gather_blocks(cache, block_ids)
+        with torch.cuda.device(cache.device):  # Triton launches on the current device
+            return _cache_ops().gather_blocks(cache, block_ids)
     return reference.gather_blocks(cache, block_ids)
 
 
 def scatter_blocks(buffer: torch.Tensor, cache: torch.Tensor, block_ids: torch.Tensor) -> None:
     """Inverse of ``gather_blocks``, in place (``buffer`` on ``cache``'s device, ids distinct)."""
     if cache.is_cuda:
-        _cache_ops().scatter_blocks(buffer, cache, block_ids)
+        with torch.cuda.device(cache.device):
+            _cache_ops().scatter_blocks(buffer, cache, block_ids)
     else:
         reference.scatter_blocks(buffer, cache, block_ids)
 
@@ -35,7 +37,8 @@ def copy_blocks(src: torch.Tensor, dst: torch.Tensor, src_ids: torch.Tensor,
     One Triton pass when both caches are on one CUDA device; otherwise a gather, a copy
     between the devices and a scatter. Raises RuntimeError for a CUDA cache without triton."""
     if src.is_cuda and src.device == dst.device:
-        _cache_ops().copy_blocks(src, dst, src_ids, dst_ids)
+        with torch.cuda.device(src.device):
+            _cache_ops().copy_blocks(src, dst, src_ids, dst_ids)
     else:
         scatter_blocks(gather_blocks(src, src_ids).to(dst.device), dst, dst_ids)
 

@@ -115,7 +115,9 @@ def copy_into(local: torch.Tensor, remote: torch.Tensor, local_ids: Sequence[int
     """Copy ``local``'s blocks into ``remote``'s (both ``[num_layers, 2, num_blocks,
     block_size, num_kv_heads, head_dim]``), layer ``l`` from position ``layer_starts[l]`` of
     the id lists on, and wait until the bytes landed (the receiver reads them as soon as it is
-    told). On one device: one copy kernel for the whole cache when every layer starts at 0."""
+    told). On one device: one copy kernel for the whole cache when every layer starts at 0;
+    between two GPUs (a peer's cache opened on another device of the node): a gather, a
+    device-to-device copy (peer to peer where the GPUs allow it) and a scatter."""
     src_ids = torch.tensor(local_ids, dtype=torch.int64, device=local.device)
     dst_ids = torch.tensor(remote_ids, dtype=torch.int64, device=remote.device)
     if not any(layer_starts):

@@ -59,7 +59,8 @@ class UpOptions:
     threads: dict[str, int] | None = None  # role -> --num-threads of its workers (None: settings')
     env: dict[str, str] | None = None  # extra environment for every child (tests: fault hooks)
     settings: Settings | None = None  # handed to every child; default: this process's env
-    # worker id -> (GPU id, its gpu_memory_utilization): CUDA_VISIBLE_DEVICES of that worker
+    # worker id -> (GPU id, its gpu_memory_utilization): the first of that worker's
+    # CUDA_VISIBLE_DEVICES (the stack's other GPUs follow: ``Stack._gpu_order``)
     gpus: dict[str, tuple[str, float]] = field(default_factory=dict)
 
 
@@ -110,12 +111,20 @@ class Stack:
                 if worker_id in self.opts.gpus:
                     gpu, utilization = self.opts.gpus[worker_id]
                     args += ["--gpu-memory-utilization", f"{utilization:.4f}"]
-                    env = {"CUDA_VISIBLE_DEVICES": gpu}
+                    env = {"CUDA_VISIBLE_DEVICES": ",".join(self._gpu_order(gpu))}
                 self.add_worker(role, worker_id, args, env)
         self.add_gateway("gateway", self.opts.port)
         scrape = write_scrape_config(self.run_dir / "prometheus.yml", self.metrics_targets)
         log.info("Prometheus metrics: %s (scrape config: %s)",
                  ", ".join(f"{n} http://{a}/metrics" for n, a in self.metrics_targets.items()), scrape)
+
+    def _gpu_order(self, own: str) -> list[str]:
+        """A worker's CUDA_VISIBLE_DEVICES: its own GPU first (its ``cuda`` device), then the
+        stack's other GPUs, so that it can open a peer's KV cache on another GPU of this node
+        by CUDA IPC (a direct KV write copies between the GPUs; it allocates nothing else
+        there but a CUDA context, and only when it does)."""
+        placed = dict.fromkeys(gpu for gpu, _ in self.opts.gpus.values())
+        return [own, *(gpu for gpu in placed if gpu != own)]
 
     def _write_settings(self) -> None:
         base = self.opts.settings or load_settings().settings

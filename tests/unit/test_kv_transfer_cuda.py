@@ -21,17 +21,18 @@ LAYOUT = KVCacheLayout(num_layers=4, block_size=16, num_kv_heads=3, head_dim=64,
 TIMEOUT_S = 30.0
 
 
-def cuda_cache(num_blocks: int, seed: int) -> torch.Tensor:
+def cuda_cache(num_blocks: int, seed: int, device: int = 0) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
     shape = (LAYOUT.num_layers, 2, num_blocks, LAYOUT.block_size, LAYOUT.num_kv_heads,
              LAYOUT.head_dim)
-    return torch.randn(shape, generator=gen).to(LAYOUT.torch_dtype).cuda()
+    return torch.randn(shape, generator=gen).to(LAYOUT.torch_dtype).to(f"cuda:{device}")
 
 
-def receiver_main(requests, replies) -> None:
-    """The decode side, in its own process: publishes its metadata, then on each request
-    answers with its cache (on the CPU) and the notifications it got so far."""
-    cache = cuda_cache(40, seed=2)
+def receiver_main(requests, replies, device: int = 0) -> None:
+    """The decode side, in its own process (its cache on GPU ``device``): publishes its
+    metadata, then on each request answers with its cache (on the CPU) and the notifications
+    it got so far."""
+    cache = cuda_cache(40, seed=2, device=device)
     transport = TcpKVTransport(cache, LAYOUT, host="127.0.0.1", port=0)
     notes: list[bytes] = []
     transport.set_notification_handler(notes.append)
@@ -42,11 +43,13 @@ def receiver_main(requests, replies) -> None:
     transport.close()
 
 
-@pytest.fixture
-def receiver():
+@pytest.fixture(params=[0])
+def receiver(request):
+    """The receiver process, its cache on GPU ``request.param`` (indirect: another GPU)."""
     ctx = mp.get_context("spawn")
     requests, replies = ctx.Queue(), ctx.Queue()
-    proc = ctx.Process(target=receiver_main, args=(requests, replies), daemon=True)
+    proc = ctx.Process(target=receiver_main, args=(requests, replies, request.param),
+                       daemon=True)
     proc.start()
     metadata, initial = replies.get(timeout=120)
 
@@ -61,7 +64,13 @@ def receiver():
         proc.kill()
 
 
-@pytest.mark.parametrize("direct", [True, False], ids=["cuda-ipc", "host-staged"])
+TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+
+
+@pytest.mark.parametrize("receiver, direct", [
+    (0, True), (0, False),
+    pytest.param(1, True, marks=TWO_GPUS),  # a peer's cache on another GPU of the node
+], ids=["cuda-ipc", "host-staged", "cuda-ipc-other-gpu"], indirect=["receiver"])
 def test_blocks_land_bit_exact_in_another_process(receiver, direct):
     proc, metadata, initial, state = receiver
     src = cuda_cache(24, seed=1)

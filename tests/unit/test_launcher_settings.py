@@ -74,13 +74,17 @@ def test_each_gpu_worker_gets_its_device_and_memory_share(monkeypatch):
     monkeypatch.setattr(Stack, "add_gateway", lambda self, name, port: None)
     monkeypatch.setattr(launcher, "write_scrape_config", lambda path, targets: path)
     monkeypatch.setattr(launcher, "check_redis", lambda url: _done())
-    stack = Stack(UpOptions(host="127.0.0.1", port=7000, num_prefill=1, num_decode=1,
+    stack = Stack(UpOptions(host="127.0.0.1", port=7000, num_prefill=2, num_decode=1,
                             redis_url="redis://127.0.0.1:1/0",
-                            gpus={"decode-0": ("0", 0.45), "prefill-0": ("0", 0.45)}))
+                            gpus={"decode-0": ("0", 0.45), "prefill-0": ("0", 0.45),
+                                  "prefill-1": ("GPU-b", 0.9)}))
     try:
         stack.start()
-        (dargv, denv), (pargv, penv) = started
-        assert denv["CUDA_VISIBLE_DEVICES"] == "0" == penv["CUDA_VISIBLE_DEVICES"]
+        (dargv, denv), (pargv, penv), (_, p1env) = started
+        # its own GPU first (its cuda device), the stack's others after: a peer's cache on
+        # another GPU can be opened by CUDA IPC
+        assert denv["CUDA_VISIBLE_DEVICES"] == "0,GPU-b" == penv["CUDA_VISIBLE_DEVICES"]
+        assert p1env["CUDA_VISIBLE_DEVICES"] == "GPU-b,0"
         assert "CUDA_VISIBLE_DEVICES" not in stack.child_env
         i = dargv.index("--gpu-memory-utilization")
         assert dargv[i + 1] == "0.4500" and "--worker-id" in dargv
