@@ -15,7 +15,7 @@ import torch
 
 from services.api import gateway_pb2, gateway_pb2_grpc
 from services.runtime.launcher import Stack, UpOptions
-from tests.integration.conftest import assert_all_blocks_freed, free_port, wait_until
+from tests.integration.conftest import assert_all_blocks_freed, free_port, running, wait_until
 from tests.integration.test_stack import chat_request, generate
 from tests.reference import CHAT_PROMPTS, NUM_TOKENS, hf_greedy_outputs
 
@@ -28,15 +28,11 @@ GPU_WORKER_ARGS = ["--device", "cuda", "--num-threads", "1", "--kv-cache-gib", "
 @pytest.fixture(scope="module")
 def gpu_stack():
     """One prefill and two decode workers on the GPU (float32, the oracle mode)."""
-    s = Stack(UpOptions(host="127.0.0.1", port=free_port(), num_prefill=1, num_decode=2,
-                        redis_url=None, worker_args=GPU_WORKER_ARGS,
-                        gateway_args=["--heartbeat-s", "0.5"], ready_timeout_s=300))
-    try:
-        s.start()
-        s.wait_ready()
+    with running(Stack(UpOptions(host="127.0.0.1", port=free_port(), num_prefill=1,
+                                 num_decode=2, redis_url=None, worker_args=GPU_WORKER_ARGS,
+                                 gateway_args=["--heartbeat-s", "0.5"],
+                                 ready_timeout_s=300))) as s:
         yield s
-    finally:
-        s.stop()
 
 
 def test_greedy_matches_transformers_through_a_gpu_stack(gpu_stack):

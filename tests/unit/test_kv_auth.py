@@ -6,7 +6,9 @@ acted on: no handler runs, the sender is told).
 """
 from __future__ import annotations
 
+import contextlib
 import json
+import socket
 import time
 
 import pytest
@@ -15,6 +17,7 @@ import torch
 from services.kv_transfer import KVLeaseRefusedError, KVTransferError, create_transport
 from services.kv_transfer.grants import new_token
 from services.kv_transfer.tcp import TcpKVTransport
+from services.kv_transfer.tcp_wire import recv_frame, send_frame
 from tests.unit.test_kv_transfer import BACKENDS, LAYOUT, TIMEOUT_S, make_cache
 
 SECRET = "s3cret-s3cret-s3cret"
@@ -196,23 +199,26 @@ def test_a_detached_reservation_is_not_renewed_but_may_still_be_written(backend,
     assert notes == [b"landed"]
 
 
-def test_tcp_write_that_breaks_off_mid_payload_is_reported_lost(made):
-    """A sender that dies mid-payload: the receiver knows nothing more of the write can land
-    and closes the reservation at once (``on_lost``), instead of waiting for the lease."""
-    import socket
-
-    from services.kv_transfer.tcp_wire import recv_frame, send_frame
-
-    receiver = make("tcp", made, 2, secret=None)
-    token, lost, notes = new_token(), [], []
-    receiver.grant_write(token, GRANTED, 30.0, notes.append, lost.append)
-    meta = json.loads(receiver.metadata())
+@contextlib.contextmanager
+def handshaken(meta: dict):
+    """A raw connection to a TCP receiver (its ``metadata()`` as a dict) past the handshake
+    (no secret): ``(socket, deadline)``, closed after the block."""
     deadline = time.monotonic() + TIMEOUT_S
     with socket.create_connection((meta["host"], meta["port"]), timeout=TIMEOUT_S) as sock:
         recv_frame(sock, deadline)  # the challenge
         send_frame(sock, {"op": "hello", "layout": meta["layout"], "nonce": "n", "proof": ""},
                    deadline)
         assert recv_frame(sock, deadline)["ok"]
+        yield sock, deadline
+
+
+def test_tcp_write_that_breaks_off_mid_payload_is_reported_lost(made):
+    """A sender that dies mid-payload: the receiver knows nothing more of the write can land
+    and closes the reservation at once (``on_lost``), instead of waiting for the lease."""
+    receiver = make("tcp", made, 2, secret=None)
+    token, lost, notes = new_token(), [], []
+    receiver.grant_write(token, GRANTED, 30.0, notes.append, lost.append)
+    with handshaken(json.loads(receiver.metadata())) as (sock, deadline):
         payload = len(GRANTED) * LAYOUT.num_layers * 2 * LAYOUT.block_bytes
         send_frame(sock, {"op": "write", "remote_block_ids": GRANTED, "token": token.hex(),
                           "notif_len": 0, "payload_bytes": payload, "timeout_s": 5.0},
@@ -227,10 +233,6 @@ def test_tcp_direct_write_whose_sender_never_reports_landing_is_lost(made, direc
     """A direct write: the receiver says go only after admitting it, and a sender that then
     goes away without reporting the copy landed costs the reservation at once (``on_lost``),
     not silently. A receiver that offers no direct writes refuses one, touching nothing."""
-    import socket
-
-    from services.kv_transfer.tcp_wire import recv_frame, send_frame
-
     receiver = TcpKVTransport(make_cache(LAYOUT, 12, 2), LAYOUT, host="127.0.0.1", port=0,
                               require_grants=True, direct_writes=direct_offered)
     made.append(receiver)
@@ -238,12 +240,7 @@ def test_tcp_direct_write_whose_sender_never_reports_landing_is_lost(made, direc
     receiver.grant_write(token, GRANTED, 30.0, notes.append, lost.append)
     meta = json.loads(receiver.metadata())
     assert (meta["direct"] is not None) == direct_offered
-    deadline = time.monotonic() + TIMEOUT_S
-    with socket.create_connection((meta["host"], meta["port"]), timeout=TIMEOUT_S) as sock:
-        recv_frame(sock, deadline)  # the challenge
-        send_frame(sock, {"op": "hello", "layout": meta["layout"], "nonce": "n", "proof": ""},
-                   deadline)
-        assert recv_frame(sock, deadline)["ok"]
+    with handshaken(meta) as (sock, deadline):
         payload = len(GRANTED) * LAYOUT.num_layers * 2 * LAYOUT.block_bytes
         send_frame(sock, {"op": "write", "direct": True, "remote_block_ids": GRANTED,
                           "token": token.hex(), "notif_len": 0, "payload_bytes": payload,
