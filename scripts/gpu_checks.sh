@@ -103,6 +103,6 @@ print("free/total GiB", [x / 2**30 for x in torch.cuda.mem_get_info()], "kv bloc
     step engine_eager 50 python3 -m scripts.bench_gpu_engine --batches 1 64 --steps 16 \
         --enforce-eager --skip-agreement --out /tmp/gpu_engine_eager.json
     tail -4 "$OUT/engine_eager.log"
-    step precision 140 python3 -m scripts.gpu_precision --tokens 64 --out "$OUT/gpu_precision.json"
+    step precision 180 python3 -m scripts.gpu_precision --tokens 64 --out "$OUT/gpu_precision.json"
     grep -v "it/s" "$OUT/precision.log" | tail -16
 fi
