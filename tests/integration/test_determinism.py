@@ -174,7 +174,7 @@ def test_prompt_chunked_by_7_tokens(small_stack, reference, kind):
 def test_after_preemption(small_stack, reference, kind):
     """4 others decode first; then the request joins, the newest running sequence: when the 16
     blocks cannot hold everyone's growing KV, the scheduler preempts it (its blocks freed, back
-    to the queue: seen in the worker's own state) and recomputes it later from its prompt and
+    to the queue: seen in the worker's preemption counter) and recomputes it later from its prompt and
     output so far, in chunks of 7."""
     async def stage_of(request_id: str) -> str | None:
         loads = await worker_loads(small_stack)
@@ -201,7 +201,17 @@ def test_after_preemption(small_stack, reference, kind):
             await asyncio.sleep(0.02)
         await asyncio.gather(*others)
         return (await target)[0], stages
+    preempted_before = preemptions(small_stack)
     out, stages = asyncio.run(run())
-    ran = [i for i, stage in enumerate(stages) if stage in ("prefilling", "decoding")]
-    assert ran and "queued" in stages[ran[0]:], stages  # running, then preempted
+    # NOTE: the request is back in the batch one step after its preemption; the worker's
+    # counter sees it where a poll of its stage can miss it (it once did in CI's clone)
+    assert preemptions(small_stack) > preempted_before, stages
+    assert any(stage in ("prefilling", "decoding") for stage in stages), stages
     assert out == reference[kind]
+
+
+def preemptions(stack: Stack) -> float:
+    """The unified worker's preemption counter (its /metrics)."""
+    from tests.integration.test_routing import metric
+
+    return metric(stack.metrics_targets["unified-0"], "tandem:num_preemptions_total")
