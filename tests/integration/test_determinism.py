@@ -174,8 +174,8 @@ def test_prompt_chunked_by_7_tokens(small_stack, reference, kind):
 def test_after_preemption(small_stack, reference, kind):
     """4 others decode first; then the request joins, the newest running sequence: when the 16
     blocks cannot hold everyone's growing KV, the scheduler preempts it (its blocks freed, back
-    to the queue: seen in the worker's preemption counter) and recomputes it later from its prompt and
-    output so far, in chunks of 7."""
+    to the queue: seen in the worker's preemption counter) and recomputes it later from its
+    prompt and output so far, in chunks of 7."""
     async def stage_of(request_id: str) -> str | None:
         loads = await worker_loads(small_stack)
         return next((r.stage for load in loads.values() for r in load.requests
