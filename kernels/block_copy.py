@@ -1,7 +1,7 @@
 """Whole-block gather / scatter of a paged KV cache, dispatched on the cache's device: the
 Triton kernels (``kernels.cache_ops``) for CUDA tensors, the torch reference elsewhere. Used to
-stage KV blocks through host memory for transfer, and to copy them between two caches on
-one device (the KV handoff by CUDA IPC)."""
+stage KV blocks through host memory for transfer, and to copy them between two caches (the
+KV handoff by CUDA IPC: one kernel on one device, gather / copy / scatter between GPUs)."""
 from __future__ import annotations
 
 import torch

@@ -25,11 +25,11 @@ import json
 import multiprocessing as mp
 import random
 import statistics
-import time
 from pathlib import Path
 
 import torch
 
+from scripts.bench_kv_transfer import time_writes
 from services.engine.config import KVCacheLayout
 
 TRANSPORTS = ("cuda-ipc", "host-staged")
@@ -54,17 +54,6 @@ def receiver_main(dtype: str, num_blocks: int, metadata_out, stop) -> None:
     metadata_out.put(transport.metadata())
     stop.wait()
     transport.close()
-
-
-def median_ms(fn, repeats: int) -> float:
-    """Median wall milliseconds of ``fn()`` (which returns when its work is done)."""
-    times = []
-    for i in range(repeats + 2):
-        start = time.perf_counter()
-        fn()
-        if i >= 2:
-            times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
 
 
 def device_ms(fn, repeats: int) -> float:
@@ -116,8 +105,8 @@ def main() -> None:
             nbytes = n * kv.num_layers * 2 * kv.block_bytes
             row = {"num_tokens": num_tokens, "num_blocks": n, "bytes": nbytes}
             for name, sender in senders.items():
-                row[f"{name}_ms"] = median_ms(lambda: sender.write_blocks(
-                    peers[name], local, remote, b"bench", timeout_s=60.0), args.repeats)
+                row[f"{name}_ms"] = statistics.median(time_writes(
+                    sender, peers[name], local, remote, args.repeats)) * 1e3
             src_ids = torch.tensor(local, device="cuda")
             dst_ids = torch.tensor(remote, device="cuda")
             row["copy_blocks_ms"] = device_ms(lambda: copy_blocks(src, twin, src_ids, dst_ids),

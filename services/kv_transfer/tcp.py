@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import secrets
 import socket
 import threading
@@ -183,8 +184,7 @@ class TcpKVTransport(KVTransport):
             return None
         if remote is not None:
             logger.info("KV writes to peer %s go straight into its cache (%s)", name,
-                        "CUDA IPC" if remote.is_cuda and remote is not self.kv_cache
-                        and meta["direct"].get("ipc") else "same process")
+                        "same process" if meta["direct"]["pid"] == os.getpid() else "CUDA IPC")
         return remote
 
     def _connect(self, name: str, address: tuple[str, int], deadline: float) -> socket.socket:

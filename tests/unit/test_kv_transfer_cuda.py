@@ -13,6 +13,7 @@ import torch
 from services.engine.config import KVCacheLayout
 from services.kv_transfer import KVTransferError
 from services.kv_transfer.tcp import TcpKVTransport
+from tests.unit.test_kv_transfer import make_cache
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -22,10 +23,7 @@ TIMEOUT_S = 30.0
 
 
 def cuda_cache(num_blocks: int, seed: int, device: int = 0) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(seed)
-    shape = (LAYOUT.num_layers, 2, num_blocks, LAYOUT.block_size, LAYOUT.num_kv_heads,
-             LAYOUT.head_dim)
-    return torch.randn(shape, generator=gen).to(LAYOUT.torch_dtype).to(f"cuda:{device}")
+    return make_cache(LAYOUT, num_blocks, seed).to(f"cuda:{device}")
 
 
 def receiver_main(requests, replies, device: int = 0) -> None:
