@@ -7,8 +7,9 @@ requests of 16 random prompt tokens are prefilled, ``--warmup`` decode steps run
 thread's CPU time, steady on a loaded machine; wall time is printed beside it), and
 ``--profile-steps`` more run under ``torch.profiler``: aten ops per step (all, and those that
 are not views, which is what launches a kernel on a GPU), the top ops by self CPU time, and on
-CUDA the kernel launches and host synchronisations per step, and where each synchronisation is
-made (``sync_sites``: torch's sync debug mode, over ``--profile-steps`` more steps).
+CUDA the kernel launches, host synchronisations and queued (``cudaMemcpyAsync``) copies per step,
+and where each synchronisation is made (``sync_sites``: torch's sync debug mode, over
+``--profile-steps`` more steps).
 ``host_reads_per_step`` counts the runner's device-to-host copies of sampled tokens. Also the
 CPU split of the runner's phases (prepare_inputs, forward, sample) and the rest of
 ``engine.step``.
@@ -38,9 +39,19 @@ VIEW_OPS = frozenset(f"aten::{op}" for op in (
     "split", "split_with_sizes", "chunk", "unbind", "narrow", "flatten", "view_as", "numpy_T",
     "resolve_conj", "resolve_neg", "empty", "empty_like", "empty_strided", "to", "contiguous",
     "result_type", "item", "_local_scalar_dense"))
-LAUNCH_EVENTS = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx")
-SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize",
-               "cudaMemcpy")  # cudaMemcpy without Async: a synchronous copy
+# CUDA runtime / driver calls, matched by exact name: "cudaMemcpy" is the synchronous copy, and
+# a prefix match would also count every cudaMemcpyAsync (which is how 3 / 11 / 11 "syncs" per
+# step were reported on an H100 for steps that wait on the device once)
+LAUNCH_EVENTS = frozenset(("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC",
+                           "cuLaunchKernelEx"))
+SYNC_EVENTS = frozenset(("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize",
+                         "cudaMemcpy"))
+COPY_EVENTS = frozenset(("cudaMemcpyAsync",))  # host <-> device and device copies, queued
+
+
+def count_calls(events, names: frozenset[str]) -> int:
+    """Calls of the functions ``names`` among profiler ``events`` (``key``, ``count``)."""
+    return sum(a.count for a in events if a.key in names)
 
 
 def make_engine(dtype: str, quantization: str, max_batch: int, device: str = "cpu",
@@ -128,7 +139,6 @@ def profile_batch(e, batch: int, warmup: int, steps: int, profile_steps: int, to
     events = [a for a in everything if a.key.startswith("aten::")]
     ops = sum(a.count for a in events)
     compute_ops = sum(a.count for a in events if a.key not in VIEW_OPS)
-    count = lambda names: sum(a.count for a in everything if a.key.startswith(names))  # noqa: E731
     profile_steps = max(profile_steps, 1)
     events.sort(key=lambda a: a.self_cpu_time_total, reverse=True)
     phases = {k: v / steps * 1e3 for k, v in clock.cpu.items()}
@@ -141,8 +151,10 @@ def profile_batch(e, batch: int, warmup: int, steps: int, profile_steps: int, to
         "aten_ops_per_step": ops / profile_steps,
         "compute_ops_per_step": compute_ops / profile_steps,
         "host_reads_per_step": host_reads / profile_steps,
-        **({"kernel_launches_per_step": count(LAUNCH_EVENTS) / profile_steps,
-            "host_syncs_per_step": count(SYNC_EVENTS) / profile_steps} if cuda else {}),
+        **({"kernel_launches_per_step": count_calls(everything, LAUNCH_EVENTS) / profile_steps,
+            "host_syncs_per_step": count_calls(everything, SYNC_EVENTS) / profile_steps,
+            "async_copies_per_step": count_calls(everything, COPY_EVENTS) / profile_steps}
+           if cuda else {}),
         **({"sync_sites_per_step": {k: v / profile_steps for k, v in sites.items()}}
            if cuda else {}),
         "top_ops": [{"op": a.key, "calls_per_step": a.count / profile_steps,
@@ -210,7 +222,8 @@ def main() -> None:
     for r in rows:
         split = ", ".join(f"{k} {v:.2f}" for k, v in r["phase_cpu_ms_per_step"].items())
         gpu = (f", {r['kernel_launches_per_step']:.0f} launches, "
-               f"{r['host_syncs_per_step']:.0f} syncs" if "kernel_launches_per_step" in r else "")
+               f"{r['host_syncs_per_step']:.0f} syncs, {r['async_copies_per_step']:.0f} queued "
+               f"copies" if "kernel_launches_per_step" in r else "")
         print(f"batch {r['batch']:3d}: {r['cpu_ms_per_step']:8.2f} CPU ms/step, "
               f"{r['wall_ms_per_step']:8.2f} wall ms/step, "
               f"{r['aten_ops_per_step']:7.0f} aten ops/step ({r['compute_ops_per_step']:.0f} not "

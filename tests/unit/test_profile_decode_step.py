@@ -34,3 +34,16 @@ def test_ops_and_host_reads_per_decode_step_do_not_grow_with_the_batch():
                                               seed=b, sampling="mixed") for b in (8, 16, 32)]
     assert len({r["aten_ops_per_step"] for r in rows}) == 1, [r["aten_ops_per_step"] for r in rows]
     assert all(r["host_reads_per_step"] == 1 for r in rows)
+
+
+def test_queued_copies_are_not_counted_as_host_syncs():
+    """A step that queues copies and waits once: 1 sync and 3 copies, not 4 syncs (cudaMemcpy
+    is the synchronous copy; cudaMemcpyAsync only shares its prefix)."""
+    from types import SimpleNamespace as Event
+
+    events = [Event(key="cudaMemcpyAsync", count=3), Event(key="cudaStreamSynchronize", count=1),
+              Event(key="cuLaunchKernelEx", count=5), Event(key="cudaLaunchKernel", count=2),
+              Event(key="aten::copy_", count=4)]
+    assert profile_decode_step.count_calls(events, profile_decode_step.SYNC_EVENTS) == 1
+    assert profile_decode_step.count_calls(events, profile_decode_step.COPY_EVENTS) == 3
+    assert profile_decode_step.count_calls(events, profile_decode_step.LAUNCH_EVENTS) == 7
