@@ -36,9 +36,12 @@ SOURCE = Path(__file__).with_name("csrc") / "quant_matmul.c"
 BLOCK = 32  # elements per block in every supported format
 # format name -> (kernel code, bytes per block of 32 elements); "f32" is not quantized
 FORMATS = {"q4_0": (0, 18), "q4_1": (1, 20), "q8_0": (2, 34), "f32": (3, 128)}
-# what a QuantizedWeight may hold: the file formats and Q4_1 in 16-row tiles (``tiled16``)
-RESIDENT = {**FORMATS, "q4_1x16": (4, 20)}
-TILE = 16  # rows of a q4_1x16 tile
+# what a QuantizedWeight may hold: the file formats, and Q4_1 and Q8_0 in 16-row tiles
+# (``tiled16``; same bytes per block as the file format they rearrange)
+RESIDENT = {**FORMATS, "q4_1x16": (4, 20), "q8_0x16": (5, 34)}
+TILED = {"q4_1": "q4_1x16", "q8_0": "q8_0x16"}  # file format -> its 16-row tiles
+UNTILED = {v: k for k, v in TILED.items()}
+TILE = 16  # rows of a tile
 QUANTIZED = tuple(f for f in FORMATS if f != "f32")  # activations quantized to int8 for these
 _ERRORS = {1: "unknown block format", 2: "bad shape (in_features must be a positive multiple "
            "of 32; row ids inside the matrix)", 3: "out of memory for the kernel's scratch"}
@@ -66,9 +69,9 @@ class QuantizedWeight:
         if self.fmt not in RESIDENT:
             raise ValueError(f"fmt: unsupported block format {self.fmt!r}; "
                              f"supported: {', '.join(RESIDENT)}")
-        if self.fmt == "q4_1x16" and self.out_features % TILE:
+        if self.fmt in UNTILED and self.out_features % TILE:
             raise ValueError(f"out_features: {self.out_features} is not a multiple of {TILE} "
-                             "(q4_1x16 stores tiles of 16 rows)")
+                             f"({self.fmt} stores tiles of 16 rows)")
         if self.in_features <= 0 or self.in_features % BLOCK:
             raise ValueError(f"in_features: {self.in_features} is not a positive multiple of "
                              f"{BLOCK} (the {self.fmt} block size)")
@@ -84,24 +87,32 @@ class QuantizedWeight:
         return self.data.numel()
 
     def rows(self, index: torch.Tensor | np.ndarray) -> QuantizedWeight:
-        """The rows ``index`` (a permutation or selection), copied; still quantized (q4_1x16
-        comes back as q4_1)."""
-        flat = untiled16(self) if self.fmt == "q4_1x16" else self
+        """The rows ``index`` (a permutation or selection), copied; still quantized (tiles come
+        back in their file format: q4_1x16 as q4_1)."""
+        flat = untiled16(self) if self.fmt in UNTILED else self
         data = flat.data[torch.as_tensor(index, dtype=torch.int64)].contiguous()
         return QuantizedWeight(data, flat.fmt, data.shape[0], self.in_features)
 
 
 def tiled16(weight: QuantizedWeight) -> QuantizedWeight:
-    """A Q4_1 weight (``out_features`` a multiple of 16) repacked as ``q4_1x16``: per tile of 16
-    rows and block, the rows' nibble bytes ``4k..4k+3`` side by side for k = 0..3 (lanes = rows),
-    then their 16 fp16 ``d``, then their 16 fp16 ``m`` (320 bytes). The same bytes, so the same
-    size, and the same values: every kernel path gives the same bits as on the Q4_1 rows; the
-    decode kernel reads it without gathers or transposes (``csrc/quant_matmul.c``, ggml-cpu's
-    repacked-weights idea). Raises ValueError unless ``weight`` is Q4_1 with such rows."""
-    if weight.fmt != "q4_1" or weight.out_features % TILE:
-        raise ValueError(f"weight: q4_1 with a multiple of {TILE} rows is required, got "
+    """A Q4_1 or Q8_0 weight (``out_features`` a multiple of 16) repacked in tiles of 16 rows:
+    ``q4_1x16``: per tile and block, the rows' nibble bytes ``4k..4k+3`` side by side for
+    k = 0..3 (lanes = rows), then their 16 fp16 ``d``, then their 16 fp16 ``m`` (320 bytes);
+    ``q8_0x16``: the rows' int8 bytes ``4g..4g+3`` side by side for g = 0..7, then their 16
+    fp16 ``d`` (544 bytes). The same bytes, so the same size, and the same values: every kernel
+    path gives the same bits as on the file's rows; the kernels read a tile without gathers or
+    transposes (``csrc/quant_matmul.c``, ggml-cpu's repacked-weights idea). Raises ValueError
+    unless ``weight`` is Q4_1 or Q8_0 with such rows."""
+    if weight.fmt not in TILED or weight.out_features % TILE:
+        raise ValueError(f"weight: q4_1 or q8_0 with a multiple of {TILE} rows is required, got "
                          f"{weight.fmt} with {weight.out_features}")
     t, nb = weight.out_features // TILE, weight.in_features // BLOCK
+    if weight.fmt == "q8_0":
+        raw = weight.data.view(t, TILE, nb, 34)
+        qs = raw[..., 2:].reshape(t, TILE, nb, 8, 4).permute(0, 2, 3, 1, 4).reshape(t, nb, 512)
+        d = raw[..., 0:2].permute(0, 2, 1, 3).reshape(t, nb, 32)
+        data = torch.cat([qs, d], -1).reshape(weight.data.shape).contiguous()
+        return QuantizedWeight(data, "q8_0x16", weight.out_features, weight.in_features)
     raw = weight.data.view(t, TILE, nb, 20)
     nibbles = raw[..., 4:].reshape(t, TILE, nb, 4, 4).permute(0, 2, 3, 1, 4).reshape(t, nb, 256)
     d = raw[..., 0:2].permute(0, 2, 1, 3).reshape(t, nb, 32)
@@ -111,8 +122,14 @@ def tiled16(weight: QuantizedWeight) -> QuantizedWeight:
 
 
 def untiled16(weight: QuantizedWeight) -> QuantizedWeight:
-    """Inverse of ``tiled16``: the Q4_1 rows as the file stores them."""
+    """Inverse of ``tiled16``: the rows as the file stores them."""
     t, nb = weight.out_features // TILE, weight.in_features // BLOCK
+    if weight.fmt == "q8_0x16":
+        raw = weight.data.view(t, nb, 544)
+        qs = raw[..., :512].reshape(t, nb, 8, TILE, 4).permute(0, 3, 1, 2, 4).reshape(t, TILE, nb, 32)
+        d = raw[..., 512:].reshape(t, nb, TILE, 2).permute(0, 2, 1, 3)
+        data = torch.cat([d, qs], -1).reshape(weight.data.shape).contiguous()
+        return QuantizedWeight(data, "q8_0", weight.out_features, weight.in_features)
     raw = weight.data.view(t, nb, 320)
     nibbles = raw[..., :256].reshape(t, nb, 4, TILE, 4).permute(0, 3, 1, 2, 4).reshape(t, TILE, nb, 16)
     d = raw[..., 256:288].reshape(t, nb, TILE, 2).permute(0, 2, 1, 3)
@@ -122,10 +139,10 @@ def untiled16(weight: QuantizedWeight) -> QuantizedWeight:
 
 
 def decode_layout(parts: Sequence[QuantizedWeight]) -> list[QuantizedWeight]:
-    """The parts of one projection as the decode kernel reads them fastest: Q4_1 parts that all
-    have a multiple of 16 rows repacked ``tiled16`` where the AVX-512 VNNI path runs (others
-    gain nothing from it); anything else as given."""
-    if (isa() != "avx512_vnni" or any(p.fmt != "q4_1" for p in parts)
+    """The parts of one projection as the kernels read them fastest: Q4_1 or Q8_0 parts that
+    all have a multiple of 16 rows repacked ``tiled16`` where the AVX-512 VNNI path runs
+    (others gain nothing from it); anything else as given."""
+    if (isa() != "avx512_vnni" or len({p.fmt for p in parts}) != 1 or parts[0].fmt not in TILED
             or any(p.out_features % TILE for p in parts)):
         return list(parts)
     return [tiled16(p) for p in parts]
@@ -186,7 +203,7 @@ def dequantize_rows(weight: QuantizedWeight, ids: torch.Tensor) -> torch.Tensor:
     out = torch.empty(ids.numel(), weight.in_features, dtype=torch.float32)
     lib = _library()
     if lib is None:
-        flat = untiled16(weight) if weight.fmt == "q4_1x16" else weight
+        flat = untiled16(weight) if weight.fmt in UNTILED else weight
         return torch.from_numpy(_numpy_dequantize(flat.data[ids].numpy(), flat.fmt))
     data = weight.data.contiguous()
     _check(lib.tandem_quant_dequantize_rows(data.data_ptr(), ids.data_ptr(), out.data_ptr(),
@@ -287,7 +304,7 @@ def block_scales(weight: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor]:
     """Per block ``(d, c)`` float32 ``[out_features, in_features // 32]`` with
     ``w = d * u + c`` for the kernel's unsigned ``u`` (Q4: 0..15, Q8_0: 0..255), read from the
     blocks' fp16 fields. Raises ``ValueError`` naming ``fmt`` for F32 (no block scales)."""
-    if weight.fmt == "q4_1x16":
+    if weight.fmt in UNTILED:
         return block_scales(untiled16(weight))
     if weight.fmt not in QUANTIZED:
         raise ValueError(f"fmt: {weight.fmt} weights have no block scales")
@@ -323,7 +340,7 @@ def activation_error_bound(x: torch.Tensor, weight: QuantizedWeight) -> torch.Te
     w = dequantize(weight)
     rounding = (dx / 2).repeat_interleave(BLOCK, dim=1) @ w.abs().T
     d, c = block_scales(weight)
-    umax = 255.0 if weight.fmt == "q8_0" else 15.0
+    umax = 255.0 if UNTILED.get(weight.fmt, weight.fmt) == "q8_0" else 15.0
     x_abs = (x.abs() + dx.repeat_interleave(BLOCK, dim=1) / 2).reshape(m, nb, BLOCK).sum(-1)
     terms = x_abs @ (d.abs() * umax).T + x_abs @ c.abs().T  # [M, N]
     gamma = (nb + 4) * 2 * 2.0**-24

@@ -8,7 +8,9 @@ the float32 engine (token-exact to transformers: the oracle tests) on the oracle
 Prints a table and writes JSON (``--out``). Compare figures only within one run.
 
 ``--kernel``: instead, the matmul kernel alone at the built-in model's linear shapes (Q4_1
-q/k/v, o, gate/up, down; the Q8_0 tied LM head), batch 1/16/64 (``--batches``: 128 and 512 are
+q/k/v, o, gate/up, down; the Q8_0 tied LM head), each in the file's layout and, where the
+engine serves it repacked (``kernels.quant.decode_layout``: 16-row tiles), in that one too,
+batch 1/16/64 (``--batches``: 128 and 512 are
 prefill chunks), one thread, every kernel path of this build (``kernels.quant.isas()``; ``--paths``
 picks some) interleaved in the same run: GOP/s (2 M N K per call)
 and weight GB/s from CPU seconds per call (``time.process_time``: steady on a loaded machine),
@@ -162,28 +164,39 @@ def kernel_bench(args) -> dict:
     if unknown := set(paths) - set(quant.isas()):
         raise SystemExit(f"--paths: {sorted(unknown)} not in this build's {quant.isas()}")
     results: dict = {"isa": quant.isa(), "paths": paths, "shapes": {}}
-    for name, fmt, parts_rows, k in KERNEL_SHAPES:
-        parts = [random_weight(fmt, n, k, seed=i) for i, n in enumerate(parts_rows)]
-        n, nbytes = sum(parts_rows), sum(p.nbytes for p in parts)
-        for m in args.batches:
-            x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
-            out = torch.empty(m, n)
-            row = {}
-            for _ in range(args.rounds):  # interleave the paths: load drifts hit all alike
-                for isa in paths:
-                    s = cpu_seconds_per_call(lambda: quant.quant_matmul(x, parts, out, isa=isa),
-                                             args.min_seconds)
-                    row[isa] = min(row.get(isa, s), s)
-            base = row.get("scalar")
-            entry = {isa: {"us": s * 1e6, "gop_s": 2 * m * n * k / s / 1e9,
-                           "weight_gb_s": nbytes / s / 1e9,
-                           "vs_scalar": base / s if base else None} for isa, s in row.items()}
-            results["shapes"][f"{name} m={m}"] = entry
-            print(f"{name:<8} {fmt} m={m:<3} " + "  ".join(
-                f"{isa}: {e['us']:8.1f} us {e['gop_s']:6.1f} GOP/s {e['weight_gb_s']:5.2f} GB/s"
-                + (f" x{e['vs_scalar']:.2f}" if e["vs_scalar"] else "") for isa, e in entry.items()),
-                flush=True)
+    for name, file_fmt, parts_rows, k in KERNEL_SHAPES:
+        flat = [random_weight(file_fmt, n, k, seed=i) for i, n in enumerate(parts_rows)]
+        served = quant.decode_layout(flat)
+        for parts in [flat] + ([served] if served[0].fmt != file_fmt else []):
+            kernel_rows(args, results, paths, name, parts, k)
     return results
+
+
+def kernel_rows(args, results: dict, paths: list[str], name: str, parts: list, k: int) -> None:
+    """``--kernel``'s rows for one weight (its parts) at every batch, paths interleaved."""
+    from kernels import quant
+
+    fmt = parts[0].fmt
+    n, nbytes = sum(p.out_features for p in parts), sum(p.nbytes for p in parts)
+    for m in args.batches:
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+        out = torch.empty(m, n)
+        row = {}
+        for _ in range(args.rounds):  # interleave the paths: load drifts hit all alike
+            for isa in paths:
+                s = cpu_seconds_per_call(lambda: quant.quant_matmul(x, parts, out, isa=isa),
+                                         args.min_seconds)
+                row[isa] = min(row.get(isa, s), s)
+        base = row.get("scalar")
+        entry = {isa: {"us": s * 1e6, "gop_s": 2 * m * n * k / s / 1e9,
+                       "weight_gb_s": nbytes / s / 1e9,
+                       "vs_scalar": base / s if base else None} for isa, s in row.items()}
+        results["shapes"][f"{name} m={m}" if fmt in quant.FORMATS
+                          else f"{name} {fmt} m={m}"] = entry
+        print(f"{name:<8} {fmt:<7} m={m:<3} " + "  ".join(
+            f"{isa}: {e['us']:8.1f} us {e['gop_s']:6.1f} GOP/s {e['weight_gb_s']:5.2f} GB/s"
+            + (f" x{e['vs_scalar']:.2f}" if e["vs_scalar"] else "") for isa, e in entry.items()),
+            flush=True)
 
 
 def print_table(results: dict) -> None:

@@ -14,6 +14,10 @@
  * tile starts where it did. The decode kernel reads it with plain loads (no gathers, no
  * transposes: a lane is a row, as in ggml-cpu's repacked GEMV); the same values and float steps
  * as Q4_1, so the same bits. Parts must have a multiple of 16 rows.
+ * Q8_0X16 is Q8_0 tiled the same way: per block, the int8 bytes 4g..4g+3 of the 16 rows side by
+ * side (8 x 64 bytes, g = 0..7), then the 16 rows' fp16 d: 544 bytes, 16 file blocks. A block
+ * is 8 registers whose lanes are rows, read with plain loads at every batch (q8_0x16_rows16:
+ * no transposes, no unpacked copy); the same values and float steps as Q8_0, so the same bits.
  *
  * Method (llama.cpp's, ggml-cpu quants.c): each 32-element block of every activation row is
  * quantized to int8 with its own scale dx = max|x| / 127; the block dot product is an integer
@@ -71,7 +75,9 @@
 #define FMT_Q8_0 2
 #define FMT_F32 3 /* plain float32 rows (GGUF F32), "blocks" of 32 floats: f32_matmul */
 #define FMT_Q4_1X16 4 /* Q4_1 in 16-row tiles (above) */
-#define X16_BLOCK 320 /* bytes of one block of a 16-row tile */
+#define FMT_Q8_0X16 5 /* Q8_0 in 16-row tiles (above) */
+#define X16_BLOCK 320 /* bytes of one block of a 16-row Q4_1X16 tile */
+#define X16Q8_BLOCK 544 /* bytes of one block of a 16-row Q8_0X16 tile */
 #define TANDEM_OK 0
 #define TANDEM_BAD_FORMAT 1
 #define TANDEM_BAD_SHAPE 2
@@ -110,9 +116,17 @@ static float fp16_to_f32(uint16_t h) {
     return f;
 }
 
+/* The file format a tiled format rearranges (itself for the file formats). */
+static inline int file_fmt(int fmt) {
+    return fmt == FMT_Q4_1X16 ? FMT_Q4_1 : fmt == FMT_Q8_0X16 ? FMT_Q8_0 : fmt;
+}
+
+static inline int is_x16(int fmt) { return fmt == FMT_Q4_1X16 || fmt == FMT_Q8_0X16; }
+
 int tandem_quant_block_bytes(int fmt) {
-    return fmt == FMT_Q4_0 ? 18 : fmt == FMT_Q4_1 || fmt == FMT_Q4_1X16 ? 20
-           : fmt == FMT_Q8_0 ? 34 : fmt == FMT_F32 ? 4 * QK : 0;
+    fmt = file_fmt(fmt);
+    return fmt == FMT_Q4_0 ? 18 : fmt == FMT_Q4_1 ? 20 : fmt == FMT_Q8_0 ? 34
+           : fmt == FMT_F32 ? 4 * QK : 0;
 }
 
 /* The best path this build has: ISA_AVX512, ISA_AVX2 or ISA_SCALAR. */
@@ -138,6 +152,7 @@ static inline float half_at(const uint8_t *p) {
 
 /* The zero point folded into the integer sums: 8 (Q4_0), 128 (Q8_0), 0 (Q4_1: cw is a float). */
 static inline int32_t zero_point(int fmt) {
+    fmt = file_fmt(fmt);
     return fmt == FMT_Q8_0 ? 128 : fmt == FMT_Q4_0 ? 8 : 0;
 }
 
@@ -175,18 +190,25 @@ static void unpack_row(int fmt, const uint8_t *src, int64_t nb, uint8_t *u, floa
     }
 }
 
-/* Row r's block b of a Q4_1X16 tile -> the 20 bytes of its Q4_1 block. */
-static void x16_block(const uint8_t *tile, int r, int64_t b, uint8_t *blk) {
+/* Row r's block b of a Q4_1X16 or Q8_0X16 tile -> the bytes of its file block. */
+static void x16_block(int fmt, const uint8_t *tile, int r, int64_t b, uint8_t *blk) {
+    if (fmt == FMT_Q8_0X16) {
+        const uint8_t *t = tile + b * X16Q8_BLOCK;
+        memcpy(blk, t + 512 + 2 * r, 2);
+        for (int g = 0; g < 8; g++) memcpy(blk + 2 + 4 * g, t + 64 * g + 4 * r, 4);
+        return;
+    }
     const uint8_t *t = tile + b * X16_BLOCK;
     memcpy(blk, t + 256 + 2 * r, 2);
     memcpy(blk + 2, t + 288 + 2 * r, 2);
     for (int k = 0; k < 4; k++) memcpy(blk + 4 + 4 * k, t + 64 * k + 4 * r, 4);
 }
 
-/* A Q4_1X16 tile -> its 16 rows in Q4_1's file layout (rows: 16 x nb x 20 bytes). */
-static void x16_tile_rows(const uint8_t *tile, int64_t nb, uint8_t *rows) {
+/* A tile of fmt -> its 16 rows in the file layout (rows: 16 x nb blocks of file_fmt). */
+static void x16_tile_rows(int fmt, const uint8_t *tile, int64_t nb, uint8_t *rows) {
+    const int bytes = tandem_quant_block_bytes(fmt);
     for (int r = 0; r < TILE_N; r++)
-        for (int64_t b = 0; b < nb; b++) x16_block(tile, r, b, rows + (r * nb + b) * 20);
+        for (int64_t b = 0; b < nb; b++) x16_block(fmt, tile, r, b, rows + (r * nb + b) * bytes);
 }
 
 /* One activation row x[K] -> q[K] int8, dx[nb], sx[nb] = dx * sum(q) and zq[nb] = -z * sum(q)
@@ -365,7 +387,7 @@ static void run_panels_avx2(const uint8_t *u, const float *dw, const float *cw, 
 static int64_t panel_rows(int64_t M, int isa, int fmt) {
     const int64_t mp = M % PANEL >= PANEL_MIN ? M : M - M % PANEL;
 #if defined(HAVE_AVX2)
-    if (isa == ISA_AVX2 && fmt != FMT_Q8_0) return mp;
+    if (isa == ISA_AVX2 && file_fmt(fmt) != FMT_Q8_0) return mp;
 #endif
     (void)mp, (void)isa, (void)fmt;
     return 0;
@@ -893,6 +915,38 @@ static inline __attribute__((always_inline)) void q4_1x16_rows16(
     for (int i = 0; i < MR; i++) _mm512_storeu_ps(out + i * ldo, acc[i]);
 }
 
+/* The same for a Q8_0X16 tile: per block, 8 registers of int8 (lanes = rows) flipped to u8, the
+ * zero point's term starting each block's integer sum (as the tiled path's _z kernels). */
+static inline __attribute__((always_inline)) void q8_0x16_rows16(
+    const int MR, const uint8_t *tile, int64_t nb, const int8_t *xq, const float *dx,
+    const int32_t *zq, float *out, int64_t ldo, const uint8_t *ahead) {
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    const int64_t K = nb * QK;
+    __m512 acc[5];
+    for (int i = 0; i < MR; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = tile + b * X16Q8_BLOCK;
+        if (ahead) /* the next tile's block b: the tiles stream in address order */
+            for (int line = 0; line < X16Q8_BLOCK; line += 64)
+                _mm_prefetch((const char *)(ahead + b * X16Q8_BLOCK + line), _MM_HINT_T0);
+        __m512i S[5];
+        for (int i = 0; i < MR; i++) S[i] = _mm512_set1_epi32(zq[i * nb + b]);
+        for (int g = 0; g < 8; g++) {
+            const __m512i w = _mm512_xor_si512(_mm512_loadu_si512(blk + 64 * g), flip);
+            for (int i = 0; i < MR; i++) {
+                int32_t x4;
+                memcpy(&x4, xq + i * K + b * QK + 4 * g, 4);
+                S[i] = _mm512_dpbusd_epi32(S[i], w, _mm512_set1_epi32(x4));
+            }
+        }
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 512)));
+        for (int i = 0; i < MR; i++)
+            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(S[i]),
+                                     _mm512_mul_ps(d, _mm512_set1_ps(dx[i * nb + b])), acc[i]);
+    }
+    for (int i = 0; i < MR; i++) _mm512_storeu_ps(out + i * ldo, acc[i]);
+}
+
 /* The same for 16 Q8_0 rows, two blocks a chunk (xq: quantize_row's int8 rows, K apart). */
 static inline __attribute__((always_inline)) void q8_rows16(
     const int MR, const uint8_t *src, int64_t row_bytes, int64_t nb, const int8_t *xq,
@@ -945,14 +999,17 @@ static void rows_tile(int fmt, const uint8_t *src, int64_t row_bytes, int64_t ro
                       const uint8_t *ahead, int64_t nb, const int8_t *xq, const int8_t *xg,
                       const float *dx, const float *sx, const int32_t *zq, int64_t M, float *out,
                       int64_t ldo, uint8_t *pad) {
-    if (fmt == FMT_Q4_1X16) { /* whole tiles only (the caller checked) */
+    if (is_x16(fmt)) { /* whole tiles only (the caller checked) */
         const int64_t K = nb * QK;
         for (int64_t m = 0; m < M;) {
             const int mr = M - m >= 5 ? 5 : (int)(M - m);
             const uint8_t *a = m == 0 ? ahead : NULL;
 #define X16_ROWS(MR_)                                                                          \
     case MR_:                                                                                  \
-        q4_1x16_rows16(MR_, src, nb, xq + m * K, dx + m * nb, sx + m * nb, out + m * ldo, ldo, a); \
+        if (fmt == FMT_Q8_0X16)                                                                \
+            q8_0x16_rows16(MR_, src, nb, xq + m * K, dx + m * nb, zq + m * nb, out + m * ldo, ldo, a); \
+        else                                                                                   \
+            q4_1x16_rows16(MR_, src, nb, xq + m * K, dx + m * nb, sx + m * nb, out + m * ldo, ldo, a); \
         break;
             switch (mr) {
                 X16_ROWS(1)
@@ -1184,19 +1241,22 @@ int tandem_quant_matmul_f32(const float *x, const uint8_t *const *parts, const i
     }
     if (K <= 0 || K % QK != 0 || M < 0 || ldo < N) return TANDEM_BAD_SHAPE;
     for (int p = 0; p < num_parts; p++)
-        if (fmt == FMT_Q4_1X16 && part_rows[p] % TILE_N != 0) return TANDEM_BAD_SHAPE;
+        if (is_x16(fmt) && part_rows[p] % TILE_N != 0) return TANDEM_BAD_SHAPE;
     if (M == 0 || N == 0) return TANDEM_OK;
     if (fmt == FMT_F32)
         return f32_matmul(x, parts, part_rows, tile_end, row_start, tiles, out, M, K,
                           ldo, num_threads, isa);
     const int64_t nb = K / QK, row_bytes = nb * bytes, mp = panel_rows(M, isa, fmt);
     const int64_t padded = (mp + PANEL - 1) / PANEL * PANEL;
-    const int64_t tiled_min = fmt == FMT_Q8_0 ? TILED_MIN_Q8 : TILED_MIN_Q4;
+    /* Q8_0X16: the row kernel at every batch (its tile is already its registers; unpacking it
+     * for the tiled kernel costs more than streaming it from L1 once per 5 activation rows) */
+    const int64_t tiled_min = fmt == FMT_Q8_0 ? TILED_MIN_Q8 : fmt == FMT_Q8_0X16 ? INT64_MAX
+                              : TILED_MIN_Q4;
     const int rows16 = isa >= ISA_AVX512 && M < tiled_min; /* q4_rows16 / q8_rows16 */
     const int tiled = isa >= ISA_AVX512 && M >= tiled_min; /* unpack_tile + run_tile_rows */
-    const int xg_needed = rows16 && fmt != FMT_Q8_0 && fmt != FMT_Q4_1X16;
-    /* the AVX2 and scalar paths read Q4_1X16 tiles as Q4_1 rows, rearranged into scratch */
-    const int ufmt = fmt == FMT_Q4_1X16 ? FMT_Q4_1 : fmt;
+    const int xg_needed = rows16 && fmt != FMT_Q8_0 && !is_x16(fmt);
+    /* the AVX2 and scalar paths read tiles as the file's rows, rearranged into scratch */
+    const int ufmt = file_fmt(fmt);
     const int64_t ng = (nb + 3) / 4;
     int8_t *xg = xg_needed ? malloc((size_t)(M * ng * GEMV_GROUP)) : NULL;
     int8_t *xq = malloc((size_t)(M * K));
@@ -1248,8 +1308,8 @@ int tandem_quant_matmul_f32(const float *x, const uint8_t *const *parts, const i
 #endif
             float *cw = dw + TILE_N * nb;
             if (rows < TILE_N) memset(cw, 0, sizeof(float) * (size_t)(TILE_N * nb));
-            if (fmt == FMT_Q4_1X16) { /* after u's TILE_N * K bytes */
-                x16_tile_rows(src, nb, u + TILE_N * K);
+            if (is_x16(fmt)) { /* after u's TILE_N * K bytes */
+                x16_tile_rows(fmt, src, nb, u + TILE_N * K);
                 src = u + TILE_N * K;
             }
             for (int64_t r = 0; r < rows; r++)
@@ -1286,16 +1346,16 @@ int tandem_quant_dequantize_rows(const uint8_t *w, const int64_t *ids, float *ou
         return TANDEM_OK;
     }
     const int64_t nb = K / QK;
-    const int x16 = fmt == FMT_Q4_1X16, ufmt = x16 ? FMT_Q4_1 : fmt;
+    const int x16 = is_x16(fmt), ufmt = file_fmt(fmt);
     if (x16 && N % TILE_N != 0) return TANDEM_BAD_SHAPE;
-    uint8_t u[QK], blk[20];
+    uint8_t u[QK], blk[34];
     float dw, cw;
     for (int64_t r = 0; r < R; r++) {
         const uint8_t *row = w + ids[r] * nb * bytes;
         for (int64_t b = 0; b < nb; b++) {
             if (x16) /* tile ids[r] / 16 starts where its first row would */
-                x16_block(w + (ids[r] / TILE_N) * TILE_N * nb * bytes, (int)(ids[r] % TILE_N), b,
-                          blk);
+                x16_block(fmt, w + (ids[r] / TILE_N) * TILE_N * nb * bytes, (int)(ids[r] % TILE_N),
+                          b, blk);
             unpack_row(ufmt, x16 ? blk : row + b * bytes, 1, u, &dw, &cw, 1);
             /* the file's own arithmetic (as gguf-py dequantizes), not dw * u + cw */
             const int zero = zero_point(ufmt);

@@ -218,11 +218,13 @@ def assemble_quantized(cfg: ModelConfig, dense: dict[str, torch.Tensor],
             *quant.decode_layout(_stacked(blocks, p + "mlp.", ("gate", "up"), "gate_up")))
         mlp.down_proj = QuantLinear(*quant.decode_layout([blocks[p + "mlp.down_proj.weight"]]))
     embed = blocks.get("model.embed_tokens.weight")
+    head = blocks.get("lm_head.weight", embed if cfg.tie_word_embeddings else None)
+    if head is not None:  # in 16-row tiles where that is faster; a tied embedding reads them too
+        tiled = quant.decode_layout([head])[0]
+        embed, head = tiled if head is embed else embed, tiled
+        model.lm_head = QuantLinear(head)
     if embed is not None:
         model.model.embed_tokens = QuantEmbedding(embed, dtype)
-    head = blocks.get("lm_head.weight", embed if cfg.tie_word_embeddings else None)
-    if head is not None:
-        model.lm_head = QuantLinear(head)
     rest = {k: v.to(dtype) for k, v in dense.items()}
     if "lm_head.weight" not in rest and head is None:
         rest["lm_head.weight"] = rest["model.embed_tokens.weight"]
