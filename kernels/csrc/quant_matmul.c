@@ -634,7 +634,7 @@ static int run_tiled(int fmt, const uint8_t *const *parts, const int64_t *part_r
     float *dwt = malloc(sizeof(float) * (size_t)(2 * GROUP_TILES * nb * 16));
     const int failed = !ut || !dwt;
     float *cwt = failed ? NULL : dwt + GROUP_TILES * nb * 16;
-#pragma omp for schedule(static)
+#pragma omp for schedule(static) nowait /* the region's join follows */
     for (int64_t it = 0; it < items; it++) {
         if (failed) continue;
         int p = 0;
@@ -1266,12 +1266,16 @@ int tandem_quant_matmul_f32(const float *x, const uint8_t *const *parts, const i
         for (int64_t m = 0; m < M; m++)
             quantize_row(x + m * K, nb, xq + m * K, dx + m * nb, sx + m * nb, zq + m * nb,
                          zero_point(fmt));
+        /* NOTE: every barrier is a wait for the slowest thread (a preempted one stalls the team
+         * at each): a single only when it has work, and the tile loop's end is the region's */
+        if (padded || xg_needed) {
 #pragma omp single
-        {
-            if (padded) interleave_panels(xq, dx, sx, zq, mp, M, nb, xt, dxt, zt);
+            {
+                if (padded) interleave_panels(xq, dx, sx, zq, mp, M, nb, xt, dxt, zt);
 #if defined(HAVE_VNNI)
-            if (xg_needed) gemv_layout(xq, M, nb, xg);
+                if (xg_needed) gemv_layout(xq, M, nb, xg);
 #endif
+            }
         }
 #if defined(HAVE_VNNI)
         if (tiled) failed |= run_tiled(fmt, parts, part_rows, row_start, num_parts, xq, dx, sx, zq,
@@ -1283,7 +1287,7 @@ int tandem_quant_matmul_f32(const float *x, const uint8_t *const *parts, const i
         int32_t *S = tiled || rows16 ? NULL : malloc(sizeof(int32_t) * (size_t)(TILE_N * nb));
         const int ready = tiled || (u && (rows16 || (dw && S)));
         if (!ready) failed = 1;
-#pragma omp for schedule(static)
+#pragma omp for schedule(static) nowait
         for (int64_t t = 0; t < (tiled ? 0 : tiles); t++) {
             if (!ready) continue;
             int p;
