@@ -860,6 +860,15 @@ static inline __attribute__((always_inline)) void q4_rows16(
     for (int i = 0; i < MR; i++) _mm512_mask_storeu_ps(out + i * ldo, rmask, acc[i]);
 }
 
+/* Block b (bytes long) of the next tile at ahead (NULL: none) into L1: the tiles of a row kernel
+ * stream in address order. */
+static inline __attribute__((always_inline)) void prefetch_block(const uint8_t *ahead, int64_t b,
+                                                                 int bytes) {
+    if (ahead)
+        for (int line = 0; line < bytes; line += 64)
+            _mm_prefetch((const char *)(ahead + b * bytes + line), _MM_HINT_T0);
+}
+
 /* out[i * ldo + r] for a Q4_1X16 tile (16 rows, nb blocks) and MR (<= 5) activation rows (xq:
  * quantize_row's int8 rows, K apart; dx, sx: row stride nb). Per block: 4 loads give the 16
  * rows' nibbles (lane = row), 8 vpdpbusd against broadcast activation dwords leave each row's
@@ -875,9 +884,7 @@ static inline __attribute__((always_inline)) void q4_1x16_rows16(
     for (int i = 0; i < MR; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = tile + b * X16_BLOCK;
-        if (ahead) /* the next tile's block b: the tiles stream in address order */
-            for (int line = 0; line < X16_BLOCK; line += 64)
-                _mm_prefetch((const char *)(ahead + b * X16_BLOCK + line), _MM_HINT_T0);
+        prefetch_block(ahead, b, X16_BLOCK);
         __m512i lo[4], hi[4];
         for (int k = 0; k < 4; k++) {
             const __m512i w = _mm512_loadu_si512(blk + 64 * k);
@@ -916,9 +923,7 @@ static inline __attribute__((always_inline)) void q8_0x16_rows16(
     for (int i = 0; i < MR; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = tile + b * X16Q8_BLOCK;
-        if (ahead) /* the next tile's block b: the tiles stream in address order */
-            for (int line = 0; line < X16Q8_BLOCK; line += 64)
-                _mm_prefetch((const char *)(ahead + b * X16Q8_BLOCK + line), _MM_HINT_T0);
+        prefetch_block(ahead, b, X16Q8_BLOCK);
         __m512i S[5];
         for (int i = 0; i < MR; i++) S[i] = _mm512_set1_epi32(zq[i * nb + b]);
         for (int g = 0; g < 8; g++) {
