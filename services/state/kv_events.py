@@ -110,14 +110,19 @@ class KVEventPublisher:
         self._refreshed_at = 0.0  # monotonic time of the last write (it refreshes the TTL)
         self._failing = False
         self._task: asyncio.Task | None = None
+        self._stopping = False  # stop() called: the loop ends after the flush in progress
 
     def start(self) -> None:
         """Publish a snapshot at once, then a batch every ``flush_s`` while there are events."""
+        self._stopping = False
         self._task = asyncio.get_running_loop().create_task(self._run(), name="kv-events")
 
     async def stop(self, clear: bool = True) -> None:
-        """Stop publishing; with ``clear``, publish ``["cleared"]`` last (drain, shutdown)."""
+        """Stop publishing; with ``clear``, publish ``["cleared"]`` last (drain, shutdown). The
+        loop ends by a flag as well as by the cancellation, which a Redis error raised while the
+        client closes its connection can replace (``Heartbeater.stop``)."""
         if self._task is not None:
+            self._stopping = True
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
@@ -126,9 +131,10 @@ class KVEventPublisher:
             await self._publish([[CLEARED]], snapshot=True)
 
     async def _run(self) -> None:
-        while True:
+        while not self._stopping:
             await self.flush()
-            await asyncio.sleep(self.flush_s)
+            if not self._stopping:
+                await asyncio.sleep(self.flush_s)
 
     async def flush(self) -> None:
         """Publish what the log holds (or a snapshot when one is due); refresh the stream's TTL

@@ -168,6 +168,7 @@ class Heartbeater:
         self._last: WorkerInfo | None = None
         self.healthy = False  # whether the latest heartbeat reached Redis
         self._failing = False  # inside an outage (warned once already)
+        self._stopping = False  # stop() called: the loop ends after the beat in progress
 
     def start(self) -> None:
         """Start heartbeating (the first heartbeat goes out at once). Needs a running loop.
@@ -177,13 +178,21 @@ class Heartbeater:
         """
         if self._task is not None:
             raise RuntimeError("Heartbeater already started")
+        self._stopping = False
         self._task = asyncio.get_running_loop().create_task(self._run(), name="heartbeater")
 
     async def stop(self) -> None:
         """Stop heartbeating and deregister the worker; a Redis error while deregistering is
-        logged, not raised (the entry then expires by itself)."""
+        logged, not raised (the entry then expires by itself).
+
+        The loop also ends by a flag, not by the cancellation alone: redis-py can turn the
+        CancelledError raised inside a command into a ConnectionError or TimeoutError while
+        it closes the connection, and the beat catches those, so a cancelled heartbeater kept
+        beating and ``stop()`` waited for it forever (a draining worker that never left the
+        registry nor exited)."""
         if self._task is None:
             return
+        self._stopping = True
         self._task.cancel()
         try:
             await self._task
@@ -204,10 +213,11 @@ class Heartbeater:
     async def _run(self) -> None:
         interval_s = self.registry.heartbeat_interval_s
         loop = asyncio.get_running_loop()
-        while True:
+        while not self._stopping:
             started = loop.time()
             await self._beat(interval_s)
-            await asyncio.sleep(max(0.0, interval_s - (loop.time() - started)))
+            if not self._stopping:  # a cancel lost inside the beat (stop()'s docstring)
+                await asyncio.sleep(max(0.0, interval_s - (loop.time() - started)))
 
     async def _beat(self, timeout_s: float) -> None:
         try:

@@ -8,6 +8,7 @@ import asyncio
 
 import pytest
 import redis.asyncio as aioredis
+import redis.exceptions
 
 from services.engine.block_manager import BlockManager
 from services.engine.kv_events import (REMOVED, STORED, KVEventLog, block_hash,
@@ -198,3 +199,54 @@ async def test_a_bad_entry_is_skipped(redis_url):
         assert len(batches) == 1 and await held(index) == {5}
     finally:
         await client.aclose()
+
+
+class _CancelLosingClient:
+    """A Redis client whose transactions turn the CancelledError they get while waiting for the
+    reply into a ConnectionError (redis-py can, while it closes the connection)."""
+
+    def __init__(self) -> None:
+        self.waiting = asyncio.Event()
+        self.loses = True  # False: the cancellation goes through (the test's clean-up)
+
+    def pipeline(self, transaction: bool = True):
+        client = self
+
+        class Pipe:
+            async def __aenter__(self):
+                return self
+
+            async def __aexit__(self, *exc):
+                return False
+
+            def __getattr__(self, name):
+                return lambda *args, **kwargs: None
+
+            async def execute(self):
+                client.waiting.set()
+                try:
+                    await asyncio.Event().wait()
+                except asyncio.CancelledError:
+                    if not client.loses:
+                        raise
+                    raise redis.exceptions.ConnectionError("closed while cancelling") from None
+
+        return Pipe()
+
+
+async def test_publisher_stops_when_the_redis_client_loses_the_cancellation():
+    """``stop(clear=False)`` returns although the cancellation never reaches the loop."""
+    client = _CancelLosingClient()
+    pub = _Cache().publisher(client)
+    pub.start()
+    loop_task = pub._task
+    await client.waiting.wait()
+    stopping = asyncio.ensure_future(pub.stop(clear=False))
+    try:
+        done, _ = await asyncio.wait({stopping}, timeout=5)
+        assert done, "stop() did not return: the publishing loop outlived its cancellation"
+        assert pub._task is None
+    finally:  # a failed run must not leave the loop publishing past the test
+        client.loses = False
+        loop_task.cancel()
+        await asyncio.wait({loop_task, stopping}, timeout=5)

@@ -356,3 +356,48 @@ def test_without_redis_server_the_error_names_the_install_and_redis_url(monkeypa
     with pytest.raises(RuntimeError, match=r"`redis-server` was not found on PATH; install it "
                        r"with `apt-get install -y redis-server`.* or set REDIS_URL"):
         redis_server.start_redis_server()
+
+
+class _CancelLosingRegistry:
+    """A registry whose heartbeat turns the CancelledError it gets while waiting for Redis into
+    a ConnectionError, as redis-py can while it closes the connection on the way out."""
+
+    heartbeat_interval_s = 0.05
+
+    def __init__(self) -> None:
+        self.waiting = asyncio.Event()
+        self.deregistered: list[str] = []
+        self.loses = True  # False: the cancellation goes through (the test's clean-up)
+
+    async def heartbeat(self, info: WorkerInfo) -> None:
+        self.waiting.set()
+        try:
+            await asyncio.Event().wait()  # the reply never comes before the cancel
+        except asyncio.CancelledError:
+            if not self.loses:
+                raise
+            raise redis.exceptions.ConnectionError("connection closed while cancelling") from None
+
+    async def deregister(self, role: str, worker_id: str) -> None:
+        self.deregistered.append(worker_id)
+
+
+async def test_heartbeater_stops_when_the_redis_client_loses_the_cancellation() -> None:
+    """The drain awaits ``stop()``: it returns and deregisters even when the cancellation
+    never reaches the heartbeat loop (a worker once kept beating and never exited)."""
+    registry = _CancelLosingRegistry()
+    beater = Heartbeater(registry, lambda: worker("d1"))
+    beater.start()
+    loop_task = beater._task
+    await registry.waiting.wait()
+    # NOTE: not wait_for: cancelling a stop() that waits on such a loop would hang as well
+    stopping = asyncio.ensure_future(beater.stop())
+    try:
+        done, _ = await asyncio.wait({stopping}, timeout=5)
+        assert done, "stop() did not return: the heartbeat loop outlived its cancellation"
+        assert registry.deregistered == ["d1"]
+        assert beater._task is None
+    finally:  # a failed run must not leave the loop beating past the test
+        registry.loses = False
+        loop_task.cancel()
+        await asyncio.wait({loop_task, stopping}, timeout=5)
