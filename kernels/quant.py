@@ -41,6 +41,7 @@ FORMATS = {"q4_0": (0, 18), "q4_1": (1, 20), "q8_0": (2, 34), "f32": (3, 128)}
 RESIDENT = {**FORMATS, "q4_1x16": (4, 20), "q8_0x16": (5, 34)}
 TILED = {"q4_1": "q4_1x16", "q8_0": "q8_0x16"}  # file format -> its 16-row tiles
 UNTILED = {v: k for k, v in TILED.items()}
+_HEADER = {"q4_1": 4, "q8_0": 2}  # bytes of fp16 fields (d, Q4_1's m) before a block's quants
 TILE = 16  # rows of a tile
 QUANTIZED = tuple(f for f in FORMATS if f != "f32")  # activations quantized to int8 for these
 _ERRORS = {1: "unknown block format", 2: "bad shape (in_features must be a positive multiple "
@@ -107,35 +108,26 @@ def tiled16(weight: QuantizedWeight) -> QuantizedWeight:
         raise ValueError(f"weight: q4_1 or q8_0 with a multiple of {TILE} rows is required, got "
                          f"{weight.fmt} with {weight.out_features}")
     t, nb = weight.out_features // TILE, weight.in_features // BLOCK
-    if weight.fmt == "q8_0":
-        raw = weight.data.view(t, TILE, nb, 34)
-        qs = raw[..., 2:].reshape(t, TILE, nb, 8, 4).permute(0, 2, 3, 1, 4).reshape(t, nb, 512)
-        d = raw[..., 0:2].permute(0, 2, 1, 3).reshape(t, nb, 32)
-        data = torch.cat([qs, d], -1).reshape(weight.data.shape).contiguous()
-        return QuantizedWeight(data, "q8_0x16", weight.out_features, weight.in_features)
-    raw = weight.data.view(t, TILE, nb, 20)
-    nibbles = raw[..., 4:].reshape(t, TILE, nb, 4, 4).permute(0, 2, 3, 1, 4).reshape(t, nb, 256)
-    d = raw[..., 0:2].permute(0, 2, 1, 3).reshape(t, nb, 32)
-    m = raw[..., 2:4].permute(0, 2, 1, 3).reshape(t, nb, 32)
-    data = torch.cat([nibbles, d, m], -1).reshape(weight.data.shape).contiguous()
-    return QuantizedWeight(data, "q4_1x16", weight.out_features, weight.in_features)
+    size, head = FORMATS[weight.fmt][1], _HEADER[weight.fmt]
+    raw = weight.data.view(t, TILE, nb, size)
+    # (tile, block, dword or fp16 field, row, byte): the 16 rows side by side
+    qs = raw[..., head:].reshape(t, TILE, nb, -1, 4).permute(0, 2, 3, 1, 4).reshape(t, nb, -1)
+    fields = raw[..., :head].reshape(t, TILE, nb, -1, 2).permute(0, 2, 3, 1, 4).reshape(t, nb, -1)
+    data = torch.cat([qs, fields], -1).reshape(weight.data.shape).contiguous()
+    return QuantizedWeight(data, TILED[weight.fmt], weight.out_features, weight.in_features)
 
 
 def untiled16(weight: QuantizedWeight) -> QuantizedWeight:
     """Inverse of ``tiled16``: the rows as the file stores them."""
+    fmt = UNTILED[weight.fmt]
     t, nb = weight.out_features // TILE, weight.in_features // BLOCK
-    if weight.fmt == "q8_0x16":
-        raw = weight.data.view(t, nb, 544)
-        qs = raw[..., :512].reshape(t, nb, 8, TILE, 4).permute(0, 3, 1, 2, 4).reshape(t, TILE, nb, 32)
-        d = raw[..., 512:].reshape(t, nb, TILE, 2).permute(0, 2, 1, 3)
-        data = torch.cat([d, qs], -1).reshape(weight.data.shape).contiguous()
-        return QuantizedWeight(data, "q8_0", weight.out_features, weight.in_features)
-    raw = weight.data.view(t, nb, 320)
-    nibbles = raw[..., :256].reshape(t, nb, 4, TILE, 4).permute(0, 3, 1, 2, 4).reshape(t, TILE, nb, 16)
-    d = raw[..., 256:288].reshape(t, nb, TILE, 2).permute(0, 2, 1, 3)
-    m = raw[..., 288:].reshape(t, nb, TILE, 2).permute(0, 2, 1, 3)
-    data = torch.cat([d, m, nibbles], -1).reshape(weight.data.shape).contiguous()
-    return QuantizedWeight(data, "q4_1", weight.out_features, weight.in_features)
+    size, head = FORMATS[fmt][1], _HEADER[fmt]
+    raw = weight.data.view(t, nb, TILE * size)
+    split = TILE * (size - head)
+    qs = raw[..., :split].reshape(t, nb, -1, TILE, 4).permute(0, 3, 1, 2, 4).reshape(t, TILE, nb, -1)
+    fields = raw[..., split:].reshape(t, nb, -1, TILE, 2).permute(0, 3, 1, 2, 4).reshape(t, TILE, nb, -1)
+    data = torch.cat([fields, qs], -1).reshape(weight.data.shape).contiguous()
+    return QuantizedWeight(data, fmt, weight.out_features, weight.in_features)
 
 
 def decode_layout(parts: Sequence[QuantizedWeight]) -> list[QuantizedWeight]:

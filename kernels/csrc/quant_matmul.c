@@ -195,18 +195,15 @@ static void unpack_row(int fmt, const uint8_t *src, int64_t nb, uint8_t *u, floa
     }
 }
 
-/* Row r's block b of a Q4_1X16 or Q8_0X16 tile -> the bytes of its file block. */
+/* Row r's block b of a Q4_1X16 or Q8_0X16 tile -> the bytes of its file block: the block's
+ * fp16 fields (head bytes: d, and Q4_1's m), then its quant bytes, whose dword g lies in the
+ * tile's 64-byte group g and each field in a 32-byte group after them, lane r. */
 static void x16_block(int fmt, const uint8_t *tile, int r, int64_t b, uint8_t *blk) {
-    if (fmt == FMT_Q8_0X16) {
-        const uint8_t *t = tile + b * X16Q8_BLOCK;
-        memcpy(blk, t + 512 + 2 * r, 2);
-        for (int g = 0; g < 8; g++) memcpy(blk + 2 + 4 * g, t + 64 * g + 4 * r, 4);
-        return;
-    }
-    const uint8_t *t = tile + b * X16_BLOCK;
-    memcpy(blk, t + 256 + 2 * r, 2);
-    memcpy(blk + 2, t + 288 + 2 * r, 2);
-    for (int k = 0; k < 4; k++) memcpy(blk + 4 + 4 * k, t + 64 * k + 4 * r, 4);
+    const int bytes = tandem_quant_block_bytes(fmt), head = fmt == FMT_Q4_1X16 ? 4 : 2;
+    const int quants = bytes - head;
+    const uint8_t *t = tile + b * TILE_N * bytes;
+    for (int f = 0; f < head / 2; f++) memcpy(blk + 2 * f, t + TILE_N * quants + 32 * f + 2 * r, 2);
+    for (int g = 0; g < quants / 4; g++) memcpy(blk + head + 4 * g, t + 64 * g + 4 * r, 4);
 }
 
 /* A tile of fmt -> its 16 rows in the file layout (rows: 16 x nb blocks of file_fmt). */
@@ -1248,7 +1245,7 @@ int tandem_quant_matmul_f32(const float *x, const uint8_t *const *parts, const i
      * reading it from L1 once per 5 activation rows) */
     const int64_t tiled_min = fmt == FMT_Q8_0 ? TILED_MIN_Q8 : is_x16(fmt) ? INT64_MAX
                               : TILED_MIN_Q4;
-    const int rows16 = isa >= ISA_AVX512 && M < tiled_min; /* q4_rows16 / q8_rows16 */
+    const int rows16 = isa >= ISA_AVX512 && M < tiled_min; /* rows_tile's row kernels */
     const int tiled = isa >= ISA_AVX512 && M >= tiled_min; /* unpack_tile + run_tile_rows */
     const int xg_needed = rows16 && fmt != FMT_Q8_0 && !is_x16(fmt);
     /* the AVX2 and scalar paths read tiles as the file's rows, rearranged into scratch */
