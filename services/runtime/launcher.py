@@ -182,11 +182,13 @@ class Stack:
         """The /metrics port of child ``name``: ``configured``, or a free one when it is 0 (kept
         across restarts: the scrape config stays true). Raises ValueError naming ``setting``
         when two children would share one fixed port."""
-        port = configured or free_port(self.opts.host)
         taken = {int(a.rsplit(":", 1)[1]) for a in self.metrics_targets.values()}
-        if port in taken:
-            raise ValueError(f"{setting}: port {port} would be shared by several processes of "
-                             "this stack; use 0 (a free port each)")
+        if configured in taken:
+            raise ValueError(f"{setting}: port {configured} would be shared by several "
+                             "processes of this stack; use 0 (a free port each)")
+        port = configured
+        while not port or port in taken:  # a child started earlier may not have bound its port yet
+            port = free_port(self.opts.host)
         self.metrics_targets[name] = f"{self.opts.host}:{port}"
         return port
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import stat
 
+import pytest
+
 from services.runtime.launcher import Stack, UpOptions
 from services.config.sources import load_settings
 
@@ -98,3 +100,22 @@ def test_each_gpu_worker_gets_its_device_and_memory_share(monkeypatch):
 
 async def _done():
     return None
+
+
+def test_a_free_metrics_port_is_drawn_again_when_an_earlier_child_holds_it(monkeypatch):
+    """A child started earlier may not have bound its /metrics port yet, so the OS can hand
+    the same free port out again: the launcher draws another instead of failing. A fixed
+    port that two children would share is refused, naming the setting."""
+    from services.runtime import launcher
+
+    stack = make_stack(monkeypatch)
+    try:
+        draws = iter([9100, 9100, 9101])
+        monkeypatch.setattr(launcher, "free_port", lambda host: next(draws))
+        assert stack._metrics_port("decode-0", 0, "worker.metrics_port") == 9100
+        assert stack._metrics_port("decode-1", 0, "worker.metrics_port") == 9101
+        assert stack.metrics_targets["decode-1"] == "127.0.0.1:9101"
+        with pytest.raises(ValueError, match="worker.metrics_port: port 9101 would be shared"):
+            stack._metrics_port("decode-2", 9101, "worker.metrics_port")
+    finally:
+        stack.stop()
