@@ -216,18 +216,20 @@ class WorkerLoad(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., free_kv_blocks: _Optional[int] = ..., total_kv_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., requests: _Optional[_Iterable[_Union[RequestLoad, _Mapping]]] = ..., max_num_queued: _Optional[int] = ..., max_used_kv_blocks: _Optional[int] = ..., closed_reservations: _Optional[_Iterable[_Union[ClosedReservation, _Mapping]]] = ..., num_prefill_tokens: _Optional[int] = ..., block_size: _Optional[int] = ..., prefill_seconds_per_token: _Optional[float] = ...) -> None: ...
 
 class RequestLoad(_message.Message):
-    __slots__ = ("request_id", "stage", "num_prompt_tokens", "num_computed_tokens", "num_kv_blocks")
+    __slots__ = ("request_id", "stage", "num_prompt_tokens", "num_computed_tokens", "num_kv_blocks", "num_preemptions")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     stage: str
     num_prompt_tokens: int
     num_computed_tokens: int
     num_kv_blocks: int
-    def __init__(self, request_id: _Optional[str] = ..., stage: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ...) -> None: ...
+    num_preemptions: int
+    def __init__(self, request_id: _Optional[str] = ..., stage: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., num_preemptions: _Optional[int] = ...) -> None: ...
 
 class ClosedReservation(_message.Message):
     __slots__ = ("request_id", "outcome", "reason")

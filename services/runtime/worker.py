@@ -221,7 +221,8 @@ class WorkerRuntime:
                 request_id=rid, stage=request_stage(req, rid in self.streams),
                 num_prompt_tokens=req.num_prompt_tokens if req else 0,
                 num_computed_tokens=req.num_computed_tokens if req else 0,
-                num_kv_blocks=len(req.block_table) if req else 0))
+                num_kv_blocks=len(req.block_table) if req else 0,
+                num_preemptions=req.num_preemptions if req else 0))
         return out
 
     # shared RPC handler (each role has its own Abort: freeing must wait for KV writes)
