@@ -32,7 +32,7 @@ from .cuda_graphs import CUDAGraphRunner
 from .engine_config import EngineConfig  # noqa: F401 - re-exported: callers name it from here
 from .faults import EngineFaults
 from .grammars import Matchers
-from .kv_alloc import zeroed_kv_cache
+from .host_memory import zeroed_kv_cache
 from .kv_events import KVEventLog
 from .metrics import EngineMetrics
 from .model_runner import ModelRunner, StepResult

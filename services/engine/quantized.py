@@ -36,6 +36,7 @@ from kernels.quant import QuantizedWeight
 
 from .config import ModelConfig
 from .gguf_file import FLOAT_TYPES
+from .host_memory import mapped_zeros
 from .loader import load_config, load_model
 from .model import LlamaForCausalLM, fuse_projections
 from .quantized_loader import (REQUANTIZED, file_weight_formats, load_gguf_quantized,
@@ -232,9 +233,45 @@ def assemble_quantized(cfg: ModelConfig, dense: dict[str, torch.Tensor],
     if head is None and cfg.tie_word_embeddings:
         model.lm_head = DenseLinear(model.model.embed_tokens.weight)
     _check_materialized(model)
+    pack_resident_blocks(model)
     if QuantizedForward.supports(dtype) and unsupported_reason(cfg) is None:
         model.fused_forward = QuantizedForward(model)
     return model.eval()
+
+
+def pack_resident_blocks(model: nn.Module) -> int:
+    """Copy every quantized weight the model's modules hold (``QuantLinear.parts``,
+    ``QuantEmbedding.qweight``; each tensor once, a tied LM head's too) into one buffer of
+    ``host_memory.mapped_zeros`` (2 MiB-aligned, huge pages where the OS allows: a decode step
+    reads every one of these bytes), each 64-byte aligned, in module order (a forward pass's
+    order); then point the modules at the copies. Returns the buffer's bytes (0: none to pack).
+
+    The originals go when nothing else holds them: ``decode_layout``'s repacks, or views of the
+    memory-mapped file (whose pages then stay only in the reclaimable page cache)."""
+    owners = [(m, "parts") for m in model.modules() if isinstance(m, QuantLinear)]
+    owners += [(m, "qweight") for m in model.modules() if isinstance(m, QuantEmbedding)]
+    weights: dict[int, QuantizedWeight] = {}
+    for m, attr in owners:
+        for w in (m.parts if attr == "parts" else (m.qweight,)):
+            if w.data.device.type == "cpu":
+                weights.setdefault(w.data.data_ptr(), w)
+    offsets, total = {}, 0
+    for ptr, w in weights.items():
+        offsets[ptr], total = total, total + -(-w.data.numel() // 64) * 64
+    if not total:
+        return 0
+    arena = mapped_zeros(total)
+    packed = {}
+    for ptr, w in weights.items():
+        view = arena[offsets[ptr]:offsets[ptr] + w.data.numel()].view(w.data.shape)
+        view.copy_(w.data)
+        packed[ptr] = QuantizedWeight(view, w.fmt, w.out_features, w.in_features)
+    for m, attr in owners:
+        if attr == "parts":
+            m.parts = tuple(packed.get(w.data.data_ptr(), w) for w in m.parts)
+        else:
+            m.qweight = packed.get(m.qweight.data.data_ptr(), m.qweight)
+    return total
 
 
 def _stacked(blocks: dict[str, QuantizedWeight], prefix: str, parts: tuple[str, ...],
