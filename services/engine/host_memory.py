@@ -10,11 +10,11 @@ engine maps itself, zeroed lazily by the kernel and backed by huge pages where t
   it misses the TLB on every page it reads, and in a virtual machine each miss walks two page
   tables. The map is aligned to 2 MiB and advised ``MADV_HUGEPAGE`` (Linux transparent huge
   pages; honoured in the ``always`` and ``madvise`` modes of
-  ``/sys/kernel/mm/transparent_hugepage/enabled``, ignored in ``never``). Measured on a 2-core
-  AMD EPYC VM (AVX-512 VNNI), the built-in model's weights placed so against 4 KiB pages,
-  interleaved in one process: batch-1 decode step 4.92 against 6.11 ms median at 1 thread, 4.07
-  against 5.01 at 2. The cost: a first touch zeroes (and under ``defrag=madvise`` may compact)
-  2 MiB at once, and memory becomes resident 2 MiB at a time.
+  ``/sys/kernel/mm/transparent_hugepage/enabled``, ignored in ``never``). On a 2-core AMD EPYC
+  VM (``python -m scripts.bench_floor`` alternated with the tree before, docs/benchmarks.md) the
+  batch-1 TPOT went from 6.3-7.2 to 4.1-4.8 ms at one thread, 4.8-4.9 to 3.8-4.2 at two. The
+  cost: a first touch zeroes (and under ``defrag=madvise`` may compact) 2 MiB at once, and
+  memory becomes resident 2 MiB at a time.
 """
 from __future__ import annotations
 
