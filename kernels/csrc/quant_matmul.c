@@ -860,8 +860,8 @@ static inline __attribute__((always_inline)) void q4_rows16(
 /* Block b (bytes long) of the next tile at ahead (NULL: none) into L2: the tiles of a row kernel
  * stream in address order. Only where each block meets several activation rows (X16_PREFETCH_MIN):
  * with one or two, the loop is short and a thread's tiles are one sequential stream, which the
- * hardware prefetcher follows better alone (a batch-1 decode step 5% faster without, at 2 threads;
- * into L1 instead of L2, 5% slower at batch 16; AMD EPYC, AVX-512 VNNI). */
+ * hardware prefetcher follows better alone (AMD EPYC, AVX-512 VNNI: a batch-1 step is faster
+ * without, and at batch 16 into L2 beats into L1 and beats none). */
 #define X16_PREFETCH_MIN 4
 static inline __attribute__((always_inline)) void prefetch_block(const uint8_t *ahead, int64_t b,
                                                                  int bytes) {
