@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from services.runtime.drain import STOP_GRACE_S, drain_gateway
@@ -53,10 +53,13 @@ class GatewayOptions:
 
 
 async def run_gateway(opts: GatewayOptions, until: Awaitable,
-                      hurry: asyncio.Event | None = None) -> None:
+                      hurry: asyncio.Event | None = None,
+                      on_ready: Callable[[], object] | None = None) -> None:
     """Serve the public Gateway until ``until`` completes (e.g. a signal), then drain
     (``services.runtime.drain.drain_gateway``: readiness fails, new requests get UNAVAILABLE, open
-    streams have ``opts.drain_s`` seconds, or until ``hurry`` is set, to finish).
+    streams have ``opts.drain_s`` seconds, or until ``hurry`` is set, to finish). ``on_ready`` is
+    called once, when every listener is up (the process entry point freezes its start-up heap
+    there: ``services.startup_heap``).
 
     Raises ConnectionError (Redis not answering at start), FileNotFoundError / ValueError
     (model file), OSError (port taken)."""
@@ -81,6 +84,8 @@ async def run_gateway(opts: GatewayOptions, until: Awaitable,
     bound = bind(server, opts.host, opts.port, grpc_server_credentials(opts.tls) if opts.tls else None)
     await server.start()
     metrics = None if http else MetricsServer(core.metrics.registry, opts.host, opts.metrics_port)
+    if on_ready is not None:
+        on_ready()
     log.info("gateway listening on %s:%d (gRPC%s)%s (model %s, kv failure policy %s, max %d in "
              "flight, API keys %s); health SERVING once a prefill and a decode worker are live; "
              "Prometheus metrics on http://%s:%d/metrics",

@@ -11,6 +11,7 @@ from services.api import worker_pb2, worker_pb2_grpc
 from services.auth import warn_if_open
 from services.runtime.drain import STOP_GRACE_S, Signals, drain_worker
 from services.rpc import bind, create_server, mark_not_serving, mark_serving
+from services.startup_heap import freeze_startup_heap
 from services.state.redis_server import check_redis
 
 if TYPE_CHECKING:
@@ -80,6 +81,7 @@ async def serve_worker(opts: WorkerOptions, num_threads: int) -> None:
     full_name = worker_pb2.DESCRIPTOR.services_by_name[name].full_name
     server, health, port = await _start_server(opts, full_name, lambda s: add(servicer, s))
     runtime.start(f"{opts.advertise_host}:{port}", served_model_name(opts.engine.model))
+    freeze_startup_heap(f"{opts.role} worker {runtime.worker_id}")
     await mark_serving(health, [full_name])
     log.info("%s worker %s ready on %s:%d (Prometheus metrics on http://%s:%d/metrics)",
              opts.role, runtime.worker_id, opts.host, port, opts.host, metrics.port)
@@ -211,4 +213,5 @@ async def serve_gateway(opts: GatewayOptions) -> None:
 
     warn_if_open(opts.internal_secret, "gateway")
     signals = Signals()
-    await run_gateway(opts, signals.received.wait(), signals.again)
+    await run_gateway(opts, signals.received.wait(), signals.again,
+                      on_ready=lambda: freeze_startup_heap("gateway"))

@@ -189,12 +189,17 @@ class GatewayThread:
 
         self._loop = asyncio.new_event_loop()
         self._stop = asyncio.Event()
+        self.ready_calls = 0  # run_gateway's on_ready (the process entry point freezes its heap)
         self._thread = threading.Thread(target=self._loop.run_until_complete,
-                                        args=(run_gateway(opts, self._wait()),))
+                                        args=(run_gateway(opts, self._wait(),
+                                                          on_ready=self._on_ready),))
         self._thread.start()
 
     async def _wait(self) -> None:
         await self._stop.wait()
+
+    def _on_ready(self) -> None:
+        self.ready_calls += 1
 
     def is_alive(self) -> bool:
         return self._thread.is_alive()

@@ -77,6 +77,7 @@ def sse_events(response: httpx.Response) -> list[str]:
 
 
 def test_health_ready_and_models(http):
+    assert http._gateway.ready_calls == 1  # on_ready: once, with every listener up
     assert httpx.get(f"{http.url}/health").status_code == 200
     assert httpx.get(f"{http.url}/ready").json()["ready"] is True
     models = httpx.get(f"{http.url}/v1/models").json()
