@@ -248,13 +248,10 @@ def pack_resident_blocks(model: nn.Module) -> int:
 
     The originals go when nothing else holds them: ``decode_layout``'s repacks, or views of the
     memory-mapped file (whose pages then stay only in the reclaimable page cache)."""
-    owners = [(m, "parts") for m in model.modules() if isinstance(m, QuantLinear)]
-    owners += [(m, "qweight") for m in model.modules() if isinstance(m, QuantEmbedding)]
-    weights: dict[int, QuantizedWeight] = {}
-    for m, attr in owners:
-        for w in (m.parts if attr == "parts" else (m.qweight,)):
-            if w.data.device.type == "cpu":
-                weights.setdefault(w.data.data_ptr(), w)
+    weights: dict[int, QuantizedWeight] = {}  # by address: a tied weight once, where first held
+    for w in _quantized_weights(model):
+        if w.data.device.type == "cpu":
+            weights.setdefault(w.data.data_ptr(), w)
     offsets, total = {}, 0
     for ptr, w in weights.items():
         offsets[ptr], total = total, total + -(-w.data.numel() // 64) * 64
@@ -266,10 +263,10 @@ def pack_resident_blocks(model: nn.Module) -> int:
         view = arena[offsets[ptr]:offsets[ptr] + w.data.numel()].view(w.data.shape)
         view.copy_(w.data)
         packed[ptr] = QuantizedWeight(view, w.fmt, w.out_features, w.in_features)
-    for m, attr in owners:
-        if attr == "parts":
+    for m in model.modules():
+        if isinstance(m, QuantLinear):
             m.parts = tuple(packed.get(w.data.data_ptr(), w) for w in m.parts)
-        else:
+        elif isinstance(m, QuantEmbedding):
             m.qweight = packed.get(m.qweight.data.data_ptr(), m.qweight)
     return total
 
@@ -290,11 +287,18 @@ def _check_materialized(model: LlamaForCausalLM) -> None:
             raise ValueError(f"checkpoint does not provide {name}")
 
 
+def _quantized_weights(model: nn.Module) -> list[QuantizedWeight]:
+    """The quantized weights the model's modules hold: every ``QuantLinear``'s parts in module
+    order (the layers', then the LM head's: what a decode step streams, in its order), then each
+    ``QuantEmbedding``'s (a lookup reads a few rows); a tied one appears once per holder."""
+    modules = list(model.modules())
+    return [*(w for m in modules if isinstance(m, QuantLinear) for w in m.parts),
+            *(m.qweight for m in modules if isinstance(m, QuantEmbedding))]
+
+
 def resident_weight_bytes(model: nn.Module) -> int:
     """Bytes of weights the model holds: dense parameters plus quantized blocks, each tensor
     counted once (a tied LM head is not counted twice); the rotary tables are not weights."""
-    tensors = [*model.parameters()]
-    tensors += [p.data for m in model.modules() for p in getattr(m, "parts", ())]
-    tensors += [m.qweight.data for m in model.modules() if isinstance(m, QuantEmbedding)]
+    tensors = [*model.parameters(), *(w.data for w in _quantized_weights(model))]
     unique = {(t.data_ptr(), t.numel() * t.element_size()) for t in tensors}
     return sum(nbytes for _, nbytes in unique)
