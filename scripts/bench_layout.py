@@ -44,10 +44,8 @@ from pathlib import Path
 from loadtest import serve
 from services import ports
 from services.runtime.launcher import Stack, UpOptions
-from services.runtime.layout import (WorkerLayout, choose_layout, gpu_placement, usable_cores,
-                                     visible_gpus)
-from services.config.settings import Device, UpSection
-from services.config.sources import load_settings
+from services.runtime.layout import choose_layout, usable_cores
+from services.config.settings import UpSection
 
 log = logging.getLogger("bench_layout")
 
@@ -89,7 +87,7 @@ def start_stack(option: Option, cores: int, engine_args: list[str], port: int,
         num_decode=counts["decode"], num_unified=counts["unified"],
         redis_url=None, worker_args=engine_args, threads=threads, env=option.env,
         gateway_args=["--http-port", str(http_port)],  # 0: gRPC only, no collision on 8000
-        ready_timeout_s=600, gpus=gpu_shares(counts, threads)))
+        ready_timeout_s=600))  # on CUDA placed as `tandem up` does (Stack)
     try:
         stack.start()
         stack.wait_ready()
@@ -99,17 +97,6 @@ def start_stack(option: Option, cores: int, engine_args: list[str], port: int,
         stack.stop()
         raise
     return stack
-
-
-def gpu_shares(counts: dict[str, int], threads: dict[str, int]) -> dict[str, tuple[str, float]]:
-    """Where the workers go when the settings put the engine on CUDA (``TANDEM_DEVICE=cuda``):
-    as `tandem up` places them (the workers on one GPU split ``gpu_memory_utilization``)."""
-    engine = load_settings().settings.engine
-    if engine.device != Device.cuda:
-        return {}
-    layout = WorkerLayout(counts["prefill"], counts["decode"], counts["unified"], threads,
-                          "bench_layout", tuple(visible_gpus()))
-    return gpu_placement(layout, engine.gpu_memory_utilization)
 
 
 def pin_workers(stack: Stack) -> None:

@@ -8,8 +8,9 @@ thread's CPU time, steady on a loaded machine; wall time is printed beside it), 
 ``--profile-steps`` more run under ``torch.profiler``: aten ops per step (all, and those that
 are not views, which is what launches a kernel on a GPU), the top ops by self CPU time, and on
 CUDA the kernel launches, host synchronisations and queued (``cudaMemcpyAsync``) copies per step,
-and where each synchronisation is made (``sync_sites``: torch's sync debug mode, over
-``--profile-steps`` more steps).
+the device's busy time per step (kernels and copies; beside the CPU time it says which side
+bounds a step), and where each synchronisation is made (``sync_sites``: torch's sync debug mode,
+over ``--profile-steps`` more steps).
 ``host_reads_per_step`` counts the runner's device-to-host copies of sampled tokens. Also the
 CPU split of the runner's phases (prepare_inputs, forward, sample) and the rest of
 ``engine.step``.
@@ -47,6 +48,13 @@ LAUNCH_EVENTS = frozenset(("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKern
 SYNC_EVENTS = frozenset(("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize",
                          "cudaMemcpy"))
 COPY_EVENTS = frozenset(("cudaMemcpyAsync",))  # host <-> device and device copies, queued
+
+
+def gpu_kernel_ms(events) -> float:
+    """Milliseconds the device spent in kernels and copies among profiler ``events`` (each
+    event's own device time; kernels replayed from a CUDA graph are recorded one by one)."""
+    return sum(a.self_device_time_total for a in events
+               if a.device_type == torch.autograd.DeviceType.CUDA) / 1e3
 
 
 def count_calls(events, names: frozenset[str]) -> int:
@@ -153,7 +161,8 @@ def profile_batch(e, batch: int, warmup: int, steps: int, profile_steps: int, to
         "host_reads_per_step": host_reads / profile_steps,
         **({"kernel_launches_per_step": count_calls(everything, LAUNCH_EVENTS) / profile_steps,
             "host_syncs_per_step": count_calls(everything, SYNC_EVENTS) / profile_steps,
-            "async_copies_per_step": count_calls(everything, COPY_EVENTS) / profile_steps}
+            "async_copies_per_step": count_calls(everything, COPY_EVENTS) / profile_steps,
+            "gpu_ms_per_step": gpu_kernel_ms(everything) / profile_steps}
            if cuda else {}),
         **({"sync_sites_per_step": {k: v / profile_steps for k, v in sites.items()}}
            if cuda else {}),
@@ -221,7 +230,8 @@ def main() -> None:
           f"{args.threads} thread(s), {args.steps} timed steps")
     for r in rows:
         split = ", ".join(f"{k} {v:.2f}" for k, v in r["phase_cpu_ms_per_step"].items())
-        gpu = (f", {r['kernel_launches_per_step']:.0f} launches, "
+        gpu = (f", {r['gpu_ms_per_step']:.2f} GPU ms/step, "
+               f"{r['kernel_launches_per_step']:.0f} launches, "
                f"{r['host_syncs_per_step']:.0f} syncs, {r['async_copies_per_step']:.0f} queued "
                f"copies" if "kernel_launches_per_step" in r else "")
         print(f"batch {r['batch']:3d}: {r['cpu_ms_per_step']:8.2f} CPU ms/step, "

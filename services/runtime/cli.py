@@ -205,14 +205,11 @@ def cmd_up(args, loaded: LoadedSettings) -> int:
     from services.runtime.client import print_chat
     from services.runtime.launcher import Stack, UpOptions, run_until_interrupted
 
-    from services.runtime.layout import gpu_placement
-
     s = loaded.settings
     layout = up_layout(loaded)
     stack = Stack(UpOptions(s.host, s.gateway.port, layout.num_prefill, layout.num_decode,
                             s.state.redis_url, settings=s, num_unified=layout.num_unified,
-                            threads=layout.threads,
-                            gpus=gpu_placement(layout, s.engine.gpu_memory_utilization)))
+                            threads=layout.threads))
     try:
         stack.start()
         stack.wait_ready()

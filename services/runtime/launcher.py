@@ -32,8 +32,9 @@ from pydantic import SecretStr
 
 from services.observability.scrape import write_scrape_config
 from services.ports import free_port
+from services.runtime.layout import WorkerLayout, gpu_placement, visible_gpus
 from services.runtime.process import Child, listening, spawn, terminate
-from services.config.settings import Settings
+from services.config.settings import Device, Settings
 from services.config.sources import leaves, load_settings, write_settings_file
 from services.state.redis_server import RedisServer, check_redis, start_redis_server
 from services.state.registry import WorkerRegistry
@@ -60,7 +61,9 @@ class UpOptions:
     env: dict[str, str] | None = None  # extra environment for every child (tests: fault hooks)
     settings: Settings | None = None  # handed to every child; default: this process's env
     # worker id -> (GPU id, its gpu_memory_utilization): the first of that worker's
-    # CUDA_VISIBLE_DEVICES (the stack's other GPUs follow: ``Stack._gpu_order``)
+    # CUDA_VISIBLE_DEVICES (the stack's other GPUs follow: ``Stack._gpu_order``). Empty: with the
+    # settings' engine on CUDA, round-robin over the visible GPUs, the workers of one GPU
+    # splitting ``gpu_memory_utilization`` (``layout.gpu_placement``, as `tandem up` does)
     gpus: dict[str, tuple[str, float]] = field(default_factory=dict)
 
 
@@ -86,6 +89,7 @@ class Stack:
         self.children: list[Child] = []
         self.run_dir: Path | None = None
         self.metrics_targets: dict[str, str] = {}  # child name -> host:port of its /metrics
+        self.gpus: dict[str, tuple[str, float]] = {}  # as UpOptions.gpus, once started
 
     @property
     def procs(self) -> list[tuple[str, subprocess.Popen]]:
@@ -102,14 +106,15 @@ class Stack:
             log.info("started redis-server at %s (password set, persistence off)",
                      self.redis_server.safe_url)
         self._write_settings()
+        self.gpus = self._gpu_placement()
         for role, count in (("unified", self.opts.num_unified), ("decode", self.opts.num_decode),
                             ("prefill", self.opts.num_prefill)):
             threads = (self.opts.threads or {}).get(role)
             for i in range(count):
                 worker_id = f"{role}-{i}"
                 args, env = ["--num-threads", str(threads)] if threads else [], None
-                if worker_id in self.opts.gpus:
-                    gpu, utilization = self.opts.gpus[worker_id]
+                if worker_id in self.gpus:
+                    gpu, utilization = self.gpus[worker_id]
                     args += ["--gpu-memory-utilization", f"{utilization:.4f}"]
                     env = {"CUDA_VISIBLE_DEVICES": ",".join(self._gpu_order(gpu))}
                 self.add_worker(role, worker_id, args, env)
@@ -118,12 +123,22 @@ class Stack:
         log.info("Prometheus metrics: %s (scrape config: %s)",
                  ", ".join(f"{n} http://{a}/metrics" for n, a in self.metrics_targets.items()), scrape)
 
+    def _gpu_placement(self) -> dict[str, tuple[str, float]]:
+        """``opts.gpus``, else where `tandem up` puts the workers when the settings' engine is
+        on CUDA: each of two workers sharing an H100 sized its KV cache from 0.9 of the card,
+        and the second ran out of memory at start."""
+        if self.opts.gpus or self.settings.engine.device != Device.cuda:
+            return self.opts.gpus
+        layout = WorkerLayout(self.opts.num_prefill, self.opts.num_decode, self.opts.num_unified,
+                              self.opts.threads or {}, "stack", tuple(visible_gpus()))
+        return gpu_placement(layout, self.settings.engine.gpu_memory_utilization)
+
     def _gpu_order(self, own: str) -> list[str]:
         """A worker's CUDA_VISIBLE_DEVICES: its own GPU first (its ``cuda`` device), then the
         stack's other GPUs, so that it can open a peer's KV cache on another GPU of this node
         by CUDA IPC (a direct KV write copies between the GPUs; it allocates nothing else
         there but a CUDA context, and only when it does)."""
-        placed = dict.fromkeys(gpu for gpu, _ in self.opts.gpus.values())
+        placed = dict.fromkeys(gpu for gpu, _ in self.gpus.values())
         return [own, *(gpu for gpu in placed if gpu != own)]
 
     def _write_settings(self) -> None:

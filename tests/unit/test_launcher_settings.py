@@ -61,21 +61,8 @@ def test_secret_is_new_per_run_unless_one_is_given(monkeypatch):
 def test_each_gpu_worker_gets_its_device_and_memory_share(monkeypatch):
     """`tandem up` on GPUs: CUDA_VISIBLE_DEVICES and --gpu-memory-utilization per worker, the
     rest of the environment shared; a worker's settings parse with that share."""
-    from services.runtime import launcher
-
     started = []
-    class Exited:
-        def poll(self):
-            return 0
-
-        def wait(self, timeout=None):
-            return 0
-
-    monkeypatch.setattr(launcher, "spawn", lambda argv, env: started.append((argv, env)) or Exited())
-    monkeypatch.setattr(launcher, "start_redis_server", None)  # a redis_url is given: not called
-    monkeypatch.setattr(Stack, "add_gateway", lambda self, name, port: None)
-    monkeypatch.setattr(launcher, "write_scrape_config", lambda path, targets: path)
-    monkeypatch.setattr(launcher, "check_redis", lambda url: _done())
+    fake_spawn(monkeypatch, started)
     stack = Stack(UpOptions(host="127.0.0.1", port=7000, num_prefill=2, num_decode=1,
                             redis_url="redis://127.0.0.1:1/0",
                             gpus={"decode-0": ("0", 0.45), "prefill-0": ("0", 0.45),
@@ -96,6 +83,56 @@ def test_each_gpu_worker_gets_its_device_and_memory_share(monkeypatch):
         assert child.settings.engine.gpu_memory_utilization == 0.45
     finally:
         stack.stop()
+
+
+def test_a_programmatic_stack_on_cuda_splits_each_gpu_between_its_workers(monkeypatch):
+    """A Stack started without placements (benchmarks, tests) when the settings put the engine
+    on CUDA is placed as `tandem up` places it: a prefill and a decode worker sharing one GPU
+    each size their KV cache from half of gpu_memory_utilization (each taking 0.9 of an H100,
+    the second ran out of memory at start)."""
+    started = []
+    fake_spawn(monkeypatch, started)
+    monkeypatch.setenv("TANDEM_DEVICE", "cuda")
+    monkeypatch.setenv("TANDEM_GPU_MEMORY_UTILIZATION", "0.8")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    stack = Stack(UpOptions(host="127.0.0.1", port=7000, num_prefill=1, num_decode=1,
+                            redis_url="redis://127.0.0.1:1/0"))
+    try:
+        stack.start()
+        assert stack.gpus == {"decode-0": ("3", 0.4), "prefill-0": ("3", 0.4)}
+        for argv, env in started:
+            assert argv[argv.index("--gpu-memory-utilization") + 1] == "0.4000"
+            assert env["CUDA_VISIBLE_DEVICES"] == "3"
+    finally:
+        stack.stop()
+    monkeypatch.setenv("TANDEM_DEVICE", "cpu")  # on CPUs: no placement, nothing added
+    started.clear()
+    stack = Stack(UpOptions(host="127.0.0.1", port=7000, num_prefill=1, num_decode=1,
+                            redis_url="redis://127.0.0.1:1/0"))
+    try:
+        stack.start()
+        assert stack.gpus == {} and len(started) == 2
+        assert not any("--gpu-memory-utilization" in argv for argv, _ in started)
+    finally:
+        stack.stop()
+
+
+def fake_spawn(monkeypatch, started: list) -> None:
+    """Children that are never started: ``started`` receives each one's (argv, env)."""
+    from services.runtime import launcher
+
+    class Exited:
+        def poll(self):
+            return 0
+
+        def wait(self, timeout=None):
+            return 0
+
+    monkeypatch.setattr(launcher, "spawn", lambda argv, env: started.append((argv, env)) or Exited())
+    monkeypatch.setattr(launcher, "start_redis_server", None)  # a redis_url is given: not called
+    monkeypatch.setattr(Stack, "add_gateway", lambda self, name, port: None)
+    monkeypatch.setattr(launcher, "write_scrape_config", lambda path, targets: path)
+    monkeypatch.setattr(launcher, "check_redis", lambda url: _done())
 
 
 async def _done():
