@@ -1,5 +1,6 @@
 """The naive baseline vLLM and TGI report against: Hugging Face ``transformers`` ``generate``
-with static, left-padded batches, greedy, fp32 on CPU.
+with static, left-padded batches, greedy, on the model's device and dtype (fp32 on CPU unless
+the caller moves it).
 
 transformers is a dev/bench dependency only: it is imported lazily, inside these functions.
 """
@@ -89,7 +90,7 @@ def run_hf(model, workload: Workload, batch_size: int, eos_token_id: int | None)
     t0 = time.perf_counter()
     for start in range(0, len(requests), batch_size):
         batch = requests[start:start + batch_size]
-        ids, mask = _left_padded(batch, pad_id)
+        ids, mask = (t.to(model.device) for t in _left_padded(batch, pad_id))
         stop_at_eos = not all(r.ignore_eos for r in batch)
         out = model.generate(ids, attention_mask=mask, do_sample=False,
                              max_new_tokens=max(r.max_tokens for r in batch),
@@ -106,7 +107,7 @@ def run_hf(model, workload: Workload, batch_size: int, eos_token_id: int | None)
 @torch.inference_mode()
 def hf_prefill_seconds(model, prompt_token_ids: list[int]) -> float:
     """Seconds of one transformers forward over the prompt (logits of the last token only)."""
-    ids = torch.tensor([prompt_token_ids])
+    ids = torch.tensor([prompt_token_ids], device=model.device)
     t0 = time.perf_counter()
-    model(ids, attention_mask=torch.ones_like(ids), logits_to_keep=1)
+    model(ids, attention_mask=torch.ones_like(ids), logits_to_keep=1).logits.sum().item()  # waits
     return time.perf_counter() - t0

@@ -1,6 +1,7 @@
 """Offline benchmark (``tandem bench offline``): the same seeded workloads through continuous
 batching, static batching at equal KV memory, and transformers ``generate`` (static padded
 batches), plus a decode-only step split at batch 64 and a single-prompt prefill probe.
+``--device cuda --dtype bfloat16`` runs the engine and transformers on a GPU in bf16.
 
 The engine is driven directly (add every request, ``while has_work(): step()``), greedy, so
 runs are comparable; its figures come from ``LLMEngine.metrics``. Prints a table, the
@@ -59,6 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decode-tokens", type=int, default=128, help="decode-only probe: output tokens each")
     p.add_argument("--prefill-tokens", type=int, default=512, help="prefill probe: prompt length")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="torch threads")
+    p.add_argument("--device", default="cpu", help="cpu or cuda: the engine's and transformers'")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                   help="the engine's and transformers' compute dtype")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model", default=None, help="GGUF file or HF dir (default: built-in SmolLM2)")
     p.add_argument("--quick", action="store_true", help=f"smoke run: {QUICK}")
@@ -93,7 +97,7 @@ class Engines:
             a = self.args
             fields = dict(num_kv_blocks=a.num_kv_blocks, block_size=a.block_size,
                           max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
-                          scheduling_policy=policy)
+                          scheduling_policy=policy, device=a.device, dtype=a.dtype)
             if a.model:
                 fields["model"] = a.model
             engine = LLMEngine(EngineConfig(**fields), weights=self.weights)
@@ -212,9 +216,9 @@ def run(args) -> dict:
     if "hf" in systems:
         from loadtest.hf_baseline import build_hf_model
 
-        hf_model = build_hf_model(*weights)
-        hf_model.generate(torch.tensor([[17, 18, 19]]), max_new_tokens=2, do_sample=False,
-                          pad_token_id=0)  # warm-up
+        hf_model = build_hf_model(*weights).to(args.device, getattr(torch, args.dtype))
+        hf_model.generate(torch.tensor([[17, 18, 19]], device=args.device), max_new_tokens=2,
+                          do_sample=False, pad_token_id=0)  # warm-up
     engines, rows = Engines(args, weights), []
     for workload in workloads:
         for system in systems:

@@ -147,7 +147,9 @@ def assemble(config: dict, workloads: list[Workload], rows: list[dict], decode: 
     return {"config": config,
             "machine": {"cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
                         "torch": torch.__version__, "platform": platform.platform(),
-                        "other_cpu_cores": other_cpu_cores(cpu_before, wall_s)},
+                        "other_cpu_cores": other_cpu_cores(cpu_before, wall_s),
+                        "gpu": (torch.cuda.get_device_name()
+                                if config.get("device", "cpu").startswith("cuda") else None)},
             "workloads": {w.name: w.stats() for w in workloads}, "runs": rows,
             "decode_probe": decode, "prefill_probe": prefill, "ratios": rat,
             "ratios_per_cpu_s": ratios(rows, "output_tokens_per_cpu_s"),
@@ -211,7 +213,8 @@ def print_all(results: dict) -> None:
     m = results["machine"]
     print(f"\nwall time {results['wall_s']:.0f}s on {m['cpu_count']} CPUs, {m['torch_threads']} "
           f"torch threads; other work used {_fmt(m['other_cpu_cores'], '.2f', 0).strip()} cores "
-          f"on average (/proc/stat)")
+          f"on average (/proc/stat)" + (f"; engine and transformers on {m['gpu']} in "
+                                         f"{results['config']['dtype']}" if m.get("gpu") else ""))
     if cpu_shared(m):
         print("WARNING: the CPU was shared with other work: timings are low and noisy. With more "
               "torch threads than free cores OpenMP barriers stall on descheduled threads; "

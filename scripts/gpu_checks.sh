@@ -4,7 +4,8 @@
 #   stage a: carries .gpu/a/part1 (the GGUF's first 60 MB) and leaves it in /tmp; nothing else.
 #   stage b: carries .whl and .gpu/b/part2, joins the GGUF (the machine must still be warm);
 #            runs the CUDA-graph test, launch/sync counts and GPU time per step (eager and graph
-#            replays), engine throughput.
+#            replays), engine throughput (the built-in model and a random 1B-class Llama), and
+#            `tandem bench offline` (engine against transformers `generate`) in bf16.
 #   stage c: (warm after b, same call or the next; carries .whl and .gpu/stack) the P/D stack's
 #            GPU tests (oracle, abort, a killed decode worker), the TTFT split, eager throughput,
 #            KV sizing, precision.
@@ -80,6 +81,25 @@ elif [ "$stage" = b ]; then
     step engine_graphs 130 python3 -m scripts.bench_gpu_engine --batches 1 16 64 256 --steps 32 \
         --compare-tokens 64 --out "$OUT/gpu_engine.json"
     ran engine_graphs && { tail -16 "$OUT/engine_graphs.log"; }
+    # issue 36's 1B-class shape (random weights, bf16; made on the GPU, read back by our loader)
+    step build_1b 120 python3 - <<'PY'
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+torch.manual_seed(0)
+c = LlamaConfig(vocab_size=49152, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
+                tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+with torch.device("cuda"):
+    LlamaForCausalLM(c).to(torch.bfloat16).save_pretrained("/tmp/llama1b")
+PY
+    step engine_1b 150 python3 -m scripts.bench_gpu_engine --model /tmp/llama1b --batches 1 16 64 256 \
+        --steps 32 --skip-agreement --out "$OUT/gpu_engine_1b.json"
+    ran engine_1b && { tail -8 "$OUT/engine_1b.log"; }
+    step offline 240 python3 -m loadtest.offline --device cuda --dtype bfloat16 --threads 1 \
+        --systems continuous,hf \
+        --num-prompts 256 --max-num-seqs 256 --hf-batch-size 256 --num-kv-blocks 65536 \
+        --decode-batch 64 --out "$OUT/offline_gpu.json"
+    ran offline && { tail -24 "$OUT/offline.log"; }
 elif [ "$stage" = stack ]; then  # the served stack on the GPU, unified against P/D
     # carries .gpu/stack: debs/ (Debian's redis-server), hf/ (the built-in model's config.json and tokenizer, from
     # the GGUF: weights are random, made here; outputs are ignore_eos, so speed is the model's)

@@ -9,8 +9,8 @@ thread's CPU time, steady on a loaded machine; wall time is printed beside it), 
 are not views, which is what launches a kernel on a GPU), the top ops by self CPU time, and on
 CUDA the kernel launches, host synchronisations and queued (``cudaMemcpyAsync``) copies per step,
 the device's busy time per step (kernels and copies; beside the CPU time it says which side
-bounds a step), and where each synchronisation is made (``sync_sites``: torch's sync debug mode,
-over ``--profile-steps`` more steps).
+bounds a step) and the kernels that take most of it, and where each synchronisation is made
+(``sync_sites``: torch's sync debug mode, over ``--profile-steps`` more steps).
 ``host_reads_per_step`` counts the runner's device-to-host copies of sampled tokens. Also the
 CPU split of the runner's phases (prepare_inputs, forward, sample) and the rest of
 ``engine.step``.
@@ -166,6 +166,13 @@ def profile_batch(e, batch: int, warmup: int, steps: int, profile_steps: int, to
            if cuda else {}),
         **({"sync_sites_per_step": {k: v / profile_steps for k, v in sites.items()}}
            if cuda else {}),
+        **({"top_kernels": [{"kernel": a.key, "calls_per_step": a.count / profile_steps,
+                             "device_us_per_step": a.self_device_time_total / profile_steps}
+                            for a in sorted(
+                                (a for a in everything
+                                 if a.device_type == torch.autograd.DeviceType.CUDA),
+                                key=lambda a: a.self_device_time_total, reverse=True)[:top]]}
+           if cuda else {}),
         "top_ops": [{"op": a.key, "calls_per_step": a.count / profile_steps,
                      "self_cpu_ms_per_step": a.self_cpu_time_total / profile_steps / 1e3}
                     for a in events[:top]],
@@ -240,6 +247,9 @@ def main() -> None:
               f"views), {r['host_reads_per_step']:.0f} host reads{gpu} ({split})")
         for site, n in sorted(r.get("sync_sites_per_step", {}).items(), key=lambda kv: -kv[1]):
             print(f"    sync {n:5.1f}/step at {site}")
+        for k in r.get("top_kernels", []):
+            print(f"    gpu {k['device_us_per_step']:8.1f} us/step {k['calls_per_step']:5.0f} calls "
+                  f"{k['kernel'][:90]}")
         for o in r["top_ops"]:
             print(f"    {o['op']:32s} {o['calls_per_step']:7.0f} calls "
                   f"{o['self_cpu_ms_per_step']:8.3f} ms self")

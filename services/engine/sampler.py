@@ -153,7 +153,9 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         logits.index_put_((rows, ids), biases, accumulate=True)
     if batch.suppress is not None:
         rows, ids = batch.suppress
-        logits[rows, ids] = float("-inf")
+        # a device-side -inf: assigning the Python float copied a host scalar to the GPU, a
+        # synchronising copy in every step that suppresses (profile_decode_step's sync sites)
+        logits.index_put_((rows, ids), logits.new_full((), float("-inf")))
     if (p := batch.penalties) is not None:
         logits[p.rows] = apply_penalties(logits[p.rows], p.presence, p.frequency, p.repetition,
                                          p.history, p.output_from)
