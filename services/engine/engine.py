@@ -7,6 +7,15 @@ token, keep the KV until it has been sent); a ``decode`` worker ``reserve()``s b
 prompt whose KV another worker writes, then ``finish_remote_prefill()`` admits it; ``unified``
 does both in one process.
 
+Async scheduling (on by default where the model runs on a GPU; vLLM's ``--async-scheduling``):
+a decode-only step whose every row takes the argmax is launched without waiting for its
+tokens, and before they are read the next step of the same requests is launched, its input
+tokens taken from the first step's samples on the device (``_launch_ahead``). The host then
+updates the scheduler and streams the first step's tokens while the device computes the next:
+a step costs the larger of the GPU's time and the host's, not their sum. Tokens are the same
+as without it: the step ahead computes what the next ``schedule()`` would have (a request that
+stops on a stop token computes one token more, which is dropped).
+
 Fault containment: when ``runner.execute`` raises, nothing of the scheduler's state has advanced
 yet (``update_from_output`` has not run), so the step's requests are run again one by one. A
 request that raises alone is failed (aborted, its blocks freed, an output with ``error``); the
@@ -35,7 +44,7 @@ from .grammars import Matchers
 from .host_memory import zeroed_kv_cache
 from .kv_events import KVEventLog
 from .metrics import EngineMetrics
-from .model_runner import ModelRunner, StepResult
+from .model_runner import ModelRunner, PendingStep, StepResult
 from .outputs import EngineDeadError, RequestOutput
 from .policy import create_scheduler
 from .quantized import build_model, resident_weight_bytes
@@ -117,6 +126,13 @@ class LLMEngine:
         self._faults = EngineFaults() if fault_injection else None
         self._prompt_logprobs: dict[str, list] = {}  # request id -> prompt logprobs so far
         self._steps_lost_all = 0  # failed steps in a row whose every request failed alone
+        # async scheduling (_launch_ahead): on by default where the model runs on a GPU (a
+        # CPU computes a step in the calling thread: nothing to overlap); not for static
+        # batching's padding rows nor under fault injection's per-step hooks
+        self.async_scheduling = (
+            (self.kv_cache.is_cuda if config.async_scheduling is None else config.async_scheduling)
+            and config.scheduling_policy == "continuous" and self._faults is None)
+        self._ahead: tuple[SchedulerOutput, PendingStep] | None = None  # launched, not collected
         log.info("engine ready in %.1fs: %d KV blocks of %d tokens, max_model_len %d",
                  time.perf_counter() - t0, num_blocks, config.block_size, self.max_model_len)
 
@@ -236,7 +252,7 @@ class LLMEngine:
 
     # -- stepping ----------------------------------------------------------------------------
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self._ahead is not None or self.scheduler.has_work()
 
     def step(self) -> list[RequestOutput]:
         """One iteration: schedule, run the model once, sample, update. Finished requests are
@@ -248,11 +264,15 @@ class LLMEngine:
         if self.config.max_step_ms:
             self.scheduler.step_token_budget = self.step_cost.token_budget(
                 self.config.max_step_ms / 1000)
-        out = self.metrics.timed("schedule", self.scheduler.schedule)
-        if not out.scheduled:
-            self.runner.input_batch.remove(out.finished_req_ids)
-            return []
-        result, failed = self._execute(out)
+        if self._ahead is not None:  # launched by the previous call: collect it
+            (out, launched), self._ahead = self._ahead, None
+            result, failed = self._collect(out, launched)
+        else:
+            out = self.metrics.timed("schedule", self.scheduler.schedule)
+            if not out.scheduled:
+                self.runner.input_batch.remove(out.finished_req_ids)
+                return []
+            result, failed = self._execute(out)
         if self._faults is not None:
             self._faults.after_execute(out)
         outputs = self.metrics.timed("postprocess", self._update, out, result)
@@ -266,13 +286,60 @@ class LLMEngine:
         return self.runner.execute(out, self.metrics.timed)
 
     def _execute(self, out: SchedulerOutput) -> tuple[StepResult, list[RequestOutput]]:
-        """``runner.execute``, or on failure each request alone: (its result, the failed)."""
+        """``runner.execute`` (with async scheduling ``runner.launch``, then ``_collect``), or on
+        failure each request alone: (its result, the failed)."""
         try:
-            result = self._run_model(out)
+            if self.async_scheduling:
+                result = self.runner.launch(out, self.metrics.timed)
+                if isinstance(result, PendingStep):
+                    return self._collect(out, result)
+            else:
+                result = self._run_model(out)
         except Exception as exc:  # noqa: BLE001 - attributed below, or re-raised as the engine's
             return self._execute_alone(out, exc)
         self._steps_lost_all = 0
         return result, []
+
+    def _collect(self, out: SchedulerOutput, launched: PendingStep,
+                 ) -> tuple[StepResult, list[RequestOutput]]:
+        """Launch the step after ``launched`` when it may run ahead (``_launch_ahead``), then wait
+        for ``launched``'s tokens: the device computes the next step while this thread updates
+        the scheduler and serves the tokens."""
+        self._ahead = self._launch_ahead(out, launched)
+        try:
+            result = self.runner.collect(launched, self.metrics.timed)
+        except Exception as exc:  # noqa: BLE001 - as in _execute; the step ahead is dropped
+            self._ahead = None
+            return self._execute_alone(out, exc)
+        self._steps_lost_all = 0
+        return result, []
+
+    def _launch_ahead(self, out: SchedulerOutput, launched: PendingStep,
+                      ) -> tuple[SchedulerOutput, PendingStep] | None:
+        """Async scheduling (vLLM's ``--async-scheduling``): the next decode step of
+        ``launched``'s requests, launched before its tokens are known, its input tokens
+        ``launched``'s samples on the device. Only while every running request is in the step
+        and none waits (a newcomer would otherwise wait behind a chain of such steps); a
+        request whose next token ends it by length is left out, and one that ends by a stop
+        token computes one token more, which ``update_from_output`` drops (it skips finished
+        requests). None when no step can go ahead (or blocks for it are short)."""
+        s = self.scheduler
+        if s.waiting or len(s.running) != len(out.scheduled):
+            return None
+        keep = [i for i, r in enumerate(out.scheduled) if r.status == RequestStatus.RUNNING
+                and len(r.output_token_ids) + 1 < r.sampling_params.max_tokens
+                and r.num_tokens + 1 < s.config.max_model_len]
+        nxt = [out.scheduled[i] for i in keep]
+        # blocks for the token after the one computing now (the scheduler's counters lag by it)
+        if not nxt or not all(self.block_manager.allocate_slots(r, 2) for r in nxt):
+            return None
+        ahead = SchedulerOutput(nxt, {r.request_id: 1 for r in nxt})
+        try:
+            return ahead, self.runner.launch_ahead(ahead, launched, keep, self.metrics.timed)
+        except Exception as exc:  # noqa: BLE001 - the step runs the usual way instead
+            log.warning("async scheduling: the step ahead failed to launch (%s: %s)",
+                        type(exc).__name__, exc)
+            return None
 
     def _execute_alone(self, out: SchedulerOutput, exc: Exception):
         n = len(out.scheduled)

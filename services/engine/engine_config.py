@@ -51,3 +51,6 @@ class EngineConfig(BaseModel):
     max_step_ms: float | None = Field(default=None, gt=0)
     # CUDA: run decode steps eagerly instead of replaying CUDA graphs (cuda_graphs.py)
     enforce_eager: bool = False
+    # launch a decode step before the previous one's tokens reach the host (engine.py's
+    # _launch_ahead, vLLM's async scheduling); None: where the KV cache is on a GPU
+    async_scheduling: bool | None = None

@@ -235,18 +235,24 @@ class InputBatch:
             self.num_blocks[row] = len(table)
 
     # -- one step ----------------------------------------------------------------------------
-    def prepare(self, out: SchedulerOutput) -> ModelInputs:
+    def prepare(self, out: SchedulerOutput, ahead_ids: torch.Tensor | None = None) -> ModelInputs:
         """The model's inputs for ``out``, on the batch's device. Rows are added for requests
-        seen for the first time (``add``: its errors propagate)."""
+        seen for the first time (``add``: its errors propagate).
+
+        ``ahead_ids`` (async scheduling): ``out`` decodes requests whose previous step is still
+        running, one token each; their input tokens are that step's samples, still on the
+        device (``[num_seqs]`` int64, in ``out.scheduled`` order), and every counter of theirs
+        here and in the scheduler is one token behind."""
         self.remove(out.finished_req_ids)
         reqs, sched = out.scheduled, out.num_scheduled_tokens
-        n = len(reqs)
+        n, ahead = len(reqs), int(ahead_ids is not None)
         rows, num_new, computed = (np.empty(n, np.int64) for _ in range(3))
         for i, r in enumerate(reqs):  # NOTE: the one loop over requests: counters only
             row = self.row_of.get(r.request_id)
             if row is None:
                 row = self.add(r)
-            rows[i], num_new[i], computed[i] = row, sched[r.request_id], r.num_computed_tokens
+            rows[i], num_new[i] = row, sched[r.request_id]
+            computed[i] = r.num_computed_tokens + ahead
             if (r.num_tokens != self.num_tokens[row] or r.block_table is not self._tables[row]
                     or len(r.block_table) != self.num_blocks[row]):
                 self._sync(r, row)
@@ -262,13 +268,17 @@ class InputBatch:
         slots = self.block_table[token_rows, positions // bs] * bs + positions % bs
         seq_lens = computed + num_new
         width = int(-(-seq_lens.max() // bs))
-        sampled = np.flatnonzero(seq_lens == self.num_tokens[rows])
+        sampled = np.flatnonzero(seq_lens == self.num_tokens[rows] + ahead)
         query_start_loc = np.concatenate(([0], ends))
-        t = to_device({"input_ids": self.token_ids[token_rows, positions].astype(np.int64),
-                       "positions": positions, "slot_mapping": slots, "seq_lens": seq_lens,
-                       "block_tables": self.block_table[rows, :width],
-                       "logits_indices": ends[sampled] - 1,
-                       "query_start_loc": query_start_loc.astype(np.int32)}, self.device)
+        arrays = {"positions": positions, "slot_mapping": slots, "seq_lens": seq_lens,
+                  "block_tables": self.block_table[rows, :width],
+                  "logits_indices": ends[sampled] - 1,
+                  "query_start_loc": query_start_loc.astype(np.int32)}
+        if ahead_ids is None:
+            arrays["input_ids"] = self.token_ids[token_rows, positions].astype(np.int64)
+        t = to_device(arrays, self.device)
+        if ahead_ids is not None:  # one token per request, in out.scheduled order = row order
+            t["input_ids"] = ahead_ids
         attn = AttentionMetadata(t["slot_mapping"], t["block_tables"], t["seq_lens"],
                                  query_start_loc.tolist(), int(np.count_nonzero(num_new == 1)))
         attn.set_query_start_loc_tensor(t["query_start_loc"])

@@ -21,7 +21,7 @@ from kernels.decode_ops import argmax_rows
 
 from .cuda_graphs import CUDAGraphRunner
 from .grammars import Matchers
-from .input_batch import InputBatch, ModelInputs, PromptLogprobsPlan
+from .input_batch import InputBatch, ModelInputs, PromptLogprobsPlan, to_device
 from .model import LlamaForCausalLM
 from .sampler import SamplerOutput, TokenLogprobs, sample
 from .scheduler import SchedulerOutput
@@ -35,6 +35,18 @@ PROMPT_LOGPROBS_SLICE = 256  # prompt positions whose logits exist at once
 
 def _untimed(phase: str, fn: Callable, *args):
     return fn(*args)
+
+
+@dataclass
+class PendingStep:
+    """A launched step whose sampled tokens are on their way to the host (``ModelRunner.launch``:
+    a decode-only step whose every row takes the argmax)."""
+
+    out: SchedulerOutput
+    inputs: ModelInputs
+    tokens: torch.Tensor  # [num_seqs] int64 on the model's device, in out.scheduled order
+    host: torch.Tensor  # [num_seqs] int64, pinned: filled by an asynchronous copy of tokens
+    copied: torch.cuda.Event | None  # recorded after that copy (None on a CPU: host is tokens)
 
 
 @dataclass
@@ -154,6 +166,54 @@ class ModelRunner:
                 torch.set_num_threads(every)
         self.step_threads.record(num_tokens, threads, time.perf_counter() - started)
         return result
+
+    # -- async scheduling (engine.py): a step launched before the previous one's tokens are read
+    def launch(self, out: SchedulerOutput, timed: Callable = _untimed) -> PendingStep | StepResult:
+        """Prepare and run ``out`` without waiting for its tokens when it is a decode-only step
+        whose every row takes the argmax (``PendingStep``; ``collect`` reads them); any other
+        step runs whole (``execute``'s ``StepResult``)."""
+        inputs = timed("prepare_inputs", self.prepare_inputs, out)
+        n = inputs.input_ids.shape[0]
+        if not (inputs.attn.num_decode_seqs == n == len(inputs.sampled_rows)
+                and inputs.prompt_logprobs is None and self.input_batch.plain_greedy(inputs.rows)):
+            forwarded = timed("forward", self.forward, inputs)
+            return timed("sample", self.sample, out, inputs, forwarded)
+        return self._launch(out, inputs, timed)
+
+    def launch_ahead(self, out: SchedulerOutput, previous: PendingStep, keep: list[int],
+                     timed: Callable = _untimed) -> PendingStep:
+        """Launch ``out``: the next token of ``previous``'s requests at indices ``keep`` (all of
+        ``out.scheduled``, in order), whose input tokens are ``previous``'s samples on the
+        device; the scheduler's and this batch's counters of them are one token behind."""
+        ids = previous.tokens
+        if len(keep) < len(previous.out.scheduled):  # the index goes without a host sync too
+            ids = ids[to_device({"keep": np.asarray(keep, np.int64)}, ids.device)["keep"]]
+        inputs = timed("prepare_inputs", self.input_batch.prepare, out, ids)
+        return self._launch(out, inputs, timed)
+
+    def _launch(self, out: SchedulerOutput, inputs: ModelInputs, timed: Callable) -> PendingStep:
+        logits, _ = timed("forward", self.forward, inputs)
+        tokens = argmax_rows(logits)  # rows in out.scheduled order: a decode-only step's
+        if not tokens.is_cuda:
+            return PendingStep(out, inputs, tokens, tokens, None)
+        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        host.copy_(tokens, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        return PendingStep(out, inputs, tokens, host, copied)
+
+    def collect(self, step: PendingStep, timed: Callable = _untimed) -> StepResult:
+        """Wait for a launched step's tokens (the step's one host synchronisation) and record
+        them in the batch; what ``execute`` returns for the step."""
+        def read() -> list[int]:
+            if step.copied is not None:
+                step.copied.synchronize()
+            return self._to_host_list(step.host)
+
+        token_ids = timed("sample", read)
+        self.input_batch.record_sampled(step.inputs.rows, token_ids)
+        n = len(token_ids)
+        return StepResult(list(token_ids), [None] * n, {})
 
     def prepare_inputs(self, out: SchedulerOutput) -> ModelInputs:
         """The step's model inputs on the model's device (``InputBatch.prepare``)."""

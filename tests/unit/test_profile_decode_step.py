@@ -19,8 +19,8 @@ def test_profile_writes_cpu_time_ops_and_phases_per_batch(tmp_path, monkeypatch,
     for row in result["rows"]:
         assert row["cpu_ms_per_step"] > 0
         assert row["aten_ops_per_step"] > 0
-        assert set(row["phase_cpu_ms_per_step"]) == {"prepare_inputs", "forward", "sample",
-                                                     "engine_rest"}
+        assert set(row["phase_cpu_ms_per_step"]) == {"schedule", "prepare_inputs", "forward",
+                                                     "sample", "postprocess", "engine_rest"}
         assert 0 < len(row["top_ops"]) <= 3
     assert "batch   3:" in capsys.readouterr().out
 

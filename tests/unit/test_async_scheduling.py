@@ -1,0 +1,138 @@
+"""Async scheduling (engine.py's ``_launch_ahead``): a decode step launched before the previous
+one's tokens are read gives the same tokens, finish reasons and freed blocks as stepping one
+at a time. On by default on a GPU only; forced on here so that the CPU runs the same path (the
+CPU kernels are batch-invariant: tokens must be equal exactly)."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from services.engine.engine import LLMEngine
+from services.engine.sampling_params import SamplingParams
+from tests.reference import CHAT_PROMPTS, chat_prompt_ids, hf_greedy_outputs
+from tests.unit.test_engine import GREEDY, generate_all, make_engine
+
+
+def counting_steps_ahead(engine: LLMEngine) -> list[int]:
+    """Count the steps ``engine`` launches ahead (one entry per launch: its batch size)."""
+    launched, launch_ahead = [], engine.runner.launch_ahead
+
+    def counted(out, previous, keep, timed):
+        launched.append(len(out.scheduled))
+        return launch_ahead(out, previous, keep, timed)
+
+    engine.runner.launch_ahead = counted
+    return launched
+
+
+def run(engine: LLMEngine, requests: list[tuple[str, list[int], SamplingParams]],
+        arrivals: dict[int, list[int]] | None = None, aborts: dict[int, str] | None = None,
+        ) -> tuple[dict[str, list[int]], dict[str, str]]:
+    """Step ``engine`` until done: requests ``arrivals[k]`` (indices) are added before step
+    ``k`` (the rest at once), ``aborts[k]`` is aborted before step ``k``. Returns each request's
+    tokens and finish reason."""
+    arrivals = arrivals or {0: list(range(len(requests)))}
+    tokens: dict[str, list[int]] = {}
+    reasons: dict[str, str] = {}
+    step = 0
+    while step <= max(arrivals) or engine.has_work():
+        for i in arrivals.get(step, []):
+            request_id, ids, params = requests[i]
+            engine.add_request(engine.make_request(request_id, ids, params))
+        if aborts and step in aborts:
+            engine.abort(aborts[step])
+        for o in engine.step():
+            assert o.request_id not in reasons, f"{o.request_id}: output after it finished"
+            tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+            if o.finish_reason:
+                reasons[o.request_id] = o.finish_reason
+        step += 1
+    return tokens, reasons
+
+
+def random_requests(n: int, seed: int, **params) -> list[tuple[str, list[int], SamplingParams]]:
+    rng = random.Random(seed)
+    return [(f"r{i}", [rng.randrange(17, 49000) for _ in range(rng.randrange(4, 40))],
+             SamplingParams(temperature=0, max_tokens=rng.randrange(1, 24), **params))
+            for i in range(n)]
+
+
+def test_greedy_through_steps_ahead_matches_transformers():
+    engine = make_engine(async_scheduling=True)
+    ahead = counting_steps_ahead(engine)
+    prompts = [chat_prompt_ids(p) for p in CHAT_PROMPTS]
+    assert generate_all(engine, prompts, GREEDY) == [list(r) for r in hf_greedy_outputs()]
+    assert len(ahead) >= GREEDY.max_tokens - 2 and max(ahead) == len(prompts)
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_arrivals_lengths_stop_tokens_and_aborts_as_without_it(seed):
+    """Requests of random lengths arriving while steps run ahead, one aborted mid-stream, and
+    stop tokens met while a step ahead is in flight (the token it computed is dropped): the
+    same tokens, finish reasons and free blocks as one step at a time."""
+    sync = make_engine(async_scheduling=False)
+    requests = random_requests(10, seed, ignore_eos=True)
+    first, _ = run(sync, requests)
+    # a stop token each run meets early: the third token of every request long enough
+    requests = [(rid, ids, p.model_copy(update={"stop_token_ids": (first[rid][2],)}))
+                if len(first[rid]) > 4 else (rid, ids, p) for rid, ids, p in requests]
+    rid, ids, p = requests[0]  # aborted at step 5, long before its end
+    requests[0] = (rid, ids, p.model_copy(update={"max_tokens": 40, "stop_token_ids": ()}))
+    arrivals, aborts = {0: [0, 1, 2, 3], 3: [4, 5], 7: [6, 7, 8], 9: [9]}, {5: "r0"}
+    want = run(make_engine(async_scheduling=False), requests, arrivals, aborts)
+    engine = make_engine(async_scheduling=True)
+    ahead = counting_steps_ahead(engine)
+    got = run(engine, requests, arrivals, aborts)
+    assert got == want
+    assert ahead, "no step ran ahead"
+    assert any(r == "stop" for r in want[1].values())
+    assert "r0" not in want[1] and 0 < len(want[0]["r0"]) < 40
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert not engine.has_work() and not engine.scheduler.requests
+
+
+def test_a_batch_that_samples_otherwise_runs_one_step_at_a_time():
+    """Seeded sampling, penalties or logprobs in the batch: no step runs ahead, and the tokens
+    (logprobs too) equal stepping without async scheduling."""
+    kinds = [SamplingParams(temperature=0.8, top_p=0.9, seed=5, max_tokens=12, ignore_eos=True),
+             SamplingParams(temperature=0, repetition_penalty=1.3, max_tokens=12, ignore_eos=True),
+             SamplingParams(temperature=0, logprobs=3, max_tokens=12, ignore_eos=True)]
+    for params in kinds:
+        requests = [(f"r{i}", ids, params) for i, (_, ids, _) in
+                    enumerate(random_requests(3, 7))]
+        want = run(make_engine(async_scheduling=False), requests)
+        engine = make_engine(async_scheduling=True)
+        ahead = counting_steps_ahead(engine)
+        assert run(engine, requests) == want and ahead == [], params
+
+
+def test_steps_ahead_through_the_graph_buffers_match_transformers():
+    """The CUDA-graph runner's static buffers (run eagerly on CPU, ``capture=False``) take a step
+    ahead's input tokens from the device tensor of the step before."""
+    from tests.unit.test_cuda_graphs import padded_engine
+
+    engine = padded_engine(max_num_seqs=20, async_scheduling=True)
+    ahead = counting_steps_ahead(engine)
+    prompts = [chat_prompt_ids(p) for p in CHAT_PROMPTS[:5]]
+    assert generate_all(engine, prompts, GREEDY) == [list(r) for r in hf_greedy_outputs()[:5]]
+    assert 5 in ahead and engine.block_manager.num_free_blocks == 256
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_a_gpu_steps_ahead_give_the_tokens_of_steps_one_at_a_time():
+    """bf16 with CUDA graphs, where async scheduling is on by default: the same greedy tokens as
+    with it off (8 requests: one bucket, the same rows in every step either way)."""
+    from services.engine.engine import EngineConfig
+
+    prompts = [chat_prompt_ids(p) for p in CHAT_PROMPTS]
+    outs, launched = [], []
+    for async_scheduling in (False, None):
+        engine = LLMEngine(EngineConfig(device="cuda", dtype="bfloat16", num_kv_blocks=512,
+                                        max_num_seqs=16, async_scheduling=async_scheduling))
+        launched.append(counting_steps_ahead(engine))
+        outs.append(generate_all(engine, prompts, GREEDY))
+        assert engine.block_manager.num_free_blocks == 512
+    assert outs[0] == outs[1] and not launched[0] and len(launched[1]) >= GREEDY.max_tokens - 2
