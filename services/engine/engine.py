@@ -8,7 +8,8 @@ prompt whose KV another worker writes, then ``finish_remote_prefill()`` admits i
 does both in one process.
 
 Async scheduling (on by default where the model runs on a GPU; vLLM's ``--async-scheduling``):
-a decode-only step whose every row takes the argmax is launched without waiting for its
+a decode-only step whose every row samples alone (greedy or random, without penalties,
+structured output or logprobs, which read the tokens so far) is launched without waiting for its
 tokens, and before they are read the next step of the same requests is launched, its input
 tokens taken from the first step's samples on the device (``_launch_ahead``). The host then
 updates the scheduler and streams the first step's tokens while the device computes the next:

@@ -310,10 +310,11 @@ class InputBatch:
         return PromptLogprobsPlan(t["indices"], t["targets"], owners,
                                   int(self.prompt_logprobs[rows].max()))
 
-    def sampling(self, rows: np.ndarray) -> SamplingBatch:
+    def sampling(self, rows: np.ndarray, ahead: int = 0) -> SamplingBatch:
         """Sampling settings of ``rows`` (the sampled rows, in logits order), on the batch's
-        device in one copy; which rows each stage concerns is decided here, on the host."""
-        num_out = self.num_tokens[rows] - self.num_prompt[rows]  # this attempt's outputs
+        device in one copy; which rows each stage concerns is decided here, on the host.
+        ``ahead``: tokens of each row sampled and not yet recorded (async scheduling)."""
+        num_out = self.num_tokens[rows] - self.num_prompt[rows] + ahead  # this attempt's outputs
         a: dict[str, np.ndarray] = {}
         below = np.flatnonzero(num_out < self.min_tokens[rows])
         if below.size:  # min_tokens: EOS and stop ids masked
@@ -385,11 +386,19 @@ class InputBatch:
         a.update(penalty_rows=which, presence=self.presence[r], frequency=self.frequency[r],
                  repetition=self.repetition[r], history=history, output_from=self.output_from[r])
 
-    def plain_greedy(self, rows: np.ndarray) -> bool:
+    def samples_alone(self, rows: np.ndarray) -> bool:
+        """Whether every row of ``rows`` samples from its logits and settings alone: no
+        penalties (they read the tokens so far), structured output (its matcher does) or
+        logprobs, so that a step's tokens can be sampled before the last step's are read
+        (async scheduling; ``sampling(rows, ahead)`` counts the tokens not yet read)."""
+        return bool(not self.has_penalties[rows].any() and not self.constrained[rows].any()
+                    and (self.num_logprobs[rows] < 0).all())
+
+    def plain_greedy(self, rows: np.ndarray, ahead: int = 0) -> bool:
         """Whether every row of ``rows`` takes the argmax of its raw logits: greedy, no
         penalties, logit bias or structured output, no logprobs asked, and past ``min_tokens``
-        (nothing masked)."""
-        num_out = self.num_tokens[rows] - self.num_prompt[rows]
+        (nothing masked) counting ``ahead`` tokens sampled and not yet recorded."""
+        num_out = self.num_tokens[rows] - self.num_prompt[rows] + ahead
         return bool((self.temperature[rows] == 0).all() and not self.has_penalties[rows].any()
                     and (self.num_logprobs[rows] < 0).all() and not self.constrained[rows].any()
                     and (num_out >= self.min_tokens[rows]).all()

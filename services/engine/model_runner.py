@@ -40,7 +40,7 @@ def _untimed(phase: str, fn: Callable, *args):
 @dataclass
 class PendingStep:
     """A launched step whose sampled tokens are on their way to the host (``ModelRunner.launch``:
-    a decode-only step whose every row takes the argmax)."""
+    a decode-only step whose every row samples alone)."""
 
     out: SchedulerOutput
     inputs: ModelInputs
@@ -170,15 +170,16 @@ class ModelRunner:
     # -- async scheduling (engine.py): a step launched before the previous one's tokens are read
     def launch(self, out: SchedulerOutput, timed: Callable = _untimed) -> PendingStep | StepResult:
         """Prepare and run ``out`` without waiting for its tokens when it is a decode-only step
-        whose every row takes the argmax (``PendingStep``; ``collect`` reads them); any other
-        step runs whole (``execute``'s ``StepResult``)."""
+        whose every row samples alone (``InputBatch.samples_alone``: ``PendingStep``;
+        ``collect`` reads them); any other step runs whole (``execute``'s ``StepResult``)."""
         inputs = timed("prepare_inputs", self.prepare_inputs, out)
         n = inputs.input_ids.shape[0]
         if not (inputs.attn.num_decode_seqs == n == len(inputs.sampled_rows)
-                and inputs.prompt_logprobs is None and self.input_batch.plain_greedy(inputs.rows)):
+                and inputs.prompt_logprobs is None
+                and self.input_batch.samples_alone(inputs.rows)):
             forwarded = timed("forward", self.forward, inputs)
             return timed("sample", self.sample, out, inputs, forwarded)
-        return self._launch(out, inputs, timed)
+        return self._launch(out, inputs, 0, timed)
 
     def launch_ahead(self, out: SchedulerOutput, previous: PendingStep, keep: list[int],
                      timed: Callable = _untimed) -> PendingStep:
@@ -189,11 +190,16 @@ class ModelRunner:
         if len(keep) < len(previous.out.scheduled):  # the index goes without a host sync too
             ids = ids[to_device({"keep": np.asarray(keep, np.int64)}, ids.device)["keep"]]
         inputs = timed("prepare_inputs", self.input_batch.prepare, out, ids)
-        return self._launch(out, inputs, timed)
+        return self._launch(out, inputs, 1, timed)
 
-    def _launch(self, out: SchedulerOutput, inputs: ModelInputs, timed: Callable) -> PendingStep:
+    def _launch(self, out: SchedulerOutput, inputs: ModelInputs, ahead: int,
+                timed: Callable) -> PendingStep:
+        """Forward and sample on the device, and queue the tokens' copy to the host; ``ahead``:
+        tokens of each row sampled and not yet recorded."""
         logits, _ = timed("forward", self.forward, inputs)
-        tokens = argmax_rows(logits)  # rows in out.scheduled order: a decode-only step's
+        batch, rows = self.input_batch, inputs.rows  # in out.scheduled order: decode-only
+        tokens = (argmax_rows(logits) if batch.plain_greedy(rows, ahead)
+                  else sample(logits, batch.sampling(rows, ahead)).token_ids)
         if not tokens.is_cuda:
             return PendingStep(out, inputs, tokens, tokens, None)
         host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)

@@ -94,15 +94,31 @@ def test_arrivals_lengths_stop_tokens_and_aborts_as_without_it(seed):
     assert not engine.has_work() and not engine.scheduler.requests
 
 
-def test_a_batch_that_samples_otherwise_runs_one_step_at_a_time():
-    """Seeded sampling, penalties or logprobs in the batch: no step runs ahead, and the tokens
-    (logprobs too) equal stepping without async scheduling."""
-    kinds = [SamplingParams(temperature=0.8, top_p=0.9, seed=5, max_tokens=12, ignore_eos=True),
-             SamplingParams(temperature=0, repetition_penalty=1.3, max_tokens=12, ignore_eos=True),
-             SamplingParams(temperature=0, logprobs=3, max_tokens=12, ignore_eos=True)]
-    for params in kinds:
-        requests = [(f"r{i}", ids, params) for i, (_, ids, _) in
-                    enumerate(random_requests(3, 7))]
+def test_seeded_sampling_with_min_tokens_runs_ahead_with_the_same_tokens():
+    """Random rows sample on the device too: each row's draw and its min_tokens mask count the
+    token still on its way (a draw index or mask one token off changes the tokens)."""
+    def requests(stops=None):
+        return [(rid, ids, SamplingParams(
+            temperature=0.9, top_p=0.95, top_k=40, seed=100 + i, max_tokens=16, ignore_eos=True,
+            min_tokens=6 if stops else 0, stop_token_ids=(stops[rid],) if stops else ()))
+            for i, (rid, ids, _) in enumerate(random_requests(6, 3))]
+
+    first, _ = run(make_engine(async_scheduling=False), requests())
+    stops = {rid: tokens[2] for rid, tokens in first.items()}  # met early: masked until 6
+    want = run(make_engine(async_scheduling=False), requests(stops))
+    engine = make_engine(async_scheduling=True)
+    ahead = counting_steps_ahead(engine)
+    assert run(engine, requests(stops)) == want and len(ahead) > 4
+    assert all(len(tokens) >= 6 for tokens in want[0].values())
+
+
+def test_penalties_or_logprobs_in_the_batch_run_one_step_at_a_time():
+    """Penalties and logprobs read the tokens so far: no step runs ahead, and the tokens are
+    those without async scheduling."""
+    for params in (SamplingParams(temperature=0, repetition_penalty=1.3, max_tokens=12,
+                                  ignore_eos=True),
+                   SamplingParams(temperature=0, logprobs=3, max_tokens=12, ignore_eos=True)):
+        requests = [(rid, ids, params) for rid, ids, _ in random_requests(3, 7)]
         want = run(make_engine(async_scheduling=False), requests)
         engine = make_engine(async_scheduling=True)
         ahead = counting_steps_ahead(engine)
