@@ -182,6 +182,8 @@ class BlockManager:
         """
         bs = self.block_size
         total = request.num_computed_tokens + len(computed_blocks) * bs + num_new_tokens
+        if not computed_blocks and total <= len(request.block_table) * bs:
+            return True  # a running request's usual step: its last block has room
         missing = max(self.blocks_needed(total) - len(request.block_table) - len(computed_blocks), 0)
         revived = sum(1 for b in computed_blocks if self.blocks[b].ref_count == 0)
         if missing + revived > len(self._free):

@@ -331,11 +331,8 @@ class LLMEngine:
                 and len(r.output_token_ids) + 1 < r.sampling_params.max_tokens
                 and r.num_tokens + 1 < s.config.max_model_len]
         nxt = [out.scheduled[i] for i in keep]
-        # blocks for the token after the one computing now (the scheduler's counters lag by
-        # it); most steps need none, and the call costs more than the check
-        bm = self.block_manager
-        if not nxt or not all(len(r.block_table) * bm.block_size >= r.num_computed_tokens + 2
-                              or bm.allocate_slots(r, 2) for r in nxt):
+        # blocks for the token after the one computing now (the scheduler's counters lag by it)
+        if not nxt or not all(self.block_manager.allocate_slots(r, 2) for r in nxt):
             return None
         ahead = SchedulerOutput(nxt, {r.request_id: 1 for r in nxt})
         try:

@@ -383,7 +383,7 @@ class Scheduler:
     ) -> list[RequestOutput]:
         """Advance counters after the model ran ``out``; ``sampled_token_ids[i]`` belongs to
         ``out.scheduled[i]`` and is None for a prompt chunk that is not the prompt's last."""
-        outputs = []
+        outputs, finished = [], False
         for request, token_id in zip(out.scheduled, sampled_token_ids):
             if request.is_finished():  # aborted while the step ran
                 continue
@@ -392,8 +392,9 @@ class Scheduler:
                 self.block_manager.cache_full_blocks(request)
             self._free_outside_window(request)
             if token_id is not None:
-                outputs.append(self._append_token(request, token_id))
-        if any(r.is_finished() for r in self.running):
+                outputs.append(output := self._append_token(request, token_id))
+                finished = finished or output.finish_reason is not None
+        if finished:  # (an abort removes its request from running itself)
             self.running = [r for r in self.running if not r.is_finished()]
         return outputs
 
