@@ -62,6 +62,14 @@ log = logging.getLogger(__name__)
 MAX_STEPS_LOST_ALL = 3  # single-request steps in a row that fail: the engine's fault, not theirs
 
 
+def _async_scheduling(config: EngineConfig, on_gpu: bool, faults: EngineFaults | None) -> bool:
+    """Whether steps may be launched ahead (``LLMEngine._launch_ahead``): by default where the
+    model runs on a GPU (a CPU computes a step in the calling thread: nothing to overlap); never
+    for static batching's padding rows nor under fault injection's per-step hooks."""
+    wanted = on_gpu if config.async_scheduling is None else config.async_scheduling
+    return wanted and config.scheduling_policy == "continuous" and faults is None
+
+
 class LLMEngine:
     """Synchronous engine: callers own the thread that calls ``step()``.
 
@@ -127,12 +135,7 @@ class LLMEngine:
         self._faults = EngineFaults() if fault_injection else None
         self._prompt_logprobs: dict[str, list] = {}  # request id -> prompt logprobs so far
         self._steps_lost_all = 0  # failed steps in a row whose every request failed alone
-        # async scheduling (_launch_ahead): on by default where the model runs on a GPU (a
-        # CPU computes a step in the calling thread: nothing to overlap); not for static
-        # batching's padding rows nor under fault injection's per-step hooks
-        self.async_scheduling = (
-            (self.kv_cache.is_cuda if config.async_scheduling is None else config.async_scheduling)
-            and config.scheduling_policy == "continuous" and self._faults is None)
+        self.async_scheduling = _async_scheduling(config, self.kv_cache.is_cuda, self._faults)
         self._ahead: tuple[SchedulerOutput, PendingStep] | None = None  # launched, not collected
         log.info("engine ready in %.1fs: %d KV blocks of %d tokens, max_model_len %d",
                  time.perf_counter() - t0, num_blocks, config.block_size, self.max_model_len)
