@@ -78,7 +78,7 @@ elif [ "$stage" = b ]; then
     ran profile && { grep -E "^(precision|batch)|^    sync" "$OUT/profile.log"; }
     step profile_graphs 60 python3 -m scripts.profile_decode_step --device cuda --dtype bfloat16 \
         --quantization none --batches 1,16,64 --steps 32 --out "$OUT/profile_graphs.json"
-    ran profile_graphs && grep -E "^(precision|batch)" "$OUT/profile_graphs.log"
+    ran profile_graphs && grep -E "^(precision|batch)|^    gpu" "$OUT/profile_graphs.log"
     step profile_sync 60 python3 -m scripts.profile_decode_step --device cuda --dtype bfloat16 \
         --quantization none --batches 1,16,64 --steps 32 --no-async-scheduling \
         --out /tmp/profile_sync.json
