@@ -208,6 +208,11 @@ class LLMEngine:
         """Decode role: reserve blocks for the prompt's KV; False when too few are free.
         Raises ``ValueError`` naming a field the model cannot serve."""
         self.check_params(request.sampling_params)
+        if self._ahead is not None:
+            # another process writes the reserved blocks (CUDA IPC), unordered with this one's
+            # stream, and a block freed since the step ahead was launched may still take one
+            # slot of that step's K/V (a request that stopped or was aborted meanwhile)
+            self._ahead[1].wait()
         return self.scheduler.reserve(request)
 
     def finish_remote_prefill(self, request_id: str, first_token_id: int,

@@ -48,6 +48,11 @@ class PendingStep:
     host: torch.Tensor  # [num_seqs] int64, pinned: filled by an asynchronous copy of tokens
     copied: torch.cuda.Event | None  # recorded after that copy (None on a CPU: host is tokens)
 
+    def wait(self) -> None:
+        """Block until the step has run on the device (its K/V writes included)."""
+        if self.copied is not None:
+            self.copied.synchronize()
+
 
 @dataclass
 class StepResult:
@@ -212,8 +217,7 @@ class ModelRunner:
         """Wait for a launched step's tokens (the step's one host synchronisation) and record
         them in the batch; what ``execute`` returns for the step."""
         def read() -> list[int]:
-            if step.copied is not None:
-                step.copied.synchronize()
+            step.wait()
             return self._to_host_list(step.host)
 
         token_ids = timed("sample", read)

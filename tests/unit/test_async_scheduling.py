@@ -125,6 +125,24 @@ def test_penalties_or_logprobs_in_the_batch_run_one_step_at_a_time():
         assert run(engine, requests) == want and ahead == [], params
 
 
+def test_a_reservation_waits_for_the_step_ahead():
+    """A decode worker's reservation hands blocks to another process's writer (CUDA IPC),
+    unordered with this process's stream; a block freed while a step ran ahead (its request
+    stopped or was aborted) may still take one slot of that step's K/V. So ``reserve`` waits
+    for the step in flight first."""
+    engine = make_engine(async_scheduling=True)
+    for rid, ids, params in random_requests(4, 5):
+        engine.add_request(engine.make_request(rid, ids, params.model_copy(
+            update={"max_tokens": 30, "ignore_eos": True})))
+    while engine._ahead is None:
+        engine.step()
+    waited = []
+    engine._ahead[1].wait = lambda: waited.append(True)
+    engine.abort("r0")
+    reservation = engine.make_request("kv-in", list(range(20, 60)), GREEDY)
+    assert engine.reserve(reservation) and waited == [True]
+
+
 def test_steps_ahead_through_the_graph_buffers_match_transformers():
     """The CUDA-graph runner's static buffers (run eagerly on CPU, ``capture=False``) take a step
     ahead's input tokens from the device tensor of the step before."""
