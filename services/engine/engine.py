@@ -10,8 +10,9 @@ does both in one process.
 Async scheduling (on by default where the model runs on a GPU; vLLM's ``--async-scheduling``):
 a decode-only step whose every row samples alone (greedy or random, without penalties,
 structured output or logprobs, which read the tokens so far) is launched without waiting for its
-tokens, and before they are read the next step of the same requests is launched, its input
-tokens taken from the first step's samples on the device (``_launch_ahead``). The host then
+tokens, and before they are read the next step of the same requests (and of any admitted since
+that only decode: a remote prefill's) is launched, its input tokens taken from the first step's
+samples on the device (``_launch_ahead``). The host then
 updates the scheduler and streams the first step's tokens while the device computes the next:
 a step costs the larger of the GPU's time and the host's, not their sum. Tokens are the same
 as without it: the step ahead computes what the next ``schedule()`` would have (a request that
@@ -327,24 +328,34 @@ class LLMEngine:
                       ) -> tuple[SchedulerOutput, PendingStep] | None:
         """Async scheduling (vLLM's ``--async-scheduling``): the next decode step of
         ``launched``'s requests, launched before its tokens are known, its input tokens
-        ``launched``'s samples on the device. Only while every running request is in the step
-        and none waits (a newcomer would otherwise wait behind a chain of such steps); a
+        ``launched``'s samples on the device; requests admitted since with their first token
+        (a remote prefill's: ``Scheduler.admit_decoding``) join it, their input token from the
+        host. Not while a request waits to compute a prompt (it would otherwise wait behind a
+        chain of such steps); a
         request whose next token ends it by length is left out, and one that ends by a stop
         token computes one token more, which ``update_from_output`` drops (it skips finished
         requests). None when no step can go ahead (or blocks for it are short)."""
         s = self.scheduler
-        if s.waiting or len(s.running) != len(out.scheduled):
+        if s.waiting and not s.admit_decoding():
             return None
         keep = [i for i, r in enumerate(out.scheduled) if r.status == RequestStatus.RUNNING
                 and len(r.output_token_ids) + 1 < r.sampling_params.max_tokens
                 and r.num_tokens + 1 < s.config.max_model_len]
         nxt = [out.scheduled[i] for i in keep]
-        # blocks for the token after the one computing now (the scheduler's counters lag by it)
-        if not nxt or not all(self.block_manager.allocate_slots(r, 2) for r in nxt):
+        stepping = {r.request_id for r in out.scheduled}
+        admitted = [r for r in s.running if r.request_id not in stepping]
+        if any(r.num_computed_tokens != r.num_tokens - 1 for r in admitted):
+            return None  # a prompt still to compute: the next step is scheduled as usual
+        # blocks for the token after the one computing now (the scheduler's counters lag by
+        # it), and for the admitted ones' next token (admit_decoding's: no new block)
+        bm = self.block_manager
+        if not nxt or not (all(bm.allocate_slots(r, 2) for r in nxt)
+                           and all(bm.allocate_slots(r, 1) for r in admitted)):
             return None
-        ahead = SchedulerOutput(nxt, {r.request_id: 1 for r in nxt})
+        ahead = SchedulerOutput(nxt + admitted, {r.request_id: 1 for r in nxt + admitted})
         try:
-            return ahead, self.runner.launch_ahead(ahead, launched, keep, self.metrics.timed)
+            step = self.runner.launch_ahead(ahead, launched, keep, self.metrics.timed)
+            return (ahead, step) if step is not None else None
         except Exception as exc:  # noqa: BLE001 - the step runs the usual way instead
             log.warning("async scheduling: the step ahead failed to launch (%s: %s)",
                         type(exc).__name__, exc)

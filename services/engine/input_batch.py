@@ -239,20 +239,21 @@ class InputBatch:
         """The model's inputs for ``out``, on the batch's device. Rows are added for requests
         seen for the first time (``add``: its errors propagate).
 
-        ``ahead_ids`` (async scheduling): ``out`` decodes requests whose previous step is still
-        running, one token each; their input tokens are that step's samples, still on the
-        device (``[num_seqs]`` int64, in ``out.scheduled`` order), and every counter of theirs
-        here and in the scheduler is one token behind."""
+        ``ahead_ids`` (async scheduling): ``out`` decodes one token per request, and its first
+        ``len(ahead_ids)`` requests' previous step is still running: their input tokens are
+        that step's samples, still on the device (``[k]`` int64, in ``out.scheduled`` order),
+        and every counter of theirs here and in the scheduler is one token behind."""
         self.remove(out.finished_req_ids)
         reqs, sched = out.scheduled, out.num_scheduled_tokens
-        n, ahead = len(reqs), int(ahead_ids is not None)
+        n = len(reqs)
+        num_ahead = 0 if ahead_ids is None else ahead_ids.shape[0]
         rows, num_new, computed = (np.empty(n, np.int64) for _ in range(3))
         for i, r in enumerate(reqs):  # NOTE: the one loop over requests: counters only
             row = self.row_of.get(r.request_id)
             if row is None:
                 row = self.add(r)
             rows[i], num_new[i] = row, sched[r.request_id]
-            computed[i] = r.num_computed_tokens + ahead
+            computed[i] = r.num_computed_tokens + (i < num_ahead)
             if (r.num_tokens != self.num_tokens[row] or r.block_table is not self._tables[row]
                     or len(r.block_table) != self.num_blocks[row]):
                 self._sync(r, row)
@@ -268,17 +269,20 @@ class InputBatch:
         slots = self.block_table[token_rows, positions // bs] * bs + positions % bs
         seq_lens = computed + num_new
         width = int(-(-seq_lens.max() // bs))
+        ahead = (np.arange(n) < num_ahead) if num_ahead else 0  # rows in out.scheduled order
         sampled = np.flatnonzero(seq_lens == self.num_tokens[rows] + ahead)
         query_start_loc = np.concatenate(([0], ends))
         arrays = {"positions": positions, "slot_mapping": slots, "seq_lens": seq_lens,
                   "block_tables": self.block_table[rows, :width],
                   "logits_indices": ends[sampled] - 1,
                   "query_start_loc": query_start_loc.astype(np.int32)}
-        if ahead_ids is None:
-            arrays["input_ids"] = self.token_ids[token_rows, positions].astype(np.int64)
+        if num_ahead < n:
+            arrays["input_ids"] = self.token_ids[token_rows[num_ahead:],
+                                                 positions[num_ahead:]].astype(np.int64)
         t = to_device(arrays, self.device)
-        if ahead_ids is not None:  # one token per request, in out.scheduled order = row order
-            t["input_ids"] = ahead_ids
+        if num_ahead:  # one token per request: batch rows are out.scheduled's order
+            t["input_ids"] = (ahead_ids if num_ahead == n
+                              else torch.cat((ahead_ids, t["input_ids"])))
         attn = AttentionMetadata(t["slot_mapping"], t["block_tables"], t["seq_lens"],
                                  query_start_loc.tolist(), int(np.count_nonzero(num_new == 1)))
         attn.set_query_start_loc_tensor(t["query_start_loc"])

@@ -187,20 +187,25 @@ class ModelRunner:
         return self._launch(out, inputs, 0, timed)
 
     def launch_ahead(self, out: SchedulerOutput, previous: PendingStep, keep: list[int],
-                     timed: Callable = _untimed) -> PendingStep:
-        """Launch ``out``: the next token of ``previous``'s requests at indices ``keep`` (all of
-        ``out.scheduled``, in order), whose input tokens are ``previous``'s samples on the
-        device; the scheduler's and this batch's counters of them are one token behind."""
+                     timed: Callable = _untimed) -> PendingStep | None:
+        """Launch ``out``: first the next token of ``previous``'s requests at indices ``keep``,
+        whose input tokens are ``previous``'s samples on the device (the scheduler's and this
+        batch's counters of them are one token behind), then requests admitted since, whose
+        tokens are all known. None (nothing launched) when an admitted request does not sample
+        alone."""
         ids = previous.tokens
         if len(keep) < len(previous.out.scheduled):  # the index goes without a host sync too
             ids = ids[to_device({"keep": np.asarray(keep, np.int64)}, ids.device)["keep"]]
         inputs = timed("prepare_inputs", self.input_batch.prepare, out, ids)
-        return self._launch(out, inputs, 1, timed)
+        if len(keep) < len(out.scheduled) and not self.input_batch.samples_alone(inputs.rows):
+            return None
+        ahead = (np.arange(len(out.scheduled)) < len(keep)).astype(np.int64)
+        return self._launch(out, inputs, ahead, timed)
 
-    def _launch(self, out: SchedulerOutput, inputs: ModelInputs, ahead: int,
+    def _launch(self, out: SchedulerOutput, inputs: ModelInputs, ahead: int | np.ndarray,
                 timed: Callable) -> PendingStep:
         """Forward and sample on the device, and queue the tokens' copy to the host; ``ahead``:
-        tokens of each row sampled and not yet recorded."""
+        tokens of each row (or of all) sampled and not yet recorded."""
         logits, _ = timed("forward", self.forward, inputs)
         batch, rows = self.input_batch, inputs.rows  # in out.scheduled order: decode-only
         tokens = (argmax_rows(logits) if batch.plain_greedy(rows, ahead)

@@ -179,6 +179,22 @@ class Scheduler:
             self.waiting.append(request)
         return output
 
+    def admit_decoding(self) -> bool:
+        """Async scheduling (engine.py's ``_launch_ahead``): admit every waiting request, as
+        ``schedule()`` would, when each only decodes (a remote prefill's, its prompt's K/V
+        landed), room allows, and its next token's slot is allocated. False (none admitted)
+        otherwise: the next step is scheduled as usual."""
+        room = min(self.config.max_num_seqs, self.config.max_num_batched_tokens)
+        if len(self.running) + len(self.waiting) > room or any(
+                r.num_computed_tokens != r.num_tokens - 1 for r in self.waiting):
+            return False
+        self._order_waiting()
+        if not all(self.block_manager.allocate_slots(r, 1) for r in self.waiting):
+            return False
+        while self.waiting:
+            self.start_running(self.waiting[0], [])
+        return True
+
     def prefix_hit(self, request: Request) -> list[int]:
         """Cached blocks to start ``request`` from: [] unless caching is on and nothing of the
         request is computed yet (new or preempted; a decode-role request has its prompt KV)."""

@@ -170,3 +170,50 @@ def test_on_a_gpu_steps_ahead_give_the_tokens_of_steps_one_at_a_time():
         outs.append(generate_all(engine, prompts, GREEDY))
         assert engine.block_manager.num_free_blocks == 512
     assert outs[0] == outs[1] and not launched[0] and len(launched[1]) >= GREEDY.max_tokens - 2
+
+
+def land_remote_prefill(prefill: LLMEngine, decode: LLMEngine, request_id: str,
+                        ids: list[int], params: SamplingParams) -> None:
+    """A P/D handoff in process: ``prefill`` computes the prompt and its first token, the
+    decode engine reserves blocks, the K/V is copied block by block (as the TCP transport
+    writes it) and the request is admitted with its first token."""
+    prefill.add_request(prefill.make_request(request_id, ids, params, hold_kv=True))
+    first = None
+    while first is None:
+        first = next((o.new_token_ids[0] for o in prefill.step()
+                      if o.request_id == request_id and o.new_token_ids), None)
+    request = decode.make_request(request_id, ids, params)
+    assert decode.reserve(request)
+    src = prefill.scheduler.requests[request_id].block_table
+    dst = request.block_table
+    decode.kv_cache[:, :, dst] = prefill.kv_cache[:, :, src[:len(dst)]]
+    prefill.release(request_id)
+    assert decode.finish_remote_prefill(request_id, first) is not None
+
+
+def test_requests_admitted_from_a_remote_prefill_join_the_steps_ahead():
+    """A decode worker admits a remote prefill's request while steps run ahead: it joins the
+    next step ahead (its input token from the host, the others' from the device) instead of
+    breaking the chain, and every request's tokens are those of stepping one at a time."""
+    requests = [(rid, ids, p.model_copy(update={"max_tokens": 20 + i}))
+                for i, (rid, ids, p) in enumerate(random_requests(6, 11, ignore_eos=True))]
+    arrivals = {0: [0, 1], 2: [2], 3: [3], 6: [4, 5]}
+    outs, sizes = [], []
+    for async_scheduling in (False, True):
+        prefill, decode = make_engine(), make_engine(async_scheduling=async_scheduling)
+        launched = counting_steps_ahead(decode)
+        tokens: dict[str, list[int]] = {}
+        step, sizes = 0, []  # per step call: the size of the step it launched ahead (0: none)
+        while step <= max(arrivals) or decode.has_work():
+            for i in arrivals.get(step, []):
+                land_remote_prefill(prefill, decode, *requests[i])
+            before = len(launched)
+            for o in decode.step():
+                tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+            sizes.append(launched[-1] if len(launched) > before else 0)
+            step += 1
+        outs.append(tokens)
+        assert decode.block_manager.num_free_blocks == decode.block_manager.num_blocks
+    assert outs[0] == outs[1]
+    # from the first decode step on, every call launches the next step, newcomers in it
+    assert sizes[:8] == [2, 2, 3, 4, 4, 4, 6, 6], sizes
