@@ -331,10 +331,10 @@ class LLMEngine:
         ``launched``'s samples on the device; requests admitted since with their first token
         (a remote prefill's: ``Scheduler.admit_decoding``) join it, their input token from the
         host. Not while a request waits to compute a prompt (it would otherwise wait behind a
-        chain of such steps); a
-        request whose next token ends it by length is left out, and one that ends by a stop
-        token computes one token more, which ``update_from_output`` drops (it skips finished
-        requests). None when no step can go ahead (or blocks for it are short)."""
+        chain of such steps); a request whose next token ends it by length is left out, and one
+        that ends by a stop token computes one token more, which ``update_from_output`` drops
+        (it skips finished requests). None when no step can go ahead (or blocks for it are
+        short)."""
         s = self.scheduler
         if s.waiting and not s.admit_decoding():
             return None
