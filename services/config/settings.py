@@ -66,6 +66,9 @@ ENGINE_HELP = {
                    "well under it, e.g. GPUs)",
     "enforce_eager": "on a GPU, launch every step's kernels from Python instead of replaying "
                      "decode steps from CUDA graphs (vLLM's --enforce-eager)",
+    "async_scheduling": "launch each decode step before the previous one's tokens reach the "
+                        "host, so the host's work overlaps the device's (vLLM's "
+                        "--async-scheduling; unset: on where the KV cache is on a GPU)",
 }
 ENGINE_NAMES = {"kv_cache_memory_gib": ("TANDEM_KV_CACHE_GIB", "--kv-cache-gib")}
 
