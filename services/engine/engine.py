@@ -286,9 +286,22 @@ class LLMEngine:
         if self._faults is not None:
             self._faults.after_execute(out)
         outputs = self.metrics.timed("postprocess", self._update, out, result)
+        if self._ahead is not None:
+            self._forget_finished()
         self.metrics.record_step(out, self.scheduler, outputs)
         self.step_cost.observe(out.total_num_scheduled_tokens, time.perf_counter() - t0)
         return failed + outputs
+
+    def _forget_finished(self) -> None:
+        """Free the batch rows of finished requests while steps run ahead: ``schedule()``, which
+        frees them otherwise, does not run while the chain lasts (a decode worker's can last as
+        long as its load). A row the step in flight still writes waits for a later call."""
+        s = self.scheduler
+        in_flight = {r.request_id for r in self._ahead[0].scheduled}
+        done = s.finished_req_ids - in_flight
+        if done:
+            self.runner.input_batch.remove(done)
+            s.finished_req_ids -= done
 
     def _run_model(self, out: SchedulerOutput):
         if self._faults is not None:

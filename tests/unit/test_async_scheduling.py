@@ -211,6 +211,13 @@ def test_requests_admitted_from_a_remote_prefill_join_the_steps_ahead():
             for o in decode.step():
                 tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
             sizes.append(launched[-1] if len(launched) > before else 0)
+            # a chain can last as long as the load: finished requests' rows go meanwhile, but
+            # for those the step in flight still writes (one step at a time: at the next step)
+            gone = decode.scheduler.finished_req_ids
+            if decode._ahead is not None:
+                gone = gone & {r.request_id for r in decode._ahead[0].scheduled}
+            live = {r.request_id for r in decode.scheduler.running}
+            assert set(decode.runner.input_batch.row_of) <= live | gone
             step += 1
         outs.append(tokens)
         assert decode.block_manager.num_free_blocks == decode.block_manager.num_blocks
