@@ -50,11 +50,11 @@ SYNC_EVENTS = frozenset(("cudaStreamSynchronize", "cudaDeviceSynchronize", "cuda
 COPY_EVENTS = frozenset(("cudaMemcpyAsync",))  # host <-> device and device copies, queued
 
 
-def gpu_kernel_ms(events) -> float:
-    """Milliseconds the device spent in kernels and copies among profiler ``events`` (each
-    event's own device time; kernels replayed from a CUDA graph are recorded one by one)."""
-    return sum(a.self_device_time_total for a in events
-               if a.device_type == torch.autograd.DeviceType.CUDA) / 1e3
+def device_events(events) -> list:
+    """The kernels and copies among profiler ``events``, most device time first (each event's
+    own device time; kernels replayed from a CUDA graph are recorded one by one)."""
+    return sorted((a for a in events if a.device_type == torch.autograd.DeviceType.CUDA),
+                  key=lambda a: a.self_device_time_total, reverse=True)
 
 
 def count_calls(events, names: frozenset[str]) -> int:
@@ -144,6 +144,7 @@ def profile_batch(e, batch: int, warmup: int, steps: int, profile_steps: int, to
     sites = sync_sites(e, profile_steps) if cuda else {}
     while e.has_work():  # the batch finishes in a few steps: the next starts from empty
         e.step()
+    kernels = device_events(everything) if cuda else []
     events = [a for a in everything if a.key.startswith("aten::")]
     ops = sum(a.count for a in events)
     compute_ops = sum(a.count for a in events if a.key not in VIEW_OPS)
@@ -162,16 +163,11 @@ def profile_batch(e, batch: int, warmup: int, steps: int, profile_steps: int, to
         **({"kernel_launches_per_step": count_calls(everything, LAUNCH_EVENTS) / profile_steps,
             "host_syncs_per_step": count_calls(everything, SYNC_EVENTS) / profile_steps,
             "async_copies_per_step": count_calls(everything, COPY_EVENTS) / profile_steps,
-            "gpu_ms_per_step": gpu_kernel_ms(everything) / profile_steps}
-           if cuda else {}),
-        **({"sync_sites_per_step": {k: v / profile_steps for k, v in sites.items()}}
-           if cuda else {}),
-        **({"top_kernels": [{"kernel": a.key, "calls_per_step": a.count / profile_steps,
+            "gpu_ms_per_step": sum(a.self_device_time_total for a in kernels) / 1e3 / profile_steps,
+            "sync_sites_per_step": {k: v / profile_steps for k, v in sites.items()},
+            "top_kernels": [{"kernel": a.key, "calls_per_step": a.count / profile_steps,
                              "device_us_per_step": a.self_device_time_total / profile_steps}
-                            for a in sorted(
-                                (a for a in everything
-                                 if a.device_type == torch.autograd.DeviceType.CUDA),
-                                key=lambda a: a.self_device_time_total, reverse=True)[:top]]}
+                            for a in kernels[:top]]}
            if cuda else {}),
         "top_ops": [{"op": a.key, "calls_per_step": a.count / profile_steps,
                      "self_cpu_ms_per_step": a.self_cpu_time_total / profile_steps / 1e3}

@@ -12,9 +12,9 @@ a decode-only step whose every row samples alone (greedy or random, without pena
 structured output or logprobs, which read the tokens so far) is launched without waiting for its
 tokens, and before they are read the next step of the same requests (and of any admitted since
 that only decode: a remote prefill's) is launched, its input tokens taken from the first step's
-samples on the device (``_launch_ahead``). The host then
-updates the scheduler and streams the first step's tokens while the device computes the next:
-a step costs the larger of the GPU's time and the host's, not their sum. Tokens are the same
+samples on the device (``_launch_ahead``). The host then updates the scheduler and streams the
+first step's tokens while the device computes the next: a step costs the larger of the GPU's
+time and the host's, not their sum. Tokens are the same
 as without it: the step ahead computes what the next ``schedule()`` would have (a request that
 stops on a stop token computes one token more, which is dropped).
 
@@ -297,8 +297,9 @@ class LLMEngine:
         frees them otherwise, does not run while the chain lasts (a decode worker's can last as
         long as its load). A row the step in flight still writes waits for a later call."""
         s = self.scheduler
-        in_flight = {r.request_id for r in self._ahead[0].scheduled}
-        done = s.finished_req_ids - in_flight
+        if not s.finished_req_ids:  # most steps: nothing finished
+            return
+        done = s.finished_req_ids - {r.request_id for r in self._ahead[0].scheduled}
         if done:
             self.runner.input_batch.remove(done)
             s.finished_req_ids -= done
@@ -357,7 +358,7 @@ class LLMEngine:
         nxt = [out.scheduled[i] for i in keep]
         stepping = {r.request_id for r in out.scheduled}
         admitted = [r for r in s.running if r.request_id not in stepping]
-        if any(r.num_computed_tokens != r.num_tokens - 1 for r in admitted):
+        if not all(r.only_decodes for r in admitted):
             return None  # a prompt still to compute: the next step is scheduled as usual
         # blocks for the token after the one computing now (the scheduler's counters lag by
         # it), and for the admitted ones' next token (admit_decoding's: no new block)

@@ -228,7 +228,7 @@ class ModelRunner:
         token_ids = timed("sample", read)
         self.input_batch.record_sampled(step.inputs.rows, token_ids)
         n = len(token_ids)
-        return StepResult(list(token_ids), [None] * n, {})
+        return StepResult(token_ids, [None] * n, {})
 
     def prepare_inputs(self, out: SchedulerOutput) -> ModelInputs:
         """The step's model inputs on the model's device (``InputBatch.prepare``)."""

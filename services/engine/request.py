@@ -75,6 +75,12 @@ class Request:
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
+    @property
+    def only_decodes(self) -> bool:
+        """Every token but the newest has its KV computed: the next step decodes one token
+        (a running request's, or a remote prefill's once its prompt's KV has landed)."""
+        return self.num_computed_tokens == self.num_tokens - 1
+
     def token_slice(self, start: int, end: int) -> list[int]:
         """Token ids in positions ``[start, end)`` without building the whole list."""
         p = len(self.prompt_token_ids)

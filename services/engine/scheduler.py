@@ -185,8 +185,8 @@ class Scheduler:
         landed), room allows, and its next token's slot is allocated. False (none admitted)
         otherwise: the next step is scheduled as usual."""
         room = min(self.config.max_num_seqs, self.config.max_num_batched_tokens)
-        if len(self.running) + len(self.waiting) > room or any(
-                r.num_computed_tokens != r.num_tokens - 1 for r in self.waiting):
+        if len(self.running) + len(self.waiting) > room or not all(
+                r.only_decodes for r in self.waiting):
             return False
         self._order_waiting()
         if not all(self.block_manager.allocate_slots(r, 1) for r in self.waiting):
