@@ -25,7 +25,9 @@ def test_live_objects_are_frozen_and_startup_garbage_collected(caplog):
         del garbage
         caplog.set_level("INFO", logger="services.startup_heap")
         frozen = freeze_startup_heap("test process")
-        assert frozen == gc.get_freeze_count() > len(alive)
+        # Frozen objects can still die by reference count (a daemon thread left by an earlier
+        # test drops its last reference), so the count may only have fallen since.
+        assert len(alive) < gc.get_freeze_count() <= frozen
         tracked = {id(o) for o in gc.get_objects()}
         assert not any(id(o) in tracked for o in alive)  # in the permanent generation
         assert garbage_id not in tracked
