@@ -19,6 +19,15 @@ rest of ``engine.step``.
 every batch: greedy, seeded temperature + top-k + top-p, penalties + min_tokens, greedy with 5
 logprobs, so every sampler path is in every step: the op count must not grow with the batch.
 
+``--host-only``: the engine's own work per step, without the model. Its forward and LM head
+are replaced by constant hidden states and a 16-token head (every row samples token 5;
+greedy only), decode steps go through the CUDA-graph runner's buffers (on a CPU run eagerly,
+``capture=False``) and async scheduling is on as on a GPU (``--no-async-scheduling`` turns it
+off): what is left is what the host does per step on a GPU with graphs (scheduling, the
+persistent batch, staging the inputs, sampling calls, updating requests, metrics), minus the
+CUDA calls' own cost. The device's time per step must exceed this for a step to cost only
+the GPU's time.
+
 Prints a table and writes JSON (``--out``). Compare figures only within one run and one thread
 count (``--threads``; with 2, OpenMP's waiting threads count as CPU time too).
 """
@@ -71,6 +80,35 @@ def make_engine(dtype: str, quantization: str, max_batch: int, device: str = "cp
                                enforce_eager=enforce_eager, async_scheduling=async_scheduling))
     e.warm_up()
     return e
+
+
+class ConstantModel:
+    """``--host-only``'s model: hidden states of zeros and a 16-token head whose bias makes
+    token 5 every row's argmax (no model work, the same interface)."""
+
+    HEAD = 16
+
+    def __init__(self, config, max_tokens: int, device) -> None:
+        self.config = config
+        self.hidden = torch.zeros(max_tokens, config.hidden_size, device=device)
+        self.bias = torch.zeros(self.HEAD, device=device)
+        self.bias[5] = 1.0
+
+    def __call__(self, input_ids, positions, kv_cache, attn):
+        return self.hidden[:input_ids.shape[0]]
+
+    def compute_logits(self, hidden):
+        return self.bias.expand(hidden.shape[0], self.HEAD)
+
+
+def host_only(e) -> None:
+    """Swap ``e``'s model for ``ConstantModel``, through CUDA-graph buffers (``--host-only``)."""
+    from services.engine.cuda_graphs import CUDAGraphRunner
+
+    runner = e.runner
+    runner.model = ConstantModel(e.model_config, e.config.max_num_batched_tokens, runner.device)
+    runner.graphs = CUDAGraphRunner(runner.model, runner.kv_cache, e.config.max_num_seqs,
+                                    e.block_manager.blocks_needed(e.max_model_len), capture=False)
 
 
 def sampling_params(kind: str, i: int, tokens: int):
@@ -219,21 +257,30 @@ def main() -> None:
     p.add_argument("--enforce-eager", action="store_true",
                    help="CUDA: no graph replays, so every kernel launch is counted")
     p.add_argument("--no-async-scheduling", action="store_true",
-                   help="CUDA: wait for each step's tokens before launching the next")
+                   help="wait for each step's tokens before launching the next")
+    p.add_argument("--host-only", action="store_true",
+                   help="the engine's host work per step without the model (module docstring)")
     p.add_argument("--out", default="profile_decode_step.json")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     batches = [int(b) for b in args.batches.split(",")]
+    if args.host_only and args.sampling != "greedy":
+        p.error("--host-only samples greedily (its head has 16 tokens)")
     e = make_engine(args.dtype, args.quantization, max(batches), args.device,
-                    args.enforce_eager, False if args.no_async_scheduling else None)
+                    args.enforce_eager,
+                    False if args.no_async_scheduling else (True if args.host_only else None))
+    if args.host_only:
+        host_only(e)
     rows = [profile_batch(e, b, args.warmup, args.steps, args.profile_steps, args.top, seed=b,
                           sampling=args.sampling) for b in batches]
     result = {"precision": vars(e.precision), "device": args.device, "sampling": args.sampling,
+              "host_only": args.host_only,
               "threads": args.threads, "steps": args.steps, "torch": torch.__version__,
               "layers": e.model_config.num_hidden_layers, "rows": rows}
     print(f"precision {e.precision} on {args.device}, {args.sampling} sampling, "
           f"{args.threads} thread(s), {args.steps} timed steps, async scheduling "
-          f"{'on' if e.async_scheduling else 'off'}")
+          f"{'on' if e.async_scheduling else 'off'}"
+          f"{', host work only (constant model, CUDA-graph buffers)' if args.host_only else ''}")
     for r in rows:
         split = ", ".join(f"{k} {v:.2f}" for k, v in r["phase_cpu_ms_per_step"].items())
         gpu = (f", {r['gpu_ms_per_step']:.2f} GPU ms/step, "
