@@ -208,14 +208,19 @@ class EngineMetrics:
     def _record_requests(self, out: SchedulerOutput, outputs: Sequence[RequestOutput]) -> None:
         stats, now = self.requests, time.monotonic()
         stats.iteration_tokens.observe(out.total_num_scheduled_tokens)
-        by_id = {r.request_id: r for r in out.scheduled}
-        for o in outputs:
-            request = by_id.get(o.request_id)
-            if request is not None:
+        if len(outputs) == len(out.scheduled):  # every request of the step output, in order
+            for request in out.scheduled:
                 stats.on_token(request, now)
+        else:
+            by_id = {r.request_id: r for r in out.scheduled}
+            for o in outputs:
+                request = by_id.get(o.request_id)
+                if request is not None:
+                    stats.on_token(request, now)
         if stats.landed:  # prompts whose KV came from another worker, admitted this step
-            for rid in [rid for rid in stats.landed if rid in by_id]:
-                stats.on_admitted(stats.landed.pop(rid))
+            for request in out.scheduled:
+                if request.request_id in stats.landed:
+                    stats.on_admitted(stats.landed.pop(request.request_id))
 
     @property
     def mean_batch_size(self) -> float:

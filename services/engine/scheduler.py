@@ -400,13 +400,18 @@ class Scheduler:
         """Advance counters after the model ran ``out``; ``sampled_token_ids[i]`` belongs to
         ``out.scheduled[i]`` and is None for a prompt chunk that is not the prompt's last."""
         outputs, finished = [], False
+        # NOTE: runs for every request of every step: settings and methods looked up once
+        num_scheduled, running = out.num_scheduled_tokens, RequestStatus.PREEMPTED
+        cache_full_blocks = self.block_manager.cache_full_blocks
+        caching, sliding = self.config.enable_prefix_caching, self.config.sliding_window is not None
         for request, token_id in zip(out.scheduled, sampled_token_ids):
-            if request.is_finished():  # aborted while the step ran
+            if request.status > running:  # finished: aborted while the step ran
                 continue
-            request.num_computed_tokens += out.num_scheduled_tokens[request.request_id]
-            if self.config.enable_prefix_caching:  # before a finish frees the blocks
-                self.block_manager.cache_full_blocks(request)
-            self._free_outside_window(request)
+            request.num_computed_tokens += num_scheduled[request.request_id]
+            if caching:  # before a finish frees the blocks
+                cache_full_blocks(request)
+            if sliding:
+                self._free_outside_window(request)
             if token_id is not None:
                 outputs.append(output := self._append_token(request, token_id))
                 finished = finished or output.finish_reason is not None
