@@ -18,6 +18,7 @@ request's new table is told from its old one (by identity).
 from __future__ import annotations
 
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -53,6 +54,12 @@ class ModelInputs:
     sampled_rows: list[int]  # batch rows that sample, aligned with logits_indices
     rows: np.ndarray  # [num_seqs] int64: each batch row's row in the InputBatch
     prompt_logprobs: PromptLogprobsPlan | None = None
+    graph_size: int | None = None  # the CUDA graph whose buffers hold these inputs (staged)
+
+
+# CUDAGraphRunner.stage: (host arrays, input ids on the device) -> (batch size, device inputs)
+Stage = Callable[[dict[str, np.ndarray], "torch.Tensor | None"],
+                 "tuple[int, dict[str, torch.Tensor]] | None"]
 
 
 def to_device(arrays: dict[str, np.ndarray], device: torch.device) -> dict[str, torch.Tensor]:
@@ -235,9 +242,14 @@ class InputBatch:
             self.num_blocks[row] = len(table)
 
     # -- one step ----------------------------------------------------------------------------
-    def prepare(self, out: SchedulerOutput, ahead_ids: torch.Tensor | None = None) -> ModelInputs:
+    def prepare(self, out: SchedulerOutput, ahead_ids: torch.Tensor | None = None,
+                stage: Stage | None = None) -> ModelInputs:
         """The model's inputs for ``out``, on the batch's device. Rows are added for requests
         seen for the first time (``add``: its errors propagate).
+
+        ``stage`` (with CUDA graphs: ``CUDAGraphRunner.stage``): where a decode-only step's
+        inputs go instead of ``to_device``, its arrays and ``ahead_ids`` given; it returns the
+        graph's batch size and the inputs on the device, or None (``to_device`` then).
 
         ``ahead_ids`` (async scheduling): ``out`` decodes one token per request, and its first
         ``len(ahead_ids)`` requests' previous step is still running: their input tokens are
@@ -247,24 +259,40 @@ class InputBatch:
         reqs, sched = out.scheduled, out.num_scheduled_tokens
         n = len(reqs)
         num_ahead = 0 if ahead_ids is None else ahead_ids.shape[0]
-        rows, num_new, computed = (np.empty(n, np.int64) for _ in range(3))
-        for i, r in enumerate(reqs):  # NOTE: the one loop over requests: counters only
-            row = self.row_of.get(r.request_id)
-            if row is None:
-                row = self.add(r)
-            rows[i], num_new[i] = row, sched[r.request_id]
-            computed[i] = r.num_computed_tokens + (i < num_ahead)
-            if (r.num_tokens != self.num_tokens[row] or r.block_table is not self._tables[row]
-                    or len(r.block_table) != self.num_blocks[row]):
-                self._sync(r, row)
-        # decode rows (one token) first: they take the batched decode attention path
-        order = np.argsort(num_new != 1, kind="stable")
-        rows, num_new, computed = rows[order], num_new[order], computed[order]
-        ends = np.cumsum(num_new)
-        starts = ends - num_new
-        seq = np.repeat(np.arange(n), num_new)  # [num_tokens] batch row of each token
-        positions = computed[seq] + np.arange(int(ends[-1])) - starts[seq]
-        token_rows = rows[seq]
+        # NOTE: the only work per request is reading its counters (one comprehension each);
+        # the rows whose tokens or block table changed are found with array comparisons
+        row_of = self.row_of
+        row_list = [row_of.get(r.request_id) for r in reqs]
+        if None in row_list:  # scheduled for the first time
+            row_list = [self.add(r) if row is None else row for r, row in zip(reqs, row_list)]
+        rows = np.array(row_list, np.int64)
+        computed = np.array([r.num_computed_tokens for r in reqs], np.int64)
+        computed[:num_ahead] += 1
+        tables = self._tables
+        stale = set(np.flatnonzero(
+            (np.array([r.num_tokens for r in reqs], np.int64) != self.num_tokens[rows])
+            | (np.array([len(r.block_table) for r in reqs], np.int64) != self.num_blocks[rows])
+        ).tolist())
+        stale.update(i for i, (r, row) in enumerate(zip(reqs, row_list))
+                     if r.block_table is not tables[row])  # replaced: preempted and rescheduled
+        for i in sorted(stale):
+            self._sync(reqs[i], row_list[i])
+        decode_only = len(sched) == n and sum(sched.values()) == n  # one token per row
+        if decode_only:
+            num_new = np.ones(n, np.int64)
+            order = seq = np.arange(n)
+            ends = order + 1
+            starts, positions, token_rows = order, computed, rows
+        else:
+            # decode rows (one token) first: they take the batched decode attention path
+            num_new = np.array([sched[r.request_id] for r in reqs], np.int64)
+            order = np.argsort(num_new != 1, kind="stable")
+            rows, num_new, computed = rows[order], num_new[order], computed[order]
+            ends = np.cumsum(num_new)
+            starts = ends - num_new
+            seq = np.repeat(np.arange(n), num_new)  # [num_tokens] batch row of each token
+            positions = computed[seq] + np.arange(int(ends[-1])) - starts[seq]
+            token_rows = rows[seq]
         bs = self.block_size
         slots = self.block_table[token_rows, positions // bs] * bs + positions % bs
         seq_lens = computed + num_new
@@ -279,10 +307,14 @@ class InputBatch:
         if num_ahead < n:
             arrays["input_ids"] = self.token_ids[token_rows[num_ahead:],
                                                  positions[num_ahead:]].astype(np.int64)
-        t = to_device(arrays, self.device)
-        if num_ahead:  # one token per request: batch rows are out.scheduled's order
-            t["input_ids"] = (ahead_ids if num_ahead == n
-                              else torch.cat((ahead_ids, t["input_ids"])))
+        staged = stage(arrays, ahead_ids) if stage is not None and decode_only else None
+        if staged is not None:
+            graph_size, t = staged
+        else:
+            graph_size, t = None, to_device(arrays, self.device)
+            if num_ahead:  # one token per request: batch rows are out.scheduled's order
+                t["input_ids"] = (ahead_ids if num_ahead == n
+                                  else torch.cat((ahead_ids, t["input_ids"])))
         attn = AttentionMetadata(t["slot_mapping"], t["block_tables"], t["seq_lens"],
                                  query_start_loc.tolist(), int(np.count_nonzero(num_new == 1)))
         attn.set_query_start_loc_tensor(t["query_start_loc"])
@@ -290,7 +322,7 @@ class InputBatch:
         if (self.prompt_logprobs[rows] >= 0).any():
             plan = self._prompt_logprobs_plan(rows, order, computed, num_new, starts)
         return ModelInputs(t["input_ids"], t["positions"], attn, order.tolist(),
-                           t["logits_indices"], sampled.tolist(), rows, plan)
+                           t["logits_indices"], sampled.tolist(), rows, plan, graph_size)
 
     def _prompt_logprobs_plan(self, rows: np.ndarray, order: np.ndarray, computed: np.ndarray,
                               num_new: np.ndarray, starts: np.ndarray) -> PromptLogprobsPlan | None:

@@ -21,7 +21,7 @@ from kernels.decode_ops import argmax_rows
 
 from .cuda_graphs import CUDAGraphRunner
 from .grammars import Matchers
-from .input_batch import InputBatch, ModelInputs, PromptLogprobsPlan, to_device
+from .input_batch import InputBatch, ModelInputs, PromptLogprobsPlan, Stage, to_device
 from .model import LlamaForCausalLM
 from .sampler import SamplerOutput, TokenLogprobs, sample
 from .scheduler import SchedulerOutput
@@ -196,7 +196,7 @@ class ModelRunner:
         ids = previous.tokens
         if len(keep) < len(previous.out.scheduled):  # the index goes without a host sync too
             ids = ids[to_device({"keep": np.asarray(keep, np.int64)}, ids.device)["keep"]]
-        inputs = timed("prepare_inputs", self.input_batch.prepare, out, ids)
+        inputs = timed("prepare_inputs", self.input_batch.prepare, out, ids, self._stage())
         if len(keep) < len(out.scheduled) and not self.input_batch.samples_alone(inputs.rows):
             return None
         ahead = (np.arange(len(out.scheduled)) < len(keep)).astype(np.int64)
@@ -231,5 +231,9 @@ class ModelRunner:
         return StepResult(token_ids, [None] * n, {})
 
     def prepare_inputs(self, out: SchedulerOutput) -> ModelInputs:
-        """The step's model inputs on the model's device (``InputBatch.prepare``)."""
-        return self.input_batch.prepare(out)
+        """The step's model inputs on the model's device (``InputBatch.prepare``; a decode
+        step that a CUDA graph holds, in the graph's buffers: ``CUDAGraphRunner.stage``)."""
+        return self.input_batch.prepare(out, None, self._stage())
+
+    def _stage(self) -> Stage | None:
+        return self.graphs.stage if self.graphs is not None else None

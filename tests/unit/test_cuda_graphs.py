@@ -4,6 +4,7 @@ padding as a replay), the same greedy tokens as transformers with the padding ro
 nothing. The replay itself needs a GPU: ``test_replay_equals_eager_on_a_gpu``."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -67,3 +68,36 @@ def test_replay_equals_eager_on_a_gpu():
         assert (engine.runner.graphs is None) == eager
         outs.append(generate_all(engine, prompts, GREEDY))
     assert outs[0] == outs[1]
+
+
+def test_stage_fills_the_graph_buffers_in_one_copy_with_padding_from_the_first_row():
+    """``stage`` (run on CPU: the same layout and copies as on a GPU): a batch of 3 takes the
+    bucket of 4; the first 2 rows' input ids come from the device (async scheduling), the
+    third's from the host; the padding row repeats row 0 in every input; block tables land in
+    their rows at the step's width; the returned inputs are the buffers' views of the step."""
+    kv_cache = torch.zeros(1, 2, 8, 4, 1, 2)
+    graphs = CUDAGraphRunner(None, kv_cache, max_num_seqs=4, max_blocks=6, capture=False)
+    arrays = {"input_ids": np.array([77]), "positions": np.array([5, 9, 2]),
+              "slot_mapping": np.array([21, 13, 6]), "seq_lens": np.array([6, 10, 3]),
+              "logits_indices": np.array([0, 2]),
+              "block_tables": np.array([[5, 1, 0], [3, 2, 7], [1, 0, 0]])}
+    size, t = graphs.stage(arrays, torch.tensor([40, 41]))
+    assert size == 4
+    v = graphs.views[4]
+    assert v["input_ids"].tolist() == [40, 41, 77, 40]
+    assert v["positions"].tolist() == [5, 9, 2, 5] and v["seq_lens"].tolist() == [6, 10, 3, 6]
+    assert v["slot_mapping"].tolist() == [21, 13, 6, 21]
+    assert v["block_tables"][:, :3].tolist() == [[5, 1, 0], [3, 2, 7], [1, 0, 0], [5, 1, 0]]
+    assert t["input_ids"].tolist() == [40, 41, 77] and t["logits_indices"].tolist() == [0, 2]
+    assert t["block_tables"].tolist() == arrays["block_tables"].tolist()
+    assert t["query_start_loc"].tolist() == [0, 1, 2, 3]
+    assert all(t[k].untyped_storage().data_ptr() == graphs.buffer.untyped_storage().data_ptr()
+               for k in ("input_ids", "positions", "slot_mapping", "seq_lens", "block_tables"))
+    # every input from the host, a batch that fills its bucket, a narrower table
+    size, t = graphs.stage({**arrays, "input_ids": np.array([7, 8]), "seq_lens": np.array([6, 10]),
+                            "positions": np.array([5, 9]), "slot_mapping": np.array([21, 13]),
+                            "logits_indices": np.array([0, 1]),
+                            "block_tables": np.array([[4], [6]])}, None)
+    assert size == 2 and graphs.views[2]["input_ids"].tolist() == [7, 8]
+    assert t["block_tables"].tolist() == [[4], [6]] and t["seq_lens"].tolist() == [6, 10]
+    assert graphs.stage({**arrays, "seq_lens": np.arange(5)}, None) is None  # no bucket of 5
