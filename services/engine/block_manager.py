@@ -201,6 +201,14 @@ class BlockManager:
         self.max_used_blocks = max(self.max_used_blocks, self.num_used_blocks)
         return True
 
+    def allocate_each(self, requests: list[Request], num_new_tokens: int) -> bool:
+        """``allocate_slots(r, num_new_tokens)`` for each of ``requests`` in order; False at
+        the first that fails (the blocks given before it stay given). The usual case, a last
+        block with room, is checked here: one call per step rather than per request."""
+        bs = self.block_size
+        return all(r.num_computed_tokens + num_new_tokens <= len(r.block_table) * bs
+                   or self.allocate_slots(r, num_new_tokens) for r in requests)
+
     def _pop_free(self) -> int:
         """Take the head of the free list, evicting its prefix-cache entry if it has one."""
         block_id, _ = self._free.popitem(last=False)

@@ -352,9 +352,10 @@ class LLMEngine:
         s = self.scheduler
         if s.waiting and not s.admit_decoding():
             return None
-        keep = [i for i, r in enumerate(out.scheduled) if r.status == RequestStatus.RUNNING
+        running, max_len = RequestStatus.RUNNING, s.config.max_model_len - 1
+        keep = [i for i, r in enumerate(out.scheduled) if r.status == running
                 and len(r.output_token_ids) + 1 < r.sampling_params.max_tokens
-                and r.num_tokens + 1 < s.config.max_model_len]
+                and r.num_tokens < max_len]
         nxt = [out.scheduled[i] for i in keep]
         stepping = {r.request_id for r in out.scheduled}
         admitted = [r for r in s.running if r.request_id not in stepping]
@@ -363,8 +364,7 @@ class LLMEngine:
         # blocks for the token after the one computing now (the scheduler's counters lag by
         # it), and for the admitted ones' next token (admit_decoding's: no new block)
         bm = self.block_manager
-        if not nxt or not (all(bm.allocate_slots(r, 2) for r in nxt)
-                           and all(bm.allocate_slots(r, 1) for r in admitted)):
+        if not nxt or not (bm.allocate_each(nxt, 2) and bm.allocate_each(admitted, 1)):
             return None
         ahead = SchedulerOutput(nxt + admitted, {r.request_id: 1 for r in nxt + admitted})
         try:

@@ -202,3 +202,16 @@ def test_blocks_freed_by_the_window_stay_in_the_prefix_cache():
     bm.free(a)
     bm.free(b)
     assert_pool_full(bm)
+
+
+def test_allocate_each_grows_only_full_tables_and_stops_at_the_first_failure():
+    bm = BlockManager(5, BS)
+    room, full, late = make([1] * 5, "room"), make([1] * 4, "full"), make([1] * 4, "late")
+    for r in (room, full, late):
+        assert bm.allocate_slots(r, len(r.prompt_token_ids))
+        r.num_computed_tokens = len(r.prompt_token_ids)
+    assert bm.num_free_blocks == 1
+    assert bm.allocate_each([room, full], 2)  # room: 7 tokens fit 2 blocks; full takes one
+    assert [len(r.block_table) for r in (room, full)] == [2, 2] and bm.num_free_blocks == 0
+    assert not bm.allocate_each([room, late, full], 1)  # late's block is short: stops there
+    assert len(late.block_table) == 1
