@@ -20,6 +20,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
+from .request import RequestStatus
+
 if TYPE_CHECKING:
     from .outputs import RequestOutput
     from .request import Request
@@ -127,6 +129,21 @@ class RequestStats:
         if request.is_finished():
             self.on_finish(request, now)
 
+    def on_tokens(self, requests: Sequence[Request], now: float) -> None:
+        """``on_token(r, now)`` for each of ``requests``, the usual case inline (a request
+        past its first token, not finished: one inter-token latency): one call per step."""
+        itl, finished = self.inter_token_latency, RequestStatus.PREEMPTED
+        bounds, counts = itl.bounds, itl.counts
+        for r in requests:
+            last = r.last_token_time
+            if last is None or r.first_token_time is None or r.status > finished:
+                self.on_token(r, now)
+                continue
+            gap = now - last
+            counts[bisect_left(bounds, gap)] += 1
+            itl.sum += gap
+            r.last_token_time = now
+
     def on_admitted(self, request: Request) -> None:
         """First scheduled after its prompt KV landed from another worker: its queue time."""
         self.request_queue_time.observe(request.first_scheduled_time - request.first_token_time)
@@ -195,10 +212,14 @@ class EngineMetrics:
         self.num_generated_tokens += len(outputs)
         bm = scheduler.block_manager
         bs = bm.block_size
-        self.kv_allocated_slots += sum(len(r.block_table) for r in out.scheduled) * bs
-        # a static batch's padding rows hold slots whose KV no request uses
-        self.kv_used_slots += sum(min(r.num_computed_tokens, len(r.block_table) * bs)
-                                  for r in out.scheduled if not r.is_padding)
+        allocated = used = 0
+        for r in out.scheduled:
+            slots = len(r.block_table) * bs
+            allocated += slots
+            if not r.is_padding:  # a static batch's padding rows hold slots no request uses
+                used += min(r.num_computed_tokens, slots)
+        self.kv_allocated_slots += allocated
+        self.kv_used_slots += used
         self.kv_used_blocks += bm.num_used_blocks
         self.num_preemptions = scheduler.num_preemptions
         self.prefix_cache_queries = scheduler.prefix_cache_queries  # cumulative, tokens
@@ -209,8 +230,7 @@ class EngineMetrics:
         stats, now = self.requests, time.monotonic()
         stats.iteration_tokens.observe(out.total_num_scheduled_tokens)
         if len(outputs) == len(out.scheduled):  # every request of the step output, in order
-            for request in out.scheduled:
-                stats.on_token(request, now)
+            stats.on_tokens(out.scheduled, now)
         else:
             by_id = {r.request_id: r for r in out.scheduled}
             for o in outputs:

@@ -272,3 +272,30 @@ def test_scrape_config_lists_every_target(tmp_path):
         "127.0.0.1:9100": "gateway", "127.0.0.1:9101": "decode-0"}
     with pytest.raises(ValueError, match="^interval_s"):
         scrape_config(targets, 0)
+
+
+def test_a_steps_tokens_recorded_at_once_equal_one_by_one():
+    """``RequestStats.on_tokens`` (a decode step's requests in one call) records what
+    ``on_token`` per request does: first tokens, gaps, and finishes alike."""
+    from services.engine.request import Request, RequestStatus
+
+    def requests() -> list[Request]:
+        first = Request("first", [1, 2], SamplingParams(max_tokens=4), arrival_time=1.0)
+        first.first_scheduled_time = 1.5
+        rs = [first]
+        for i, last in enumerate((2.0, 2.25, 2.5)):
+            r = Request(f"r{i}", [1, 2], SamplingParams(max_tokens=4), arrival_time=1.0)
+            r.first_scheduled_time, r.first_token_time, r.last_token_time = 1.5, 1.75, last
+            r.output_token_ids = [5, 6]
+            rs.append(r)
+        rs[-1].status = RequestStatus.FINISHED_LENGTH
+        return rs
+
+    one, many = em.RequestStats(), em.RequestStats()
+    by_one, by_many = requests(), requests()
+    for r in by_one:
+        one.on_token(r, 3.0)
+    many.on_tokens(by_many, 3.0)
+    assert many.histograms() == one.histograms() and many.finished == one.finished
+    assert one.finished["length"] == 1 and one.inter_token_latency.count == 3
+    assert [r.last_token_time for r in by_many] == [r.last_token_time for r in by_one]
