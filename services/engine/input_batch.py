@@ -242,6 +242,27 @@ class InputBatch:
             self.num_blocks[row] = len(table)
 
     # -- one step ----------------------------------------------------------------------------
+    def _rows_in_sync(self, reqs: list[Request]) -> tuple[np.ndarray, np.ndarray]:
+        """Each request's row (added on its first step) and ``num_computed_tokens`` (``[n]``
+        int64 each), after copying in what changed since its row last saw it (``_sync``).
+        NOTE: the only work per request is reading its counters, one comprehension each; the
+        rows whose tokens or block table changed are found with array comparisons."""
+        row_of = self.row_of
+        row_list = [row_of.get(r.request_id) for r in reqs]
+        if None in row_list:  # scheduled for the first time
+            row_list = [self.add(r) if row is None else row for r, row in zip(reqs, row_list)]
+        rows = np.array(row_list, np.int64)
+        tables = self._tables
+        stale = set(np.flatnonzero(
+            (np.array([r.num_tokens for r in reqs], np.int64) != self.num_tokens[rows])
+            | (np.array([len(r.block_table) for r in reqs], np.int64) != self.num_blocks[rows])
+        ).tolist())
+        stale.update(i for i, (r, row) in enumerate(zip(reqs, row_list))
+                     if r.block_table is not tables[row])  # replaced: preempted and rescheduled
+        for i in sorted(stale):
+            self._sync(reqs[i], row_list[i])
+        return rows, np.array([r.num_computed_tokens for r in reqs], np.int64)
+
     def prepare(self, out: SchedulerOutput, ahead_ids: torch.Tensor | None = None,
                 stage: Stage | None = None) -> ModelInputs:
         """The model's inputs for ``out``, on the batch's device. Rows are added for requests
@@ -259,24 +280,8 @@ class InputBatch:
         reqs, sched = out.scheduled, out.num_scheduled_tokens
         n = len(reqs)
         num_ahead = 0 if ahead_ids is None else ahead_ids.shape[0]
-        # NOTE: the only work per request is reading its counters (one comprehension each);
-        # the rows whose tokens or block table changed are found with array comparisons
-        row_of = self.row_of
-        row_list = [row_of.get(r.request_id) for r in reqs]
-        if None in row_list:  # scheduled for the first time
-            row_list = [self.add(r) if row is None else row for r, row in zip(reqs, row_list)]
-        rows = np.array(row_list, np.int64)
-        computed = np.array([r.num_computed_tokens for r in reqs], np.int64)
+        rows, computed = self._rows_in_sync(reqs)
         computed[:num_ahead] += 1
-        tables = self._tables
-        stale = set(np.flatnonzero(
-            (np.array([r.num_tokens for r in reqs], np.int64) != self.num_tokens[rows])
-            | (np.array([len(r.block_table) for r in reqs], np.int64) != self.num_blocks[rows])
-        ).tolist())
-        stale.update(i for i, (r, row) in enumerate(zip(reqs, row_list))
-                     if r.block_table is not tables[row])  # replaced: preempted and rescheduled
-        for i in sorted(stale):
-            self._sync(reqs[i], row_list[i])
         decode_only = len(sched) == n and sum(sched.values()) == n  # one token per row
         if decode_only:
             num_new = np.ones(n, np.int64)
@@ -307,14 +312,7 @@ class InputBatch:
         if num_ahead < n:
             arrays["input_ids"] = self.token_ids[token_rows[num_ahead:],
                                                  positions[num_ahead:]].astype(np.int64)
-        staged = stage(arrays, ahead_ids) if stage is not None and decode_only else None
-        if staged is not None:
-            graph_size, t = staged
-        else:
-            graph_size, t = None, to_device(arrays, self.device)
-            if num_ahead:  # one token per request: batch rows are out.scheduled's order
-                t["input_ids"] = (ahead_ids if num_ahead == n
-                                  else torch.cat((ahead_ids, t["input_ids"])))
+        graph_size, t = self._send(arrays, ahead_ids, stage if decode_only else None)
         attn = AttentionMetadata(t["slot_mapping"], t["block_tables"], t["seq_lens"],
                                  query_start_loc.tolist(), int(np.count_nonzero(num_new == 1)))
         attn.set_query_start_loc_tensor(t["query_start_loc"])
@@ -323,6 +321,20 @@ class InputBatch:
             plan = self._prompt_logprobs_plan(rows, order, computed, num_new, starts)
         return ModelInputs(t["input_ids"], t["positions"], attn, order.tolist(),
                            t["logits_indices"], sampled.tolist(), rows, plan, graph_size)
+
+    def _send(self, arrays: dict[str, np.ndarray], ahead_ids: torch.Tensor | None,
+              stage: Stage | None) -> tuple[int | None, dict[str, torch.Tensor]]:
+        """A step's arrays on the device: in a CUDA graph's buffers where ``stage`` takes them
+        (and that graph's batch size), else ``to_device``'s (and None); ``ahead_ids`` are the
+        first rows' input ids (one token per request: rows in ``out.scheduled`` order)."""
+        staged = stage(arrays, ahead_ids) if stage is not None else None
+        if staged is not None:
+            return staged
+        t = to_device(arrays, self.device)
+        if ahead_ids is not None:
+            t["input_ids"] = (ahead_ids if "input_ids" not in t
+                              else torch.cat((ahead_ids, t["input_ids"])))
+        return None, t
 
     def _prompt_logprobs_plan(self, rows: np.ndarray, order: np.ndarray, computed: np.ndarray,
                               num_new: np.ndarray, starts: np.ndarray) -> PromptLogprobsPlan | None:
