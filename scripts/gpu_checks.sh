@@ -83,6 +83,9 @@ elif [ "$stage" = b ]; then
         --quantization none --batches 1,16,64 --steps 32 --no-async-scheduling \
         --out /tmp/profile_sync.json
     ran profile_sync && grep -E "^(precision|batch)" "$OUT/profile_sync.log"
+    step profile_host 60 python3 -m scripts.profile_decode_step --device cuda --dtype bfloat16 \
+        --quantization none --batches 1,16,64 --steps 64 --host-only --out /tmp/profile_host.json
+    ran profile_host && grep -E "^(precision|batch)" "$OUT/profile_host.log"
     step engine_graphs 90 python3 -m scripts.bench_gpu_engine --batches 1 16 64 256 --steps 32 \
         --skip-agreement --out "$OUT/gpu_engine.json"  # agreement: stage c's precision
     ran engine_graphs && { tail -16 "$OUT/engine_graphs.log"; }
