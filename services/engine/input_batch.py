@@ -158,6 +158,10 @@ class InputBatch:
         self.num_logprobs = resized(get("num_logprobs"), (n,), np.int64, -1)  # -1: none
         self.constrained = resized(get("constrained"), (n,), np.bool_)  # structured output
         self.prompt_logprobs = resized(get("prompt_logprobs"), (n,), np.int64, -1)  # -1: none
+        # NOTE: per-row summaries of the settings above, read every step (samples_alone,
+        # plain_greedy): samples from its logits and settings alone; and by their argmax
+        self.alone = resized(get("alone"), (n,), np.bool_)
+        self.argmax = resized(get("argmax"), (n,), np.bool_)
         self.request_ids: list[str | None] = getattr(self, "request_ids", []) + [None] * (n - old)
         width = get("stop_ids").shape[1] if old else 1
         self.stop_ids = resized(get("stop_ids"), (n, width), np.int64, -1)  # EOS + stop ids
@@ -202,6 +206,9 @@ class InputBatch:
         self.prior_outputs[row] = p.num_prior_output_tokens
         self.min_tokens[row] = p.min_tokens
         self.num_logprobs[row] = -1 if p.logprobs is None else p.logprobs
+        self.alone[row] = alone = (not p.has_penalties and p.structured_output is None
+                                   and p.logprobs is None)
+        self.argmax[row] = alone and p.greedy and not p.logit_bias
         stops = list(p.stop_token_ids)
         if r.eos_token_id is not None and not p.ignore_eos:
             stops.append(r.eos_token_id)
@@ -439,18 +446,17 @@ class InputBatch:
         penalties (they read the tokens so far), structured output (its matcher does) or
         logprobs, so that a step's tokens can be sampled before the last step's are read
         (async scheduling; ``sampling(rows, ahead)`` counts the tokens not yet read)."""
-        return bool(not self.has_penalties[rows].any() and not self.constrained[rows].any()
-                    and (self.num_logprobs[rows] < 0).all())
+        return bool(self.alone[rows].all())
 
     def plain_greedy(self, rows: np.ndarray, ahead: int = 0) -> bool:
         """Whether every row of ``rows`` takes the argmax of its raw logits: greedy, no
         penalties, logit bias or structured output, no logprobs asked, and past ``min_tokens``
         (nothing masked) counting ``ahead`` tokens sampled and not yet recorded."""
-        num_out = self.num_tokens[rows] - self.num_prompt[rows] + ahead
-        return bool((self.temperature[rows] == 0).all() and not self.has_penalties[rows].any()
-                    and (self.num_logprobs[rows] < 0).all() and not self.constrained[rows].any()
-                    and (num_out >= self.min_tokens[rows]).all()
-                    and not any(row in self.logit_bias for row in rows.tolist()))
+        if not self.argmax[rows].all():
+            return False
+        min_tokens = self.min_tokens[rows]
+        return not min_tokens.any() or bool(
+            (self.num_tokens[rows] - self.num_prompt[rows] + ahead >= min_tokens).all())
 
     def record_sampled(self, rows: np.ndarray, token_ids: list[int]) -> None:
         """Append each row's sampled token (the scheduler appends the same to its request)."""

@@ -221,6 +221,20 @@ def test_plain_greedy_is_only_the_unmasked_argmax():
     assert batch_for(requests([base]))[0].plain_greedy(np.array([0]))
     for params in (SamplingParams(temperature=0, logprobs=2), SamplingParams(temperature=0.7),
                    SamplingParams(temperature=0, presence_penalty=0.5),
-                   SamplingParams(temperature=0, min_tokens=100, max_tokens=200)):
+                   SamplingParams(temperature=0, min_tokens=100, max_tokens=200),
+                   SamplingParams(temperature=0, logit_bias=((5, 1.0),))):
         ib, rows, _ = batch_for(requests([base, params]))
         assert ib.plain_greedy(rows[:1]) and not ib.plain_greedy(rows), params
+
+
+def test_rows_sample_alone_without_penalties_or_logprobs():
+    """Async scheduling's test (``InputBatch.samples_alone``): greedy, random and biased rows
+    sample from their logits and settings alone; penalties and logprobs read more."""
+    alone = [SamplingParams(temperature=0), SamplingParams(temperature=0.7, top_k=5, seed=1),
+             SamplingParams(temperature=0, logit_bias=((5, 1.0),), min_tokens=3, max_tokens=9)]
+    ib, rows, _ = batch_for(requests(alone))
+    assert ib.samples_alone(rows)
+    for params in (SamplingParams(temperature=0, logprobs=2),
+                   SamplingParams(temperature=0.7, frequency_penalty=0.5)):
+        ib, rows, _ = batch_for(requests([*alone, params]))
+        assert ib.samples_alone(rows[:3]) and not ib.samples_alone(rows), params
