@@ -91,7 +91,11 @@ class ModelRunner:
         if hidden is None:  # not a decode step that a graph holds: eager
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.attn)
         plan = inputs.prompt_logprobs
-        return (self.model.compute_logits(hidden[inputs.logits_indices]),
+        # every token samples (a decode step): the indices are 0..n-1, and gathering costs
+        # the host more than any other call of the step
+        sampled = (hidden if len(inputs.sampled_rows) == hidden.shape[0]
+                   else hidden[inputs.logits_indices])
+        return (self.model.compute_logits(sampled),
                 hidden[plan.indices] if plan is not None else None)
 
     @torch.inference_mode()
