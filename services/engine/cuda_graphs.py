@@ -6,8 +6,8 @@ more CPU time than the GPU spends running them at small batches. A CUDA graph re
 step's launches once and replays them with one call (NVIDIA's CUDA graphs; PyTorch's
 ``torch.cuda.CUDAGraph``). The graph reads its inputs from static device buffers (input ids,
 positions, slot mapping, sequence lengths, block tables at the model's full width), so a step
-copies its inputs into them (``stage``, one copy) and replays the graph of the smallest bucket
-that holds its batch.
+copies its inputs into them (``stage``: one host-to-device copy) and replays the graph of the
+smallest bucket that holds its batch.
 
 Rows past the batch (the bucket's padding) repeat the batch's first row: they write the same
 K/V values into the same slot and attend to the same context, so they change nothing and need

@@ -132,16 +132,13 @@ class RequestStats:
     def on_tokens(self, requests: Sequence[Request], now: float) -> None:
         """``on_token(r, now)`` for each of ``requests``, the usual case inline (a request
         past its first token, not finished: one inter-token latency): one call per step."""
-        itl, finished = self.inter_token_latency, RequestStatus.PREEMPTED
-        bounds, counts = itl.bounds, itl.counts
+        observe, finished = self.inter_token_latency.observe, RequestStatus.PREEMPTED
         for r in requests:
             last = r.last_token_time
             if last is None or r.first_token_time is None or r.status > finished:
                 self.on_token(r, now)
                 continue
-            gap = now - last
-            counts[bisect_left(bounds, gap)] += 1
-            itl.sum += gap
+            observe(now - last)
             r.last_token_time = now
 
     def on_admitted(self, request: Request) -> None:
