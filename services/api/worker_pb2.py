@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19services/api/worker.proto\x12\ttandem.v1\"\xb2\x04\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\r\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\r\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x12\n\nmin_tokens\x18\x08 \x01(\r\x12\r\n\x05min_p\x18\t \x01(\x02\x12\x18\n\x10presence_penalty\x18\n \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0b \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x0c \x01(\x02\x12\x15\n\x08logprobs\x18\r \x01(\rH\x01\x88\x01\x01\x12\x1f\n\x17num_prior_output_tokens\x18\x0e \x01(\r\x12\x36\n\x11structured_output\x18\x0f \x01(\x0b\x32\x1b.tandem.v1.StructuredOutput\x12<\n\nlogit_bias\x18\x10 \x03(\x0b\x32(.tandem.v1.SamplingParams.LogitBiasEntry\x12\x1c\n\x0fprompt_logprobs\x18\x11 \x01(\rH\x02\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"0\n\x10StructuredOutput\x12\x0e\n\x06\x66ormat\x18\x01 \x01(\t\x12\x0c\n\x04spec\x18\x02 \x01(\t\"a\n\x0fSampledLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x03 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"\xbf\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x32\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x15\n\rlocal_prefill\x18\x04 \x01(\x08\x12\x35\n\x11kv_failure_policy\x18\x05 \x01(\x0e\x32\x1a.tandem.v1.KVFailurePolicy\"\xdd\x01\n\rKVReservation\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x11\n\ttransport\x18\x02 \x01(\t\x12\x1a\n\x12transport_metadata\x18\x03 \x01(\x0c\x12\x11\n\tblock_ids\x18\x04 \x03(\r\x12\x0f\n\x07lease_s\x18\x05 \x01(\x01\x12\x13\n\x0bwrite_token\x18\x06 \x01(\x0c\x12\x19\n\x11num_cached_blocks\x18\x07 \x01(\r\x12\x1a\n\x12num_skipped_blocks\x18\x08 \x01(\r\x12\x1a\n\x12num_partial_blocks\x18\t \x01(\r\"\x99\x02\n\x0e\x44\x65\x63odeResponse\x12-\n\x0breservation\x18\x01 \x01(\x0b\x32\x18.tandem.v1.KVReservation\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x19\n\x11num_output_tokens\x18\x04 \x01(\r\x12,\n\x08logprobs\x18\x05 \x03(\x0b\x32\x1a.tandem.v1.SampledLogprobs\x12\x15\n\rkv_recomputed\x18\x06 \x01(\t\x12\x19\n\x11num_cached_tokens\x18\x07 \x01(\r\x12\x33\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x1a.tandem.v1.SampledLogprobs\"\xa1\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x32\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12-\n\x0b\x64\x65stination\x18\x04 \x01(\x0b\x32\x18.tandem.v1.KVReservation\"\xd3\x01\n\x0fPrefillResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\r\x12\x14\n\x0cqueue_time_s\x18\x03 \x01(\x01\x12\x16\n\x0e\x63ompute_time_s\x18\x04 \x01(\x01\x12\x17\n\x0ftransfer_time_s\x18\x05 \x01(\x01\x12\x19\n\x11num_cached_tokens\x18\x06 \x01(\r\x12\x33\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x1a.tandem.v1.SampledLogprobs\"D\n\x12WorkerAbortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1a\n\x12reservation_unused\x18\x02 \x01(\x08\"$\n\x13WorkerAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x10\n\x0eGetLoadRequest\"\xf4\x02\n\nWorkerLoad\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x16\n\x0e\x66ree_kv_blocks\x18\x03 \x01(\r\x12\x17\n\x0ftotal_kv_blocks\x18\x04 \x01(\r\x12\x13\n\x0bnum_running\x18\x05 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x06 \x01(\r\x12(\n\x08requests\x18\x07 \x03(\x0b\x32\x16.tandem.v1.RequestLoad\x12\x16\n\x0emax_num_queued\x18\x08 \x01(\r\x12\x1a\n\x12max_used_kv_blocks\x18\t \x01(\r\x12\x39\n\x13\x63losed_reservations\x18\n \x03(\x0b\x32\x1c.tandem.v1.ClosedReservation\x12\x1a\n\x12num_prefill_tokens\x18\x0b \x01(\x04\x12\x12\n\nblock_size\x18\x0c \x01(\r\x12!\n\x19prefill_seconds_per_token\x18\r \x01(\x01\"\x98\x01\n\x0bRequestLoad\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x02 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\r\x12\x1b\n\x13num_computed_tokens\x18\x04 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x05 \x01(\r\x12\x17\n\x0fnum_preemptions\x18\x06 \x01(\r\"H\n\x11\x43losedReservation\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07outcome\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t*q\n\x0fKVFailurePolicy\x12!\n\x1dKV_FAILURE_POLICY_UNSPECIFIED\x10\x00\x12\x1f\n\x1bKV_FAILURE_POLICY_RECOMPUTE\x10\x01\x12\x1a\n\x16KV_FAILURE_POLICY_FAIL\x10\x02\x32\xd4\x01\n\x0c\x44\x65\x63odeWorker\x12?\n\x06\x44\x65\x63ode\x12\x18.tandem.v1.DecodeRequest\x1a\x19.tandem.v1.DecodeResponse0\x01\x12\x46\n\x05\x41\x62ort\x12\x1d.tandem.v1.WorkerAbortRequest\x1a\x1e.tandem.v1.WorkerAbortResponse\x12;\n\x07GetLoad\x12\x19.tandem.v1.GetLoadRequest\x1a\x15.tandem.v1.WorkerLoad2\xd6\x01\n\rPrefillWorker\x12@\n\x07Prefill\x12\x19.tandem.v1.PrefillRequest\x1a\x1a.tandem.v1.PrefillResponse\x12\x46\n\x05\x41\x62ort\x12\x1d.tandem.v1.WorkerAbortRequest\x1a\x1e.tandem.v1.WorkerAbortResponse\x12;\n\x07GetLoad\x12\x19.tandem.v1.GetLoadRequest\x1a\x15.tandem.v1.WorkerLoadb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19services/api/worker.proto\x12\ttandem.v1\"\xb2\x04\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\r\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\r\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x12\n\nmin_tokens\x18\x08 \x01(\r\x12\r\n\x05min_p\x18\t \x01(\x02\x12\x18\n\x10presence_penalty\x18\n \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0b \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x0c \x01(\x02\x12\x15\n\x08logprobs\x18\r \x01(\rH\x01\x88\x01\x01\x12\x1f\n\x17num_prior_output_tokens\x18\x0e \x01(\r\x12\x36\n\x11structured_output\x18\x0f \x01(\x0b\x32\x1b.tandem.v1.StructuredOutput\x12<\n\nlogit_bias\x18\x10 \x03(\x0b\x32(.tandem.v1.SamplingParams.LogitBiasEntry\x12\x1c\n\x0fprompt_logprobs\x18\x11 \x01(\rH\x02\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"0\n\x10StructuredOutput\x12\x0e\n\x06\x66ormat\x18\x01 \x01(\t\x12\x0c\n\x04spec\x18\x02 \x01(\t\"a\n\x0fSampledLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x03 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"\xd4\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x32\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x15\n\rlocal_prefill\x18\x04 \x01(\x08\x12\x35\n\x11kv_failure_policy\x18\x05 \x01(\x0e\x32\x1a.tandem.v1.KVFailurePolicy\x12\x13\n\x0b\x66ollower_id\x18\x06 \x01(\t\"$\n\rFollowRequest\x12\x13\n\x0b\x66ollower_id\x18\x01 \x01(\t\"<\n\x0e\x46ollowResponse\x12*\n\x07updates\x18\x01 \x03(\x0b\x32\x19.tandem.v1.DecodeResponse\"\xdd\x01\n\rKVReservation\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x11\n\ttransport\x18\x02 \x01(\t\x12\x1a\n\x12transport_metadata\x18\x03 \x01(\x0c\x12\x11\n\tblock_ids\x18\x04 \x03(\r\x12\x0f\n\x07lease_s\x18\x05 \x01(\x01\x12\x13\n\x0bwrite_token\x18\x06 \x01(\x0c\x12\x19\n\x11num_cached_blocks\x18\x07 \x01(\r\x12\x1a\n\x12num_skipped_blocks\x18\x08 \x01(\r\x12\x1a\n\x12num_partial_blocks\x18\t \x01(\r\"\xad\x02\n\x0e\x44\x65\x63odeResponse\x12-\n\x0breservation\x18\x01 \x01(\x0b\x32\x18.tandem.v1.KVReservation\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x19\n\x11num_output_tokens\x18\x04 \x01(\r\x12,\n\x08logprobs\x18\x05 \x03(\x0b\x32\x1a.tandem.v1.SampledLogprobs\x12\x15\n\rkv_recomputed\x18\x06 \x01(\t\x12\x19\n\x11num_cached_tokens\x18\x07 \x01(\r\x12\x33\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x1a.tandem.v1.SampledLogprobs\x12\x12\n\nrequest_id\x18\t \x01(\t\"\xa1\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x32\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12-\n\x0b\x64\x65stination\x18\x04 \x01(\x0b\x32\x18.tandem.v1.KVReservation\"\xd3\x01\n\x0fPrefillResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\r\x12\x14\n\x0cqueue_time_s\x18\x03 \x01(\x01\x12\x16\n\x0e\x63ompute_time_s\x18\x04 \x01(\x01\x12\x17\n\x0ftransfer_time_s\x18\x05 \x01(\x01\x12\x19\n\x11num_cached_tokens\x18\x06 \x01(\r\x12\x33\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x1a.tandem.v1.SampledLogprobs\"D\n\x12WorkerAbortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1a\n\x12reservation_unused\x18\x02 \x01(\x08\"$\n\x13WorkerAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x10\n\x0eGetLoadRequest\"\xf4\x02\n\nWorkerLoad\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x16\n\x0e\x66ree_kv_blocks\x18\x03 \x01(\r\x12\x17\n\x0ftotal_kv_blocks\x18\x04 \x01(\r\x12\x13\n\x0bnum_running\x18\x05 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x06 \x01(\r\x12(\n\x08requests\x18\x07 \x03(\x0b\x32\x16.tandem.v1.RequestLoad\x12\x16\n\x0emax_num_queued\x18\x08 \x01(\r\x12\x1a\n\x12max_used_kv_blocks\x18\t \x01(\r\x12\x39\n\x13\x63losed_reservations\x18\n \x03(\x0b\x32\x1c.tandem.v1.ClosedReservation\x12\x1a\n\x12num_prefill_tokens\x18\x0b \x01(\x04\x12\x12\n\nblock_size\x18\x0c \x01(\r\x12!\n\x19prefill_seconds_per_token\x18\r \x01(\x01\"\x98\x01\n\x0bRequestLoad\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x02 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\r\x12\x1b\n\x13num_computed_tokens\x18\x04 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x05 \x01(\r\x12\x17\n\x0fnum_preemptions\x18\x06 \x01(\r\"H\n\x11\x43losedReservation\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07outcome\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t*q\n\x0fKVFailurePolicy\x12!\n\x1dKV_FAILURE_POLICY_UNSPECIFIED\x10\x00\x12\x1f\n\x1bKV_FAILURE_POLICY_RECOMPUTE\x10\x01\x12\x1a\n\x16KV_FAILURE_POLICY_FAIL\x10\x02\x32\x95\x02\n\x0c\x44\x65\x63odeWorker\x12?\n\x06\x44\x65\x63ode\x12\x18.tandem.v1.DecodeRequest\x1a\x19.tandem.v1.DecodeResponse0\x01\x12?\n\x06\x46ollow\x12\x18.tandem.v1.FollowRequest\x1a\x19.tandem.v1.FollowResponse0\x01\x12\x46\n\x05\x41\x62ort\x12\x1d.tandem.v1.WorkerAbortRequest\x1a\x1e.tandem.v1.WorkerAbortResponse\x12;\n\x07GetLoad\x12\x19.tandem.v1.GetLoadRequest\x1a\x15.tandem.v1.WorkerLoad2\xd6\x01\n\rPrefillWorker\x12@\n\x07Prefill\x12\x19.tandem.v1.PrefillRequest\x1a\x1a.tandem.v1.PrefillResponse\x12\x46\n\x05\x41\x62ort\x12\x1d.tandem.v1.WorkerAbortRequest\x1a\x1e.tandem.v1.WorkerAbortResponse\x12;\n\x07GetLoad\x12\x19.tandem.v1.GetLoadRequest\x1a\x15.tandem.v1.WorkerLoadb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,8 +33,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_KVFAILUREPOLICY']._serialized_start=2564
-  _globals['_KVFAILUREPOLICY']._serialized_end=2677
+  _globals['_KVFAILUREPOLICY']._serialized_start=2705
+  _globals['_KVFAILUREPOLICY']._serialized_end=2818
   _globals['_SAMPLINGPARAMS']._serialized_start=41
   _globals['_SAMPLINGPARAMS']._serialized_end=603
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=513
@@ -44,29 +44,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLEDLOGPROBS']._serialized_start=655
   _globals['_SAMPLEDLOGPROBS']._serialized_end=752
   _globals['_DECODEREQUEST']._serialized_start=755
-  _globals['_DECODEREQUEST']._serialized_end=946
-  _globals['_KVRESERVATION']._serialized_start=949
-  _globals['_KVRESERVATION']._serialized_end=1170
-  _globals['_DECODERESPONSE']._serialized_start=1173
-  _globals['_DECODERESPONSE']._serialized_end=1454
-  _globals['_PREFILLREQUEST']._serialized_start=1457
-  _globals['_PREFILLREQUEST']._serialized_end=1618
-  _globals['_PREFILLRESPONSE']._serialized_start=1621
-  _globals['_PREFILLRESPONSE']._serialized_end=1832
-  _globals['_WORKERABORTREQUEST']._serialized_start=1834
-  _globals['_WORKERABORTREQUEST']._serialized_end=1902
-  _globals['_WORKERABORTRESPONSE']._serialized_start=1904
-  _globals['_WORKERABORTRESPONSE']._serialized_end=1940
-  _globals['_GETLOADREQUEST']._serialized_start=1942
-  _globals['_GETLOADREQUEST']._serialized_end=1958
-  _globals['_WORKERLOAD']._serialized_start=1961
-  _globals['_WORKERLOAD']._serialized_end=2333
-  _globals['_REQUESTLOAD']._serialized_start=2336
-  _globals['_REQUESTLOAD']._serialized_end=2488
-  _globals['_CLOSEDRESERVATION']._serialized_start=2490
-  _globals['_CLOSEDRESERVATION']._serialized_end=2562
-  _globals['_DECODEWORKER']._serialized_start=2680
-  _globals['_DECODEWORKER']._serialized_end=2892
-  _globals['_PREFILLWORKER']._serialized_start=2895
-  _globals['_PREFILLWORKER']._serialized_end=3109
+  _globals['_DECODEREQUEST']._serialized_end=967
+  _globals['_FOLLOWREQUEST']._serialized_start=969
+  _globals['_FOLLOWREQUEST']._serialized_end=1005
+  _globals['_FOLLOWRESPONSE']._serialized_start=1007
+  _globals['_FOLLOWRESPONSE']._serialized_end=1067
+  _globals['_KVRESERVATION']._serialized_start=1070
+  _globals['_KVRESERVATION']._serialized_end=1291
+  _globals['_DECODERESPONSE']._serialized_start=1294
+  _globals['_DECODERESPONSE']._serialized_end=1595
+  _globals['_PREFILLREQUEST']._serialized_start=1598
+  _globals['_PREFILLREQUEST']._serialized_end=1759
+  _globals['_PREFILLRESPONSE']._serialized_start=1762
+  _globals['_PREFILLRESPONSE']._serialized_end=1973
+  _globals['_WORKERABORTREQUEST']._serialized_start=1975
+  _globals['_WORKERABORTREQUEST']._serialized_end=2043
+  _globals['_WORKERABORTRESPONSE']._serialized_start=2045
+  _globals['_WORKERABORTRESPONSE']._serialized_end=2081
+  _globals['_GETLOADREQUEST']._serialized_start=2083
+  _globals['_GETLOADREQUEST']._serialized_end=2099
+  _globals['_WORKERLOAD']._serialized_start=2102
+  _globals['_WORKERLOAD']._serialized_end=2474
+  _globals['_REQUESTLOAD']._serialized_start=2477
+  _globals['_REQUESTLOAD']._serialized_end=2629
+  _globals['_CLOSEDRESERVATION']._serialized_start=2631
+  _globals['_CLOSEDRESERVATION']._serialized_end=2703
+  _globals['_DECODEWORKER']._serialized_start=2821
+  _globals['_DECODEWORKER']._serialized_end=3098
+  _globals['_PREFILLWORKER']._serialized_start=3101
+  _globals['_PREFILLWORKER']._serialized_end=3315
 # @@protoc_insertion_point(module_scope)

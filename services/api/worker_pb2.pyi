@@ -82,18 +82,32 @@ class SampledLogprobs(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "local_prefill", "kv_failure_policy")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "local_prefill", "kv_failure_policy", "follower_id")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
     LOCAL_PREFILL_FIELD_NUMBER: _ClassVar[int]
     KV_FAILURE_POLICY_FIELD_NUMBER: _ClassVar[int]
+    FOLLOWER_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling_params: SamplingParams
     local_prefill: bool
     kv_failure_policy: KVFailurePolicy
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., local_prefill: _Optional[bool] = ..., kv_failure_policy: _Optional[_Union[KVFailurePolicy, str]] = ...) -> None: ...
+    follower_id: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., local_prefill: _Optional[bool] = ..., kv_failure_policy: _Optional[_Union[KVFailurePolicy, str]] = ..., follower_id: _Optional[str] = ...) -> None: ...
+
+class FollowRequest(_message.Message):
+    __slots__ = ("follower_id",)
+    FOLLOWER_ID_FIELD_NUMBER: _ClassVar[int]
+    follower_id: str
+    def __init__(self, follower_id: _Optional[str] = ...) -> None: ...
+
+class FollowResponse(_message.Message):
+    __slots__ = ("updates",)
+    UPDATES_FIELD_NUMBER: _ClassVar[int]
+    updates: _containers.RepeatedCompositeFieldContainer[DecodeResponse]
+    def __init__(self, updates: _Optional[_Iterable[_Union[DecodeResponse, _Mapping]]] = ...) -> None: ...
 
 class KVReservation(_message.Message):
     __slots__ = ("worker_id", "transport", "transport_metadata", "block_ids", "lease_s", "write_token", "num_cached_blocks", "num_skipped_blocks", "num_partial_blocks")
@@ -118,7 +132,7 @@ class KVReservation(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., transport: _Optional[str] = ..., transport_metadata: _Optional[bytes] = ..., block_ids: _Optional[_Iterable[int]] = ..., lease_s: _Optional[float] = ..., write_token: _Optional[bytes] = ..., num_cached_blocks: _Optional[int] = ..., num_skipped_blocks: _Optional[int] = ..., num_partial_blocks: _Optional[int] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
-    __slots__ = ("reservation", "token_ids", "finish_reason", "num_output_tokens", "logprobs", "kv_recomputed", "num_cached_tokens", "prompt_logprobs")
+    __slots__ = ("reservation", "token_ids", "finish_reason", "num_output_tokens", "logprobs", "kv_recomputed", "num_cached_tokens", "prompt_logprobs", "request_id")
     RESERVATION_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
@@ -127,6 +141,7 @@ class DecodeResponse(_message.Message):
     KV_RECOMPUTED_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     reservation: KVReservation
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: str
@@ -135,7 +150,8 @@ class DecodeResponse(_message.Message):
     kv_recomputed: str
     num_cached_tokens: int
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[SampledLogprobs]
-    def __init__(self, reservation: _Optional[_Union[KVReservation, _Mapping]] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., num_output_tokens: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[SampledLogprobs, _Mapping]]] = ..., kv_recomputed: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[SampledLogprobs, _Mapping]]] = ...) -> None: ...
+    request_id: str
+    def __init__(self, reservation: _Optional[_Union[KVReservation, _Mapping]] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., num_output_tokens: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[SampledLogprobs, _Mapping]]] = ..., kv_recomputed: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[SampledLogprobs, _Mapping]]] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "destination")

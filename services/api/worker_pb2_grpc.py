@@ -40,6 +40,11 @@ class DecodeWorkerStub:
                 request_serializer=services_dot_api_dot_worker__pb2.DecodeRequest.SerializeToString,
                 response_deserializer=services_dot_api_dot_worker__pb2.DecodeResponse.FromString,
                 _registered_method=True)
+        self.Follow = channel.unary_stream(
+                '/tandem.v1.DecodeWorker/Follow',
+                request_serializer=services_dot_api_dot_worker__pb2.FollowRequest.SerializeToString,
+                response_deserializer=services_dot_api_dot_worker__pb2.FollowResponse.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/tandem.v1.DecodeWorker/Abort',
                 request_serializer=services_dot_api_dot_worker__pb2.WorkerAbortRequest.SerializeToString,
@@ -65,6 +70,22 @@ class DecodeWorkerServicer:
         / local_prefill set, the worker computes the prompt itself and sends no reservation.
         / The reservation's write_token admits one KV write into its blocks before the lease ends;
         / the prefill worker renews the lease with it (over the KV transport) while it computes.
+        / With follower_id set, the stream carries only the reservation (or, with local_prefill, an
+        / empty message once the request is admitted) and then ends with the request's status: its
+        / token messages go through that Follow stream instead, the finishing one before this
+        / stream ends.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Follow(self, request, context):
+        """/ One stream for the token messages of many requests (those whose Decode names its
+        / follower_id): each message holds every update that was ready, at most one per request, so
+        / a decode step's tokens for a gateway cost one message, not one per request. The first
+        / message is empty: from then on Decode may name the follower. Ready updates left unread for
+        / kv_lease_s end the stream with ABORTED and release its requests; the stream's end (by
+        / either side) releases every unfinished request it carries.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -93,6 +114,11 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
                     servicer.Decode,
                     request_deserializer=services_dot_api_dot_worker__pb2.DecodeRequest.FromString,
                     response_serializer=services_dot_api_dot_worker__pb2.DecodeResponse.SerializeToString,
+            ),
+            'Follow': grpc.unary_stream_rpc_method_handler(
+                    servicer.Follow,
+                    request_deserializer=services_dot_api_dot_worker__pb2.FollowRequest.FromString,
+                    response_serializer=services_dot_api_dot_worker__pb2.FollowResponse.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -133,6 +159,33 @@ class DecodeWorker:
             '/tandem.v1.DecodeWorker/Decode',
             services_dot_api_dot_worker__pb2.DecodeRequest.SerializeToString,
             services_dot_api_dot_worker__pb2.DecodeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Follow(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/tandem.v1.DecodeWorker/Follow',
+            services_dot_api_dot_worker__pb2.FollowRequest.SerializeToString,
+            services_dot_api_dot_worker__pb2.FollowResponse.FromString,
             options,
             channel_credentials,
             insecure,

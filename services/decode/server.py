@@ -6,9 +6,14 @@ A reservation's blocks are freed only when no KV write into them can be in fligh
 written, or the lease ends) the request's ``kv_failure_policy`` decides: ``recompute`` computes
 the prompt here in the reserved blocks, ``fail`` frees them and ends the stream with ABORTED.
 
-Every stream also holds a lease on the blocks of its running request (``local_prefill`` ones
-included): a consumer that leaves ready tokens unread for ``kv_lease_s`` has its request released,
-so no caller can pin blocks by not reading (``_StreamLease``).
+Token messages go either on the request's own ``Decode`` stream or, when the request names a
+``Follow`` stream (the gateway's way), on that one: one message per step carries the updates of
+every request it follows, instead of one message per request (``FollowStream``; one gRPC message
+costs the worker and the gateway more CPU than the step's whole bookkeeping for the request).
+
+Whichever stream carries its tokens holds a lease on the blocks of its running requests
+(``local_prefill`` ones included): a consumer that leaves ready tokens unread for ``kv_lease_s``
+has its requests released, so no caller can pin blocks by not reading (``_ReadLease``).
 """
 from __future__ import annotations
 
@@ -17,6 +22,7 @@ import functools
 import json
 import logging
 import time
+from collections.abc import Callable
 from contextlib import aclosing
 
 from services.api import worker_pb2, worker_pb2_grpc
@@ -45,6 +51,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         self.transport = self._create_transport()
         self.reservations = Reservations(runtime.release)
         runtime.reservations = self.reservations
+        self.follows: dict[str, FollowStream] = {}  # open Follow streams by follower_id
         self.GetLoad = runtime.GetLoad
 
     def _create_transport(self) -> KVTransport | None:
@@ -54,6 +61,12 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
     def close(self) -> None:
         if self.transport is not None:
             self.transport.close()
+
+    def stopping(self) -> None:
+        """The gRPC server stops next: every Follow stream ends (OK) once it has sent what it
+        holds, so the server's grace period waits only for calls that end on their own."""
+        for follow in self.follows.values():
+            follow.end()
 
     def busy(self) -> bool:
         """Whether a reservation is open (its blocks wait for a KV write or its lease)."""
@@ -119,16 +132,27 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
     async def Decode(self, request: worker_pb2.DecodeRequest, context):
         """One request's stream: admit it (``local_prefill``: compute the prompt here; else
         reserve blocks, send the reservation and wait for the prompt's KV), then one message per
-        batch of outputs until the finishing one. Raises ValueError (INVALID_ARGUMENT) naming a
-        field, ResourceExhausted when too few KV blocks are free, Aborted, Unavailable."""
+        batch of outputs until the finishing one, here or (``follower_id``) on that Follow
+        stream, this one then carrying an empty message once a ``local_prefill`` request is
+        admitted. Raises ValueError (INVALID_ARGUMENT) naming a field, ResourceExhausted when
+        too few KV blocks are free, Aborted, Unavailable (also when the Follow stream named is
+        not open, or ends first)."""
         params = params_from_proto(request.sampling_params)
         if request.request_id in self.reservations:
             raise InvalidArgument("request_id", f"{request.request_id!r} still holds a reservation "
                                   "on this worker")
-        stream = _DecodeStream(self, request, params, context)
+        follow = None
+        if request.follower_id:
+            follow = self.follows.get(request.follower_id)
+            if follow is None:
+                raise Unavailable(f"decode worker {self.rt.worker_id}: no Follow stream "
+                                  f"{request.follower_id!r} is open (follower_id)")
+        stream = _DecodeStream(self, request, params, context, follow)
         try:
             if request.local_prefill:
                 await stream.prefill_here()
+                if follow is not None:
+                    yield worker_pb2.DecodeResponse()  # admitted: its tokens go to the follower
             else:
                 reservation, outcome = await stream.reserve()
                 yield worker_pb2.DecodeResponse(reservation=reservation)
@@ -158,6 +182,90 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             found = await self.rt.call(commands.Abort(rid))
         return worker_pb2.WorkerAbortResponse(found=found)
 
+    async def Follow(self, request: worker_pb2.FollowRequest, context):
+        """The token messages of every request whose Decode names ``follower_id``: an empty
+        message first (the follower is open), then each time updates are ready, all of them.
+        Raises ValueError (INVALID_ARGUMENT) naming ``follower_id`` when it is short or already
+        open, Aborted when ready updates were left unread for ``kv_lease_s``."""
+        fid = request.follower_id
+        if len(fid) < 16:
+            raise InvalidArgument("follower_id", f"{fid!r}: need 16 or more characters (random hex)")
+        if fid in self.follows:
+            raise InvalidArgument("follower_id", f"{fid!r} is already open on this worker")
+        follow = self.follows[fid] = FollowStream(self.rt, fid)
+        try:
+            yield worker_pb2.FollowResponse()
+            while (updates := await follow.take()) is not None:
+                yield worker_pb2.FollowResponse(updates=updates)
+                follow.lease.renew()
+        finally:
+            del self.follows[fid]
+            follow.close("the Follow stream ended")
+
+
+class FollowStream:
+    """One ``Follow`` call's state: the updates ready for its caller, at most one per request
+    (a request's later messages merge into its pending one: tokens and logprobs append, the
+    last finish reason and count win), and the requests whose tokens it carries. Closing it
+    (its call ended, or its lease ran out) releases those requests; their ``Decode`` streams
+    then end with UNAVAILABLE."""
+
+    def __init__(self, rt: WorkerRuntime, follower_id: str) -> None:
+        self.rt, self.id = rt, follower_id
+        self.pending: dict[str, worker_pb2.DecodeResponse] = {}  # by request id, in send order
+        self.requests: dict[str, _DecodeStream] = {}  # decoding requests sending here
+        self.closed = ""  # why, once closed
+        self.ending = False  # the worker stops: end once nothing is pending
+        self._ready = asyncio.Event()
+        self.lease = _ReadLease(f"Follow stream {follower_id}", rt.options.kv_lease_s,
+                                lambda: bool(self.pending), self._expire)
+
+    def send(self, rid: str, msg: worker_pb2.DecodeResponse) -> None:
+        """Queue ``msg`` for the follower. Raises Unavailable once the stream is closed."""
+        if self.closed:
+            raise Unavailable(f"decode worker {self.rt.worker_id}: Follow stream {self.id} "
+                              f"closed ({self.closed}) before request {rid} finished")
+        pending = self.pending.get(rid)
+        if pending is None:
+            msg.request_id = rid
+            self.pending[rid] = msg
+        else:
+            pending.MergeFrom(msg)
+        self._ready.set()
+
+    async def take(self) -> list[worker_pb2.DecodeResponse] | None:
+        """Wait for updates and take them all; None once ``end()`` was called and nothing is
+        pending. Raises Aborted once the lease closed the stream."""
+        await self._ready.wait()
+        if self.closed:
+            raise Aborted(f"decode worker {self.rt.worker_id}: {self.closed}")
+        if not self.pending and self.ending:
+            return None
+        self._ready.clear()
+        updates, self.pending = list(self.pending.values()), {}
+        if self.ending:
+            self._ready.set()  # the next take ends the stream
+        return updates
+
+    def end(self) -> None:
+        """End the stream (OK) once what is pending went out."""
+        self.ending = True
+        self._ready.set()
+
+    def _expire(self) -> None:
+        self.close(f"ready tokens left unread for {self.rt.options.kv_lease_s:.1f}s or more "
+                   "(kv_lease_s)")
+        self._ready.set()
+
+    def close(self, why: str) -> None:
+        """Release every request still sending here; later sends raise (idempotent)."""
+        if self.closed:
+            return
+        self.closed = why
+        self.lease.close()
+        for stream in list(self.requests.values()):
+            stream.end(why)
+
 
 class _DecodeStream:
     """One ``Decode`` call's state (as the gateway's ``_Attempt`` is one attempt's): its output
@@ -166,14 +274,17 @@ class _DecodeStream:
     """
 
     def __init__(self, worker: DecodeServicer, request: worker_pb2.DecodeRequest,
-                 params: SamplingParams, context) -> None:
+                 params: SamplingParams, context, follow: FollowStream | None) -> None:
         self.worker, self.rt = worker, worker.rt
         self.rid = request.request_id
         self.prompt = list(request.prompt_token_ids)
         self.params = params
         self.kv_failure_policy = request.kv_failure_policy
         self.queue = self.rt.open_stream(self.rid)
-        self.lease = _StreamLease(self.rt, self.rid, self.queue, self.rt.options.kv_lease_s)
+        self.follow = follow  # carries the token messages; None: this stream does
+        self.lease = None if follow is not None else _ReadLease(
+            f"request {self.rid}", self.rt.options.kv_lease_s,
+            lambda: not self.queue.empty(), self.end)
         self.trace = tracing.worker_trace("decode", context, self.rid, len(self.prompt))
         bind_request(self.rid, self.trace)
         self.req: Request | None = None  # the engine's request, once admitted
@@ -240,13 +351,28 @@ class _DecodeStream:
         raise Aborted(f"decode worker {self.rt.worker_id}: {outcome.why} (kv failure policy: fail)")
 
     async def messages(self):
-        """One DecodeResponse per batch of queued outputs, up to the finishing one; the lease is
-        renewed each time the consumer takes one. Raises what ``check_output`` raises."""
+        """One DecodeResponse per batch of queued outputs, up to the finishing one, yielded or
+        (followed) sent to the Follow stream; the lease is renewed each time the consumer takes
+        one. Raises what ``check_output`` raises, Unavailable when the Follow stream closed."""
+        if self.follow is not None:
+            self.follow.requests[self.rid] = self
+            if self.follow.closed:
+                raise Unavailable(f"Follow stream {self.follow.id} closed ({self.follow.closed})")
         async for outs in _batches(self.queue):
-            yield self._message(outs)
-            self.lease.renew()
+            msg = self._message(outs)
+            if self.follow is not None:
+                self.follow.send(self.rid, msg)
+            else:
+                yield msg
+                self.lease.renew()
             if self.finished:
                 return
+
+    def end(self, why: str = "") -> None:
+        """Release the request now (its lease ran out, or its Follow stream closed); the
+        stream's handler then ends."""
+        self.rt.release(self.rid)
+        self.queue.put_nowait(RequestOutput(self.rid, [], "abort"))  # the handler's wake-up
 
     def _message(self, outs: list[RequestOutput]) -> worker_pb2.DecodeResponse:
         for out in outs:
@@ -267,21 +393,25 @@ class _DecodeStream:
         """Client gone, abort, error or done: free what the request holds, unless a KV write
         may still land in it (its reservation stays quarantined until it closes)."""
         self.trace.end_decode(self.req)
-        self.lease.close()
+        if self.lease is not None:
+            self.lease.close()
+        if self.follow is not None:
+            self.follow.requests.pop(self.rid, None)
         self.rt.streams.pop(self.rid, None)
         if self.owned and not self.finished and not self.worker.reservations.detach(self.rid):
             self.rt.release(self.rid)
 
 
-class _StreamLease:
-    """A decode stream's lease on its running request's blocks: tokens ready for the consumer
-    must be taken within ``lease_s`` seconds; after that the request is released (aborted,
-    blocks freed), as an unused reservation's blocks are at its lease's end. Checked every third
-    of the lease on the event loop: unread tokens seen at one check with no message taken before
-    a check ``lease_s`` later. ``renew()`` after each message the consumer took."""
+class _ReadLease:
+    """A stream's lease on the blocks of the running requests it carries: tokens ready for the
+    consumer must be taken within ``lease_s`` seconds; after that ``expire()`` releases them
+    (aborted, blocks freed), as an unused reservation's blocks are at its lease's end. Checked
+    every third of the lease on the event loop: ``unread()`` true at one check with no message
+    taken before a check ``lease_s`` later. ``renew()`` after each message the consumer took."""
 
-    def __init__(self, rt: WorkerRuntime, rid: str, queue: asyncio.Queue, lease_s: float) -> None:
-        self.rt, self.rid, self.queue, self.lease_s = rt, rid, queue, lease_s
+    def __init__(self, what: str, lease_s: float, unread: Callable[[], bool],
+                 expire: Callable[[], None]) -> None:
+        self.what, self.lease_s, self.unread, self.expire = what, lease_s, unread, expire
         self.read_at = time.monotonic()
         self._task = asyncio.ensure_future(self._watch())
 
@@ -295,18 +425,17 @@ class _StreamLease:
         unread_since: float | None = None  # first check that saw tokens waiting, none taken since
         while True:
             await asyncio.sleep(self.lease_s / 3)
-            now = time.monotonic()
-            if self.queue.empty() or (unread_since is not None and self.read_at > unread_since):
+            now, unread = time.monotonic(), self.unread()
+            if not unread or (unread_since is not None and self.read_at > unread_since):
                 unread_since = None
-            if self.queue.empty():
+            if not unread:
                 continue
             if unread_since is None:
                 unread_since = now
             elif now - unread_since >= self.lease_s:
-                log.warning("request %s: ready tokens left unread for %.1fs (lease %.1fs): "
-                            "released", self.rid, now - unread_since, self.lease_s)
-                self.rt.release(self.rid)
-                self.queue.put_nowait(RequestOutput(self.rid, [], "abort"))  # a late reader's end
+                log.warning("%s: ready tokens left unread for %.1fs (lease %.1fs): released",
+                            self.what, now - unread_since, self.lease_s)
+                self.expire()
                 return
 
 

@@ -16,8 +16,12 @@ the prompt to a prefill worker P with D's reservation as destination, relay D's 
 
 - A *unified* worker (``services/unified``) was chosen, or the router decided that the decode
   worker computes the prompt itself (conditional disaggregation, ``router.py``): the Decode
-  stream has ``local_prefill`` and no prefill hop follows; its first message is the first
-  token. Lost before it: try the next worker; lost after: migrate, as above.
+  stream has ``local_prefill`` and no prefill hop follows; its first message says the worker
+  admitted it. Refused: try the next worker; lost after: retry, or migrate once tokens came.
+
+Tokens do not come on the Decode stream: each attempt names the gateway's ``Follower`` on its
+worker (``follow.py``), one stream that carries every attempt's tokens there; the Decode stream
+ends with the attempt's status once its finishing message went to the follower.
 
 Which workers, in which order: ``Router`` (``gateway.routing``). A decode worker that already
 holds a prefix of the prompt pins it in its reservation (``KVReservation.num_cached_blocks``) and
@@ -37,6 +41,7 @@ import grpc
 
 from services.api import worker_pb2, worker_pb2_grpc
 from services.errors import ResourceExhausted, Unavailable
+from services.gateway.follow import Follower, FollowLost, Inbox
 from services.gateway.resume import only_new, resumed_params
 from services.gateway.router import Route, Router, Ticket
 from services.gateway.routing import WorkerPool
@@ -84,8 +89,9 @@ class _Attempt:
     decode: WorkerInfo | None = None
     local: bool = False  # the decode (or unified) worker computes the prompt itself
     call: object = None  # the Decode stream
+    follower: Follower | None = None  # carries the attempt's tokens (into inbox)
+    inbox: Inbox | None = None
     reservation: worker_pb2.KVReservation | None = None
-    first: worker_pb2.DecodeResponse | None = None  # local: the first token, read while choosing
     reserved_at: float = 0.0  # monotonic time the Decode request was sent (lease start bound)
     prefill: asyncio.Task | None = None
     maybe_written: bool = False  # some prefill worker may write into the reservation
@@ -107,6 +113,21 @@ class Dispatcher:
         self.policy = {"recompute": worker_pb2.KV_FAILURE_POLICY_RECOMPUTE,
                        "fail": worker_pb2.KV_FAILURE_POLICY_FAIL}[kv_failure_policy]
         self._background: set[asyncio.Task] = set()
+        self._followers: dict[str, Follower] = {}  # by worker endpoint
+
+    async def close(self) -> None:
+        for follower in self._followers.values():
+            follower.close()
+        self._followers.clear()
+
+    async def _follower(self, worker: WorkerInfo) -> Follower:
+        """The open Follow stream on ``worker`` (opened now if there is none, or it ended).
+        Raises FollowLost."""
+        follower = self._followers.get(worker.endpoint)
+        if follower is None or follower.lost:
+            follower = self._followers[worker.endpoint] = Follower(self.pool.channel(worker.endpoint))
+        await follower.ready(self.rpc_timeout_s)
+        return follower
 
     async def stream(self, job: Job) -> AsyncIterator[worker_pb2.DecodeResponse]:
         generated: list[int] = []
@@ -122,8 +143,7 @@ class Dispatcher:
                         if msg.finish_reason:
                             return
             except WorkerLost as exc:
-                self.pool.lost(exc.worker, str(exc))
-                self.router.lost(exc.worker.worker_id, self.pool.suspect_s)
+                self._lost(exc.worker, str(exc))
                 job.trace.event("migration" if generated else "retry", reason=str(exc),
                                 **{"tandem.num_generated_tokens": len(generated)})
                 if n + 1 < MAX_ATTEMPTS:  # another attempt follows
@@ -157,9 +177,9 @@ class Dispatcher:
     async def _reserve(self, job: Job, att: _Attempt, prompt: list[int],
                        params: worker_pb2.SamplingParams, resumed: bool) -> Route:
         """Open a Decode stream on the best decode or unified worker (``Router``) with room for
-        the prompt: a decode worker's first message is its reservation, unless it computes the
-        prompt itself (unified, or conditional disaggregation): then the first token
-        (``att.first``). Returns the route taken."""
+        the prompt, its tokens to come through the worker's follower: a decode worker's first
+        message is its reservation, unless it computes the prompt itself (unified, or
+        conditional disaggregation): then an empty one (admitted). Returns the route taken."""
         workers = await self.pool.live_any(("decode", "unified"))
         routes = self.router.rank_decode(prompt, workers, await self._live_prefill(workers))
         lost = 0
@@ -167,23 +187,30 @@ class Dispatcher:
             w, local = route.worker, route.local_prefill or route.worker.role == "unified"
             if local:  # the prefill starts now, on this worker
                 job.on_dispatch(w.worker_id, w.worker_id, resumed)
+            try:
+                follower = await self._follower(w)
+                att.follower, att.inbox = follower, follower.register(att.worker_request_id)
+            except FollowLost as exc:
+                self._lost(w, str(exc))
+                lost += 1
+                continue
             att.decode, att.reserved_at = w, time.monotonic()  # cancelled from here: freed unused
             sent_at = time.time()  # the worker's heartbeats may count it from here
             att.call = call = job.track(worker_pb2_grpc.DecodeWorkerStub(
                 self.pool.channel(w.endpoint)).Decode(worker_pb2.DecodeRequest(
                     request_id=att.worker_request_id, prompt_token_ids=prompt,
                     sampling_params=params, kv_failure_policy=self.policy,
-                    local_prefill=local), timeout=self.rpc_timeout_s,
-                metadata=job.trace.metadata()))
+                    local_prefill=local, follower_id=att.follower.id),
+                timeout=self.rpc_timeout_s, metadata=job.trace.metadata()))
             try:
                 first = await call.read()
             except grpc.aio.AioRpcError as exc:
-                att.decode = att.call = None  # nothing reserved
+                att.follower.unregister(att.worker_request_id)
+                att.decode = att.call = att.follower = att.inbox = None  # nothing reserved
                 if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
                     continue
                 if exc.code() in LOST:
-                    self.pool.lost(w, f"{exc.code().name}: {exc.details()}")
-                    self.router.lost(w.worker_id, self.pool.suspect_s)
+                    self._lost(w, f"{exc.code().name}: {exc.details()}")
                     lost += 1
                     continue
                 raise _status_error(w, exc) from exc
@@ -191,13 +218,11 @@ class Dispatcher:
                 route.reason = FALLBACK
             att.local = local
             if local and first is not grpc.aio.EOF:
-                att.first = first
                 att.ticket = self.router.routed(route, prompt, computes=True, sent_at=sent_at)
-                att.ticket.prefilled()
                 return route
             if first is grpc.aio.EOF or not first.HasField("reservation"):
                 raise Unavailable(f"{w.role} worker {w.worker_id} answered with no "
-                                  f"{'token' if local else 'reservation'}")
+                                  f"{'admission' if local else 'reservation'}")
             att.reservation = first.reservation
             att.ticket = self.router.routed(route, prompt, computes=False, sent_at=sent_at)
             return route
@@ -205,6 +230,10 @@ class Dispatcher:
             raise Unavailable("no decode or unified worker could be reached")
         raise ResourceExhausted("no decode or unified worker has room for this request; "
                                 "retry later")
+
+    def _lost(self, worker: WorkerInfo, why: str) -> None:
+        self.pool.lost(worker, why)
+        self.router.lost(worker.worker_id, self.pool.suspect_s)
 
     async def _live_prefill(self, decode: list[WorkerInfo]) -> list[WorkerInfo]:
         """The live prefill workers ([] when there is none, or only unified workers serve)."""
@@ -258,27 +287,35 @@ class Dispatcher:
         raise ResourceExhausted("every prefill worker's queue is full; retry later")
 
     async def _relay(self, job: Job, att: _Attempt):
-        """Yield the decode stream's messages; watch the prefill until it ends."""
-        prefill, read, got_tokens = att.prefill, None, False
+        """Yield the attempt's token messages from its inbox (merged when several wait); watch
+        the Decode stream's end and the prefill's answer there too."""
+        inbox, prefill, got_tokens = att.inbox, att.prefill, False
         prefilled: worker_pb2.PrefillResponse | None = None  # the prefill worker's answer
-        if att.first is not None:  # local prefill: read while choosing the worker
-            got_tokens = True
-            yield att.first
-            if att.first.finish_reason:
-                return
+        if prefill is not None:
+            prefill.add_done_callback(inbox.put)
+        end = job.track(asyncio.ensure_future(_decode_end(att.decode, att.call)))
+        end.add_done_callback(inbox.put)
+        end.add_done_callback(_retrieved)  # its error may come after the relay ended
+        ended = False  # the Decode stream ended OK: its finishing message is on its way
         while True:
-            if prefill is None and read is None:  # only the stream to watch: read it in place
-                msg = await _read_message(att.decode, att.call)  # (no task, no wait per token)
+            if not ended:
+                item = await inbox.get()
             else:
-                if read is None:
-                    read = job.track(asyncio.ensure_future(_read_message(att.decode, att.call)))
-                done, _ = await asyncio.wait({read} if prefill is None else {read, prefill},
-                                             return_when=asyncio.FIRST_COMPLETED)
-                if prefill in done:
+                try:
+                    item = await asyncio.wait_for(inbox.get(), self.rpc_timeout_s)
+                except TimeoutError:
+                    raise WorkerLost(att.decode, "stream ended before the request finished") from None
+            if isinstance(item, FollowLost):
+                raise WorkerLost(att.decode, str(item))
+            if item is end:
+                end.result()  # raises the stream's error, CancelledError when aborted
+                ended = True
+                continue
+            if not isinstance(item, worker_pb2.DecodeResponse):  # the prefill task
+                if item is prefill:
                     prefilled, prefill = _prefill_answer(prefill, got_tokens, job), None
-                if read not in done:
-                    continue
-                msg, read = read.result(), None
+                continue
+            msg = item
             if not got_tokens and _wants_prompt_logprobs(job, msg):
                 if prefill is not None:  # NOTE: it answers right after the KV landed
                     await asyncio.wait({prefill})
@@ -309,6 +346,8 @@ class Dispatcher:
             att.prefill.cancel()  # the prefill worker tells D when nothing more will be written
         if att.call is not None:
             att.call.cancel()  # no-op once finished; otherwise D frees, or quarantines its blocks
+        if att.follower is not None:
+            att.follower.unregister(att.worker_request_id)
         if att.decode is not None and not att.maybe_written and not att.local:
             stub = worker_pb2_grpc.DecodeWorkerStub(self.pool.channel(att.decode.endpoint))
             task = asyncio.ensure_future(stub.Abort(worker_pb2.WorkerAbortRequest(
@@ -343,18 +382,24 @@ def _wants_prompt_logprobs(job: Job, first: worker_pb2.DecodeResponse) -> bool:
     return job.params.HasField("prompt_logprobs") and not first.prompt_logprobs and not first.kv_recomputed
 
 
-async def _read_message(worker: WorkerInfo, call) -> worker_pb2.DecodeResponse:
-    """The decode stream's next message; a lost worker raises WorkerLost, an error status the
-    gateway's own exception."""
+async def _decode_end(worker: WorkerInfo, call) -> None:
+    """Wait for a followed Decode stream's end (after its reservation, or its admission): returns
+    when it ended OK; a lost worker raises WorkerLost, an error status the gateway's own
+    exception."""
     try:
         msg = await call.read()
     except grpc.aio.AioRpcError as exc:
         if exc.code() in LOST:
             raise WorkerLost(worker, f"{exc.code().name}: {exc.details()}") from exc
         raise _status_error(worker, exc) from exc
-    if msg is grpc.aio.EOF:
-        raise WorkerLost(worker, "stream ended before the request finished")
-    return msg
+    if msg is not grpc.aio.EOF:
+        raise Unavailable(f"{worker.role} worker {worker.worker_id} sent a token message on a "
+                          "followed Decode stream")
+
+
+def _retrieved(task: asyncio.Task) -> None:
+    if not task.cancelled():
+        task.exception()
 
 
 def _status_error(worker: WorkerInfo, exc: grpc.aio.AioRpcError) -> Exception:

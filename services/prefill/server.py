@@ -66,6 +66,9 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
     def close(self) -> None:
         self.transport.close()
 
+    def stopping(self) -> None:
+        """The gRPC server stops next: nothing to end (Prefill calls are not long-lived)."""
+
     def busy(self) -> bool:
         """Whether a handoff is still running (computing, or writing KV)."""
         return bool(self._handoffs)

@@ -100,6 +100,7 @@ async def serve_worker(opts: WorkerOptions, num_threads: int) -> None:
         listener_lost.cancel()
         await health.enter_graceful_shutdown()
         await runtime.heartbeater.stop()
+        servicer.stopping()  # long-lived streams end, so the grace below waits only for the rest
         await server.stop(grace=STOP_GRACE_S)
         servicer.close()
         await asyncio.to_thread(metrics.close)
