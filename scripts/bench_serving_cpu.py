@@ -78,7 +78,7 @@ def per_token(before: dict, after: dict, tokens: int) -> dict[str, float]:
 
 def load(args, stack: Stack, concurrency: int, out: Path) -> dict:
     target = (f"grpc://{stack.address}" if args.api == "grpc"
-              else f"http://127.0.0.1:{stack.settings.gateway.http_port}/v1")
+              else f"http://127.0.0.1:{args.http_port}/v1")
     name = f"serving-c{concurrency}"
     argv = ["--target", target, "--request-rate", "inf", "--max-concurrency", str(concurrency),
             "--num-prompts", str(args.num_prompts), "--dataset", "random", "--random-input-len",
@@ -153,11 +153,12 @@ def main(argv: list[str] | None = None) -> int:
     layout = choose_layout(UpSection(), cores)
     args.threads = max(layout.threads.values())
     out = Path(args.out).parent
+    args.http_port = free_port() if args.api == "http" else 0
     stack = Stack(UpOptions(
         host="127.0.0.1", port=free_port(), num_prefill=layout.num_prefill,
         num_decode=layout.num_decode, num_unified=layout.num_unified, redis_url=None,
         worker_args=shlex.split(args.engine_args), threads=layout.threads,
-        gateway_args=["--http-port", str(free_port() if args.api == "http" else 0)],
+        gateway_args=["--http-port", str(args.http_port)],
         ready_timeout_s=600))
     stack.start()
     try:
