@@ -282,6 +282,7 @@ class _DecodeStream:
         self.kv_failure_policy = request.kv_failure_policy
         self.queue = self.rt.open_stream(self.rid)
         self.follow = follow  # carries the token messages; None: this stream does
+        self.done: asyncio.Future | None = None  # followed: set by the finishing output
         self.lease = None if follow is not None else _ReadLease(
             f"request {self.rid}", self.rt.options.kv_lease_s,
             lambda: not self.queue.empty(), self.end)
@@ -351,28 +352,57 @@ class _DecodeStream:
         raise Aborted(f"decode worker {self.rt.worker_id}: {outcome.why} (kv failure policy: fail)")
 
     async def messages(self):
-        """One DecodeResponse per batch of queued outputs, up to the finishing one, yielded or
-        (followed) sent to the Follow stream; the lease is renewed each time the consumer takes
-        one. Raises what ``check_output`` raises, Unavailable when the Follow stream closed."""
+        """One DecodeResponse per batch of queued outputs, up to the finishing one; the lease is
+        renewed each time the consumer takes one. Followed, the messages go to the Follow stream
+        instead and this yields nothing (``_follow_outputs``). Raises what ``check_output``
+        raises, Unavailable when the Follow stream closed."""
         if self.follow is not None:
-            self.follow.requests[self.rid] = self
-            if self.follow.closed:
-                raise Unavailable(f"Follow stream {self.follow.id} closed ({self.follow.closed})")
+            await self._follow_outputs()
+            return
         async for outs in _batches(self.queue):
-            msg = self._message(outs)
-            if self.follow is not None:
-                self.follow.send(self.rid, msg)
-            else:
-                yield msg
-                self.lease.renew()
+            yield self._message(outs)
+            self.lease.renew()
             if self.finished:
                 return
+
+    async def _follow_outputs(self) -> None:
+        """Send the outputs queued so far to the Follow stream (in order: see ``_batches``),
+        then take the runtime's later ones directly (``put_nowait``: no task wakes per token)
+        until the finishing one. Raises what ``check_output`` raises, Unavailable."""
+        follow = self.follow
+        follow.requests[self.rid] = self
+        if follow.closed:
+            raise Unavailable(f"Follow stream {follow.id} closed ({follow.closed})")
+        queued = []
+        while not self.queue.empty():
+            queued.append(self.queue.get_nowait())
+        if queued:
+            follow.send(self.rid, self._message(_in_order(queued)))
+            if self.finished:
+                return
+        self.done = asyncio.get_running_loop().create_future()
+        self.rt.streams[self.rid] = self  # the runtime's outputs come to put_nowait now
+        await self.done
+
+    def put_nowait(self, out: RequestOutput) -> None:
+        """A followed request's output, from the runtime (in place of its queue): to the Follow
+        stream at once; the finishing one, or an error, ends ``_follow_outputs``."""
+        if self.done.done():
+            return
+        try:
+            self.follow.send(self.rid, self._message([out]))
+        except Exception as exc:  # noqa: BLE001 -- the handler raises it (its gRPC status)
+            self.done.set_exception(exc)
+            return
+        if self.finished:
+            self.done.set_result(None)
 
     def end(self, why: str = "") -> None:
         """Release the request now (its lease ran out, or its Follow stream closed); the
         stream's handler then ends."""
         self.rt.release(self.rid)
-        self.queue.put_nowait(RequestOutput(self.rid, [], "abort"))  # the handler's wake-up
+        self.rt.streams.get(self.rid, self.queue).put_nowait(  # the handler's wake-up
+            RequestOutput(self.rid, [], "abort"))
 
     def _message(self, outs: list[RequestOutput]) -> worker_pb2.DecodeResponse:
         for out in outs:
@@ -440,16 +470,21 @@ class _ReadLease:
 
 
 async def _batches(queue: asyncio.Queue[RequestOutput]):
-    """Yield every output queued so far as one list, in output order. The first token's output
-    is queued by ``_start`` once the landing command returns, which can be after the engine's
-    next step already queued the second token's; both are queued before the stream first
-    reads, so ordering what is there by ``num_output_tokens`` restores the sequence (taken as
-    they came, the stream once sent token #0 and lost #1). A finished output goes last whatever
-    its count: an abort queued by the lease or ``Abort`` carries none, and sorted first it would
-    leave the stream waiting for an end it already had."""
+    """Yield every output queued so far as one list, in output order (``_in_order``)."""
     while True:
         outs = [await queue.get()]
         while not queue.empty():
             outs.append(queue.get_nowait())
-        outs.sort(key=lambda o: (o.finish_reason is not None, o.num_output_tokens))
-        yield outs
+        yield _in_order(outs)
+
+
+def _in_order(outs: list[RequestOutput]) -> list[RequestOutput]:
+    """``outs`` (one request's, as queued) in output order. The first token's output is queued
+    by ``_start`` once the landing command returns, which can be after the engine's next step
+    already queued the second token's; both are queued before the stream first reads, so
+    ordering what is there by ``num_output_tokens`` restores the sequence (taken as they came,
+    the stream once sent token #0 and lost #1). A finished output goes last whatever its count:
+    an abort queued by the lease or ``Abort`` carries none, and sorted first it would leave the
+    stream waiting for an end it already had."""
+    outs.sort(key=lambda o: (o.finish_reason is not None, o.num_output_tokens))
+    return outs

@@ -64,6 +64,8 @@ class WorkerRuntime:
         self.worker_id = options.worker_id or f"{options.role}-{uuid.uuid4().hex[:8]}"
         self.engine = engine
         self.loop = asyncio.get_running_loop()
+        # each open request's outputs go to its put_nowait: its queue, or (a followed decode
+        # stream, services/decode/server.py) the stream itself
         self.streams: dict[str, asyncio.Queue[RequestOutput]] = {}
         self.max_num_queued = 0  # high-water mark of num_queued(), taken at each admission
         self.reservations = None  # decode role: its Reservations (GetLoad reports their closes)
