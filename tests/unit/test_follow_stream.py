@@ -14,26 +14,13 @@ import pytest
 
 from services.api import worker_pb2
 from services.decode.server import DecodeServicer
-from services.engine.engine import EngineConfig, LLMEngine
 from services.errors import InvalidArgument, Unavailable
 from services.gateway.follow import Inbox
-from services.runtime.worker import WorkerOptions, WorkerRuntime
+from services.runtime.worker import WorkerRuntime
+from tests.unit.test_stream_lease import LEASE_S, NUM_BLOCKS, _until, _with_servicer, engine  # noqa: F401
 
-LEASE_S = 0.6
-NUM_BLOCKS = 64
 FOLLOWER = "f" * 32
 PROMPTS = ([1, 9690, 198, 19556, 314, 260], [1, 9690, 198, 2683, 3437, 28])
-
-
-@pytest.fixture(scope="module")
-def engine() -> LLMEngine:
-    return LLMEngine(EngineConfig(num_kv_blocks=NUM_BLOCKS, max_num_seqs=4))
-
-
-def _options(engine: LLMEngine) -> WorkerOptions:
-    return WorkerOptions(role="decode", engine=engine.config, host="127.0.0.1",
-                         advertise_host="127.0.0.1", port=0, kv_port=0, kv_transport="tcp",
-                         redis_url="redis://127.0.0.1:1/0", heartbeat_s=1.0, kv_lease_s=LEASE_S)
 
 
 def _request(rid: str, prompt: list[int], max_tokens: int, follower_id: str = "",
@@ -42,25 +29,6 @@ def _request(rid: str, prompt: list[int], max_tokens: int, follower_id: str = ""
         request_id=rid, prompt_token_ids=prompt, local_prefill=True, follower_id=follower_id,
         sampling_params=worker_pb2.SamplingParams(max_tokens=max_tokens, top_p=1.0,
                                                    repetition_penalty=1.0, ignore_eos=True))
-
-
-async def _until(condition, deadline_s: float = 60.0) -> None:
-    deadline = time.monotonic() + deadline_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met before the deadline"
-        await asyncio.sleep(0.02)
-
-
-async def _with_servicer(engine: LLMEngine, body) -> None:
-    runtime = WorkerRuntime(_options(engine), engine)
-    runtime.engine_loop.start()  # no heartbeat: nothing here needs the registry
-    servicer = DecodeServicer(runtime)
-    try:
-        await body(runtime, servicer)
-    finally:
-        servicer.close()
-        runtime.engine_loop.stop()
-        await runtime.redis.aclose()
 
 
 async def _decode(servicer: DecodeServicer, request: worker_pb2.DecodeRequest) -> list:
