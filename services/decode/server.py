@@ -255,16 +255,17 @@ class FollowStream:
     def _expire(self) -> None:
         self.close(f"ready tokens left unread for {self.rt.options.kv_lease_s:.1f}s or more "
                    "(kv_lease_s)")
-        self._ready.set()
 
     def close(self, why: str) -> None:
-        """Release every request still sending here; later sends raise (idempotent)."""
+        """Release every request still sending here; later sends raise, and a waiting
+        ``take()`` raises Aborted with ``why`` (idempotent)."""
         if self.closed:
             return
         self.closed = why
         self.lease.close()
         for stream in list(self.requests.values()):
-            stream.end(why)
+            stream.end()
+        self._ready.set()
 
 
 class _DecodeStream:
@@ -397,7 +398,7 @@ class _DecodeStream:
         if self.finished:
             self.done.set_result(None)
 
-    def end(self, why: str = "") -> None:
+    def end(self) -> None:
         """Release the request now (its lease ran out, or its Follow stream closed); the
         stream's handler then ends."""
         self.rt.release(self.rid)

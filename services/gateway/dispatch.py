@@ -115,7 +115,9 @@ class Dispatcher:
         self._background: set[asyncio.Task] = set()
         self._followers: dict[str, Follower] = {}  # by worker endpoint
 
-    async def close(self) -> None:
+    def close(self) -> None:
+        """Close the Follow streams this gateway opened (their workers release what they
+        carried)."""
         for follower in self._followers.values():
             follower.close()
         self._followers.clear()

@@ -94,7 +94,7 @@ class GatewayCore:
     async def close(self) -> None:
         self._tokenize.shutdown(wait=False, cancel_futures=True)
         await self.router.stop()
-        await self.dispatcher.close()
+        self.dispatcher.close()
         await self.pool.close()
 
     async def generate(self, request: gateway_pb2.GenerateRequest, carrier=None,
