@@ -863,6 +863,7 @@ static inline __attribute__((always_inline)) void q4_rows16(
  * hardware prefetcher follows better alone (AMD EPYC, AVX-512 VNNI: a batch-1 step is faster
  * without, and at batch 16 into L2 beats into L1 and beats none). */
 #define X16_PREFETCH_MIN 4
+#define X16_MR 6 /* activation rows a pass of the X16 kernels: 2 x 6 integer sums, 6 float sums */
 static inline __attribute__((always_inline)) void prefetch_block(const uint8_t *ahead, int64_t b,
                                                                  int bytes) {
     if (ahead)
@@ -870,7 +871,7 @@ static inline __attribute__((always_inline)) void prefetch_block(const uint8_t *
             _mm_prefetch((const char *)(ahead + b * bytes + line), _MM_HINT_T1);
 }
 
-/* out[i * ldo + r] for a Q4_1X16 tile (16 rows, nb blocks) and MR (<= 5) activation rows (xq:
+/* out[i * ldo + r] for a Q4_1X16 tile (16 rows, nb blocks) and MR (<= 6) activation rows (xq:
  * quantize_row's int8 rows, K apart; dx, sx: row stride nb). Per block: 4 loads give the 16
  * rows' nibbles (lane = row), 8 vpdpbusd against broadcast activation dwords leave each row's
  * integer sum in its lane, and the float steps run in the header's order, as q4_rows16's. No
@@ -884,7 +885,7 @@ static inline __attribute__((always_inline)) void q4_1x16_rows16(
     const float *sx, float *out, int64_t ldo, const uint8_t *ahead) {
     const __m512i mask = _mm512_set1_epi8(0x0f);
     const int64_t K = nb * QK;
-    __m512 acc[5];
+    __m512 acc[6];
     for (int i = 0; i < MR; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = tile + b * X16_BLOCK;
@@ -897,7 +898,7 @@ static inline __attribute__((always_inline)) void q4_1x16_rows16(
         }
         const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 256)));
         const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 288)));
-        __m512i SL[5], SH[5];
+        __m512i SL[6], SH[6];
         for (int i = 0; i < MR; i++) SL[i] = SH[i] = _mm512_setzero_si512();
         for (int k = 0; k < 4; k++)
             for (int i = 0; i < MR; i++) {
@@ -925,12 +926,12 @@ static inline __attribute__((always_inline)) void q8_0x16_rows16(
     const int32_t *zq, float *out, int64_t ldo, const uint8_t *ahead) {
     const __m512i flip = _mm512_set1_epi8((char)0x80);
     const int64_t K = nb * QK;
-    __m512 acc[5];
+    __m512 acc[6];
     for (int i = 0; i < MR; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = tile + b * X16Q8_BLOCK;
         prefetch_block(ahead, b, X16Q8_BLOCK);
-        __m512i SA[5], SB[5]; /* even and odd dword groups: two chains a row, as Q4_1X16's */
+        __m512i SA[6], SB[6]; /* even and odd dword groups: two chains a row, as Q4_1X16's */
         for (int i = 0; i < MR; i++) {
             SA[i] = _mm512_set1_epi32(zq[i * nb + b]);
             SB[i] = _mm512_setzero_si512();
@@ -1009,7 +1010,8 @@ static void rows_tile(int fmt, const uint8_t *src, int64_t row_bytes, int64_t ro
     if (is_x16(fmt)) { /* whole tiles only (the caller checked) */
         const int64_t K = nb * QK;
         for (int64_t m = 0; m < M;) {
-            const int mr = M - m >= 5 ? 5 : (int)(M - m);
+            const int64_t passes = (M - m + X16_MR - 1) / X16_MR; /* even passes: no 1-row tail */
+            const int mr = (int)((M - m + passes - 1) / passes);
             const uint8_t *a = m == 0 && M >= X16_PREFETCH_MIN ? ahead : NULL;
 #define X16_ROWS(MR_)                                                                          \
     case MR_:                                                                                  \
@@ -1024,6 +1026,7 @@ static void rows_tile(int fmt, const uint8_t *src, int64_t row_bytes, int64_t ro
                 X16_ROWS(3)
                 X16_ROWS(4)
                 X16_ROWS(5)
+                X16_ROWS(6)
             }
 #undef X16_ROWS
             m += mr;
