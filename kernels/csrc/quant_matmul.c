@@ -53,10 +53,12 @@
  *   registers whose lanes are the 16 rows (transpose_sums4 / transpose_sums2: integer adds and
  *   shuffles), and the float steps run per block with lanes = rows, as the tiled path does.
  * - AVX512-VNNI, Q4_1X16 and Q8_0X16 at every batch: a tile block is already registers whose
- *   lanes are the 16 rows, multiplied as loaded (q4_1x16_rows16, q8_0x16_rows16), 5 activation
- *   rows a pass while the tile stays in L1. Against unpack_tile + TILE_MICRO on the same tiles
- *   (python -m scripts.bench_quant --kernel --paths avx512_vnni, 1 thread, AMD EPYC; o + gate/up
- *   + down of the built-in model): 413 -> 357 us at 16 rows, 1,349 -> 1,302 us at 64.
+ *   lanes are the 16 rows, multiplied as loaded (q4_1x16_rows16, q8_0x16_rows16), up to 6
+ *   activation rows a pass (X16_MR; passes split evenly) while the tile stays in L1, two integer
+ *   sums per row in flight. Against unpack_tile + TILE_MICRO on the same tiles (python -m
+ *   scripts.bench_quant --kernel --paths avx512_vnni, 1 thread, AMD EPYC; o + gate/up + down of
+ *   the built-in model, 5 rows a pass and one sum a row): 413 -> 357 us at 16 rows, 1,349 ->
+ *   1,302 us at 64.
  * - AVX2: 16-row activation panels for the Q4 formats with vpmaddubsw (PANEL_AVX2); the other
  *   rows and Q8_0 form each block's integer sum with vpmaddwd, then the float steps in order.
  */
@@ -1260,7 +1262,7 @@ int tandem_quant_matmul_f32(const float *x, const uint8_t *const *parts, const i
     const int64_t padded = (mp + PANEL - 1) / PANEL * PANEL;
     /* tiles of 16 rows: their row kernels at every batch (a tile block is already the
      * registers the kernel multiplies; unpacking it for the tiled kernel costs more than
-     * reading it from L1 once per 5 activation rows) */
+     * reading it from L1 once per pass of up to X16_MR activation rows) */
     const int64_t tiled_min = fmt == FMT_Q8_0 ? TILED_MIN_Q8 : is_x16(fmt) ? INT64_MAX
                               : TILED_MIN_Q4;
     const int rows16 = isa >= ISA_AVX512 && M < tiled_min; /* rows_tile's row kernels */
