@@ -89,6 +89,7 @@ class Stack:
         self.children: list[Child] = []
         self.run_dir: Path | None = None
         self.metrics_targets: dict[str, str] = {}  # child name -> host:port of its /metrics
+        self.gateway_ports = {opts.port} - {0}  # gateways' gRPC ports: never drawn for /metrics
         self.gpus: dict[str, tuple[str, float]] = {}  # as UpOptions.gpus, once started
 
     @property
@@ -182,6 +183,7 @@ class Stack:
         none (their own ``--http-port`` in ``extra_args`` overrides), so no two gateways claim
         one port, and serve /metrics on a port of their own."""
         serve, g = self._serve("gateway"), self.settings.gateway
+        self.gateway_ports.add(port)
         first = not any(c.argv[:len(serve)] == serve for c in self.children)
         http_off = [] if first else ["--http-port", "0"]
         metrics = []
@@ -202,7 +204,9 @@ class Stack:
             raise ValueError(f"{setting}: port {configured} would be shared by several "
                              "processes of this stack; use 0 (a free port each)")
         port = configured
-        while not port or port in taken:  # a child started earlier may not have bound its port yet
+        # a child started earlier may not have bound its port yet, nor a gateway its gRPC port
+        # (a free port drawn at random once matched the one the caller gave the gateway)
+        while not port or port in taken or port in self.gateway_ports:
             port = free_port(self.opts.host)
         self.metrics_targets[name] = f"{self.opts.host}:{port}"
         return port
