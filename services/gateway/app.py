@@ -81,9 +81,11 @@ async def run_gateway(opts: GatewayOptions, until: Awaitable,
     readiness = ReadinessMonitor(registry, health, [SERVICE_NAME], opts.heartbeat_s)
     http = await _start_http(opts, core, readiness)  # NOTE: listening before health can say SERVING
     await readiness.start()
+    # before the gRPC server starts: a started server left behind by a failed bind kept the
+    # process alive (asyncio.run's teardown waited on it) and deaf to SIGTERM
+    metrics = None if http else MetricsServer(core.metrics.registry, opts.host, opts.metrics_port)
     bound = bind(server, opts.host, opts.port, grpc_server_credentials(opts.tls) if opts.tls else None)
     await server.start()
-    metrics = None if http else MetricsServer(core.metrics.registry, opts.host, opts.metrics_port)
     if on_ready is not None:
         on_ready()
     log.info("gateway listening on %s:%d (gRPC%s)%s (model %s, kv failure policy %s, max %d in "

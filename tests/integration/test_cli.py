@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import subprocess
 from pathlib import Path
 
@@ -103,3 +104,18 @@ def test_sigkill_of_tandem_up_takes_every_child_with_it():
         up.proc.wait()
     wait_until(lambda: not up.children(), 20, "every child to exit")
     wait_until(lambda: not up.redis_pids(), 20, "the redis-server child to exit")
+
+
+def test_a_gateway_whose_metrics_port_is_taken_exits_naming_it(redis_url):
+    """A taken /metrics port (HTTP off, so the gateway serves /metrics on a port of its own) is
+    an error exit naming it, before the gRPC server starts: once a started server was left
+    behind, the process hung in its teardown and ignored SIGTERM."""
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        busy = taken.getsockname()[1]
+        proc = subprocess.run(
+            [*TANDEM, "serve", "gateway", "--port", str(free_port()), "--http-port", "0",
+             "--gateway-metrics-port", str(busy)],
+            capture_output=True, text=True, timeout=120, env={**os.environ, "REDIS_URL": redis_url})
+    assert proc.returncode != 0
+    assert f"metrics port: cannot listen on 127.0.0.1:{busy}" in proc.stderr, proc.stderr[-2000:]
+    assert "gateway listening" not in proc.stderr
