@@ -204,9 +204,11 @@ class Stack:
             raise ValueError(f"{setting}: port {configured} would be shared by several "
                              "processes of this stack; use 0 (a free port each)")
         port = configured
-        # a child started earlier may not have bound its port yet, nor a gateway its gRPC port
-        # (a free port drawn at random once matched the one the caller gave the gateway)
-        while not port or port in taken or port in self.gateway_ports:
+        # ports a child started earlier may not have bound yet: the other children's /metrics,
+        # the gateways' gRPC ports and the first gateway's HTTP port (a free port drawn at random
+        # once matched the gRPC port the caller gave the gateway)
+        unbound = taken | self.gateway_ports | {self.settings.gateway.http_port}
+        while not port or port in unbound:
             port = free_port(self.opts.host)
         self.metrics_targets[name] = f"{self.opts.host}:{port}"
         return port

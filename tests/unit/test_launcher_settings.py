@@ -142,13 +142,14 @@ async def _done():
 def test_a_free_metrics_port_is_drawn_again_when_an_earlier_child_holds_it(monkeypatch):
     """A child started earlier may not have bound its /metrics port yet, so the OS can hand
     the same free port out again: the launcher draws another instead of failing. Nor is a
-    gateway's gRPC port (the caller's, 7000 here, bound only once the gateway starts) ever
-    drawn. A fixed port that two children would share is refused, naming the setting."""
+    port the gateway binds only once it starts ever drawn: its gRPC port (the caller's, 7000
+    here) and its HTTP port. A fixed port that two children would share is refused, naming the
+    setting."""
     from services.runtime import launcher
 
     stack = make_stack(monkeypatch)
     try:
-        draws = iter([7000, 9100, 9100, 9101])
+        draws = iter([7000, stack.settings.gateway.http_port, 9100, 9100, 9101])
         monkeypatch.setattr(launcher, "free_port", lambda host: next(draws))
         assert stack._metrics_port("decode-0", 0, "worker.metrics_port") == 9100
         assert stack._metrics_port("decode-1", 0, "worker.metrics_port") == 9101
