@@ -70,28 +70,34 @@ def paged_cache(batch: int, context: int, shape: tuple[int, int, int], dtype: to
     return k_cache, v_cache, tables, seq_lens
 
 
-def decode_row(batch: int, context: int, shape, dtype, device, peak: float | None) -> dict:
-    """One decode case: Triton on the paged cache vs SDPA on the gathered dense K/V."""
+def decode_row(batch: int, context: int, shape, dtype, device, peak: float | None,
+               table_width: int | None = None) -> dict:
+    """One decode case: Triton on the paged cache vs SDPA on the gathered dense K/V.
+    ``table_width`` (tokens): the block table as wide as that, zero-padded past each sequence's
+    blocks, as a CUDA graph passes the model's full width; the grid gets that width's splits."""
     from kernels.decode_attention import (choose_num_splits, default_block_n,
                                           paged_decode_attention)
 
     num_heads, num_kv_heads, head_dim = shape
     k_cache, v_cache, tables, seq_lens = paged_cache(batch, context, shape, dtype, device)
+    width = max(context, table_width or 0)
+    wide = torch.zeros(batch, width // BLOCK_SIZE, dtype=tables.dtype, device=device)
+    wide[:, :tables.shape[1]] = tables
     q = torch.randn(batch, num_heads, head_dim, device=device).to(dtype)
     scale = head_dim**-0.5
     triton_ms = time_ms(lambda: paged_decode_attention(
-        q, k_cache, v_cache, tables, seq_lens, scale), device)
+        q, k_cache, v_cache, wide, seq_lens, scale), device)
     k = k_cache[tables].flatten(1, 2).transpose(1, 2).contiguous()  # [batch, kv_heads, ctx, D]
     v = v_cache[tables].flatten(1, 2).transpose(1, 2).contiguous()
     q4 = q.unsqueeze(2)  # [batch, heads, 1, head_dim]
     sdpa = lambda: F.scaled_dot_product_attention(q4, k, v, scale=scale, enable_gqa=True)  # noqa: E731
     sdpa_ms = time_ms(sdpa, device)
-    got = paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, scale)
+    got = paged_decode_attention(q, k_cache, v_cache, wide, seq_lens, scale)
     kv_bytes = k_cache.numel() * k_cache.element_size() * 2
     gbps = kv_bytes / triton_ms / 1e6
     return {
         "batch": batch, "context": context, "kv_bytes": kv_bytes,
-        "num_splits": choose_num_splits(context, default_block_n(head_dim)),
+        "table_width": width, "num_splits": choose_num_splits(width, default_block_n(head_dim)),
         "triton_ms": triton_ms, "sdpa_ms": sdpa_ms,
         "triton_gbps": gbps, "sdpa_gbps": kv_bytes / sdpa_ms / 1e6,
         "triton_pct_peak": 100 * gbps / peak if peak else None,
@@ -99,7 +105,8 @@ def decode_row(batch: int, context: int, shape, dtype, device, peak: float | Non
     }
 
 
-def bench_decode(batches, contexts, shape, dtype, device, peak, max_gib: float) -> list[dict]:
+def bench_decode(batches, contexts, shape, dtype, device, peak, max_gib: float,
+                 table_width: int | None = None) -> list[dict]:
     rows = []
     itemsize = torch.empty((), dtype=dtype).element_size()
     for context in contexts:
@@ -109,7 +116,7 @@ def bench_decode(batches, contexts, shape, dtype, device, peak, max_gib: float) 
                 print(f"skip decode batch {batch} context {context}: over --max-gib",
                       file=sys.stderr)
                 continue
-            rows.append(decode_row(batch, context, shape, dtype, device, peak))
+            rows.append(decode_row(batch, context, shape, dtype, device, peak, table_width))
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     return rows
@@ -178,6 +185,9 @@ def main() -> None:
     parser.add_argument("--peak-gbps", type=float, default=None,
                         help="peak HBM bandwidth, GB/s (default: from the device name)")
     parser.add_argument("--max-gib", type=float, default=40.0, help="skip larger decode cases")
+    parser.add_argument("--table-width", type=int, default=None,
+                        help="decode block tables this many tokens wide (e.g. max_model_len, as "
+                             "CUDA graphs pass them); default: each context's own width")
     parser.add_argument("--smoke", action="store_true",
                         help="tiny shapes on CPU in the Triton interpreter: checks the script")
     parser.add_argument("--out", type=Path, default=Path("bench-results/kernels.json"))
@@ -195,7 +205,8 @@ def main() -> None:
     if peak is None:
         print(f"unknown peak bandwidth of {name!r}: pass --peak-gbps", file=sys.stderr)
     dtype, shape = getattr(torch, args.dtype), SHAPES[args.shape]
-    decode = bench_decode(args.batches, args.contexts, shape, dtype, device, peak, args.max_gib)
+    decode = bench_decode(args.batches, args.contexts, shape, dtype, device, peak, args.max_gib,
+                          args.table_width)
     prefill = bench_prefill(args.prefill_lengths, shape, dtype, device, args.prefill_tokens)
     print(f"{name}, peak {peak} GB/s, {args.shape} {shape}, {args.dtype}\n")
     print_tables(decode, prefill)

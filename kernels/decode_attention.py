@@ -15,9 +15,11 @@ key tiles per split, so at most ``max_splits`` splits, and the merge reduces a f
 vector of ``max_splits`` slots. So a sequence's output is the same bits whatever else is in
 the batch, however wide the block table (CUDA graphs pass the model's full width) and whichever
 path (split or direct) the batch takes. The grid's split axis is an upper bound from the block
-table's width; programs past a sequence's last split write an empty split (zero output,
-log-sum-exp -inf), which the merge adds as exact zeros. The price: a large batch of short
-contexts is split where filling the GPU would not need it (measured in docs/benchmarks.md).
+table's width; programs past a sequence's last split return at once, and the merge, which
+counts a sequence's splits from its length as stage 1 does, adds the slots it never wrote as
+exact zeros. The price: a large batch of short contexts is split where filling the GPU would
+not need it (measured in docs/benchmarks.md), and under a CUDA graph (the model's full table
+width) most of the grid is programs that only read their sequence's length.
 """
 from __future__ import annotations
 
@@ -57,45 +59,55 @@ def _decode_split_kernel(
     start = lo + split * split_len
     end = tl.minimum(start + split_len, seq_len)
 
-    offs_g = tl.arange(0, BLOCK_G)
-    offs_d = tl.arange(0, BLOCK_D)
-    heads = kv_head * GROUP + offs_g
-    row_mask = (offs_g < GROUP)[:, None] & (offs_d < HEAD_DIM)[None, :]
-    q = tl.load(Q + seq * stride_qs + heads[:, None] * stride_qh + offs_d[None, :],
-                mask=row_mask, other=0.0)
-    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    table_row = Block_tables + seq * stride_bt
-    for n0 in range(start, end, BLOCK_N):
-        pos = n0 + tl.arange(0, BLOCK_N)
-        kv_offsets, kv_mask = kv_tile_offsets(table_row, pos, end, kv_head, stride_b, stride_s,
-                                              stride_h, BLOCK_SIZE, HEAD_DIM, BLOCK_D)
-        m_i, l_i, acc = attend_tile(q, K_cache, V_cache, kv_offsets, kv_mask,
-                                    (pos < end)[None, :], m_i, l_i, acc, qk_scale, cap_log2,
-                                    PRECISION, UPCAST_DOT, SOFTCAP)
-    l_safe = tl.where(l_i > 0, l_i, 1.0)  # an empty split: zero output, log-sum-exp -inf
-    out = Out + seq * stride_os + heads[:, None] * stride_oh + split * stride_ok + offs_d[None, :]
-    tl.store(out, (acc / l_safe[:, None]).to(Out.dtype.element_ty), mask=row_mask)
-    if SPLIT:
-        lse = Lse + seq * stride_ls + heads * stride_lh + split
-        tl.store(lse, m_i + tl.log2(l_safe), mask=offs_g < GROUP)
+    if start < end:  # a split past the sequence's end does nothing: the merge leaves it out
+        offs_g = tl.arange(0, BLOCK_G)
+        offs_d = tl.arange(0, BLOCK_D)
+        heads = kv_head * GROUP + offs_g
+        row_mask = (offs_g < GROUP)[:, None] & (offs_d < HEAD_DIM)[None, :]
+        q = tl.load(Q + seq * stride_qs + heads[:, None] * stride_qh + offs_d[None, :],
+                    mask=row_mask, other=0.0)
+        m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_G], tl.float32)
+        acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+        table_row = Block_tables + seq * stride_bt
+        for n0 in range(start, end, BLOCK_N):
+            pos = n0 + tl.arange(0, BLOCK_N)
+            kv_offsets, kv_mask = kv_tile_offsets(table_row, pos, end, kv_head, stride_b,
+                                                  stride_s, stride_h, BLOCK_SIZE, HEAD_DIM,
+                                                  BLOCK_D)
+            m_i, l_i, acc = attend_tile(q, K_cache, V_cache, kv_offsets, kv_mask,
+                                        (pos < end)[None, :], m_i, l_i, acc, qk_scale, cap_log2,
+                                        PRECISION, UPCAST_DOT, SOFTCAP)
+        out = (Out + seq * stride_os + heads[:, None] * stride_oh + split * stride_ok
+               + offs_d[None, :])
+        tl.store(out, (acc / l_i[:, None]).to(Out.dtype.element_ty), mask=row_mask)
+        if SPLIT:
+            lse = Lse + seq * stride_ls + heads * stride_lh + split
+            tl.store(lse, m_i + tl.log2(l_i), mask=offs_g < GROUP)
 
 
 @triton.jit
 def _decode_merge_kernel(
-    Partial, Lse, Out, num_splits,
+    Partial, Lse, Out, Seq_lens, window, max_splits,
     stride_ps, stride_ph, stride_pk, stride_ls, stride_lh, stride_os, stride_oh,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+    MIN_TILES: tl.constexpr, SLIDING: tl.constexpr,
 ):
     """Softmax-weighted sum of the splits. ``BLOCK_K`` comes from ``max_splits``, not from the
     grid's split count, so the reduction has the same shape (and order) in every batch; the
-    splits a sequence does not use enter as exact zeros (weight 0, partial 0)."""
+    slots past the sequence's own splits (counted from its length, as stage 1 splits it, and
+    never written) enter as exact zeros (weight 0, partial 0)."""
     seq = tl.program_id(0)
     head = tl.program_id(1)
+    seq_len = tl.load(Seq_lens + seq)
+    lo = 0
+    if SLIDING:
+        lo = tl.maximum(seq_len - window, 0)
+    tiles = tl.cdiv(seq_len - lo, BLOCK_N)
+    used = tl.cdiv(tiles, tl.maximum(tl.cdiv(tiles, max_splits), MIN_TILES))
     offs_k = tl.arange(0, BLOCK_K)
     offs_d = tl.arange(0, BLOCK_D)
-    mask_k = offs_k < num_splits
+    mask_k = offs_k < used
     lse = tl.load(Lse + seq * stride_ls + head * stride_lh + offs_k, mask=mask_k,
                   other=float("-inf"))
     weight = tl.exp2(lse - tl.max(lse, 0))
@@ -174,8 +186,9 @@ def paged_decode_attention(
     _decode_split_kernel[grid](*args, partial, lse, qk_scale, cap_log2, window, max_splits,
                                *strides, *partial.stride()[:3], *lse.stride()[:2], **meta)
     _decode_merge_kernel[(num_seqs, num_heads)](
-        partial, lse, out, splits, *partial.stride()[:3], *lse.stride()[:2], out.stride(0),
-        out.stride(1), HEAD_DIM=head_dim, BLOCK_D=meta["BLOCK_D"],
-        BLOCK_K=next_power_of_2(max_splits))
+        partial, lse, out, seq_lens, window, max_splits, *partial.stride()[:3],
+        *lse.stride()[:2], out.stride(0), out.stride(1), HEAD_DIM=head_dim,
+        BLOCK_D=meta["BLOCK_D"], BLOCK_K=next_power_of_2(max_splits), BLOCK_N=block_n,
+        MIN_TILES=min_tiles, SLIDING=meta["SLIDING"])
     return out
 

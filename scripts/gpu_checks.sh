@@ -60,6 +60,10 @@ if [ "$stage" = kernels ]; then
     step kernel_bench 120 python3 -m kernels.bench --batches 1 4 16 64 \
         --contexts 512 2048 8192 --prefill-lengths 2048 8192 --out "$OUT/kernels.json"
     ran kernel_bench && { tail -40 "$OUT/kernel_bench.log"; }
+    # the built-in model's decode attention as a CUDA graph runs it: tables 8,192 tokens wide
+    step kernel_bench_graph 90 python3 -m kernels.bench --shape smollm2-135m --batches 1 16 64 256 \
+        --contexts 512 2048 --table-width 8192 --prefill-lengths 512 --out "$OUT/kernels_graph.json"
+    ran kernel_bench_graph && { head -8 "$OUT/kernel_bench_graph.log"; }
     step ipc_tests 90 python3 -m pytest -q -p no:cacheprovider tests/unit/test_kv_transfer_cuda.py
     ran ipc_tests && { tail -3 "$OUT/ipc_tests.log"; grep -E "^(FAILED|ERROR|E )" "$OUT/ipc_tests.log" | head -20; }
     step handoff 90 python3 -m scripts.bench_gpu_handoff --out "$OUT/gpu_handoff.json"

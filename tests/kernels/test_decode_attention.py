@@ -52,6 +52,34 @@ def test_decode_more_splits_than_tiles_and_default_splits():
     check(batch, torch.float32)
 
 
+def test_splits_past_a_sequence_s_end_are_neither_written_nor_read(monkeypatch):
+    """Under a wide block table most grid splits lie past a short sequence's end: stage 1 skips
+    them and the merge leaves them out, so scratch the kernels never wrote (NaN here, garbage
+    in torch.empty) cannot reach the output, with or without a sliding window."""
+    import kernels.decode_attention as decode_attention
+
+    def nan_empty(*shape, **kwargs):
+        return torch.full(*shape, float("nan"), **kwargs)
+
+    monkeypatch.setattr(decode_attention.torch, "empty", nan_empty)
+    batch = make_paged_batch([(n - 1, 1) for n in LENS], 6, 2, HEAD_DIM, 4)
+    wide = torch.zeros(len(LENS), 8 * batch.block_tables.shape[1],
+                       dtype=batch.block_tables.dtype, device=batch.block_tables.device)
+    wide[:, :batch.block_tables.shape[1]] = batch.block_tables
+    out = paged_decode_attention(batch.q, batch.k_cache, batch.v_cache, wide, batch.seq_lens,
+                                 batch.scale, block_n=BLOCK_N, min_tiles=1, out=batch.q * 0)
+    expected = reference.paged_decode_attention(batch.q, batch.k_cache, batch.v_cache,
+                                                batch.block_tables, batch.seq_lens, batch.scale)
+    torch.testing.assert_close(out, expected, atol=ATOL[torch.float32], rtol=0)
+    out = paged_decode_attention(batch.q, batch.k_cache, batch.v_cache, wide, batch.seq_lens,
+                                 batch.scale, block_n=BLOCK_N, min_tiles=1, sliding_window=5,
+                                 out=batch.q * 0)
+    expected = reference.paged_decode_attention(batch.q, batch.k_cache, batch.v_cache,
+                                                batch.block_tables, batch.seq_lens, batch.scale,
+                                                sliding_window=5)
+    torch.testing.assert_close(out, expected, atol=ATOL[torch.float32], rtol=0)
+
+
 def test_decode_writes_into_out_view():
     batch = make_paged_batch([(n - 1, 1) for n in LENS], 4, 2, HEAD_DIM, 16)
     full = torch.zeros(len(LENS) + 2, 4, HEAD_DIM, device=batch.q.device)
