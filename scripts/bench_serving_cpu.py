@@ -54,15 +54,17 @@ def cpu_split(pid: int) -> tuple[float, float]:
 
 
 def sample(stack: Stack) -> dict[str, tuple[float, float]]:
-    """Every stack process's ``cpu_split``, by name (redis-server included)."""
+    """Every stack process's ``cpu_split``, by name (redis-server included), and this
+    process's (the load generator, ``client``: on the same cores, not part of the stack)."""
     pids = {name: proc.pid for name, proc in stack.procs}
     if stack.redis_server is not None:
         pids["redis"] = stack.redis_server.process.pid
-    return {name: cpu_split(pid) for name, pid in pids.items()}
+    return {name: cpu_split(pid) for name, pid in pids.items()} | {"client": cpu_split(os.getpid())}
 
 
 def per_token(before: dict, after: dict, tokens: int) -> dict[str, float]:
-    """CPU ms per output token: each process; workers split into model and serving."""
+    """CPU ms per output token: each process; workers split into model and serving;
+    ``outside_model`` sums the stack's serving parts (not the client)."""
     out: dict[str, float] = {}
     for name in after:
         total = after[name][0] - before[name][0]
@@ -72,7 +74,8 @@ def per_token(before: dict, after: dict, tokens: int) -> dict[str, float]:
             out[f"{name}.serving"] = (total - engine) * 1e3 / tokens
         else:
             out[name] = total * 1e3 / tokens
-    out["outside_model"] = sum(v for k, v in out.items() if not k.endswith(".model"))
+    out["outside_model"] = sum(v for k, v in out.items()
+                               if not k.endswith(".model") and k != "client")
     return out
 
 

@@ -33,10 +33,14 @@ def test_engine_named_threads_are_counted_as_the_model():
 
 
 def test_per_token_splits_workers_and_sums_what_is_outside_the_model():
-    before = {"gateway": (1.0, 0.0), "unified-0": (10.0, 8.0), "redis": (0.5, 0.0)}
-    after = {"gateway": (1.3, 0.0), "unified-0": (20.1, 18.0), "redis": (0.6, 0.0)}
+    before = {"gateway": (1.0, 0.0), "unified-0": (10.0, 8.0), "redis": (0.5, 0.0),
+              "client": (2.0, 0.0)}
+    after = {"gateway": (1.3, 0.0), "unified-0": (20.1, 18.0), "redis": (0.6, 0.0),
+             "client": (2.4, 0.0)}
     got = per_token(before, after, tokens=1000)
-    assert set(got) == {"gateway", "unified-0.model", "unified-0.serving", "redis", "outside_model"}
+    assert set(got) == {"gateway", "unified-0.model", "unified-0.serving", "redis", "client",
+                        "outside_model"}
+    assert abs(got["client"] - 0.4) < 1e-9  # reported, not counted as the stack's
     assert abs(got["gateway"] - 0.3) < 1e-9 and abs(got["unified-0.model"] - 10.0) < 1e-9
     assert abs(got["unified-0.serving"] - 0.1) < 1e-9 and abs(got["redis"] - 0.1) < 1e-9
     assert abs(got["outside_model"] - 0.5) < 1e-9
