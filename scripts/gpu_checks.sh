@@ -54,7 +54,7 @@ stack_deps() {  # Debian's redis-server, from .gpu/stack
 if [ "$stage" = kernels ]; then
     nvidia-smi -L
     python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
-    step kernel_tests 150 python3 -m pytest tests/kernels -q -p no:cacheprovider -n 8 \
+    step kernel_tests 150 env OMP_NUM_THREADS=2 python3 -m pytest tests/kernels -q -p no:cacheprovider -n 8 \
         --ignore=tests/kernels/test_gpu_path_wiring.py --ignore=tests/kernels/test_reference.py
     ran kernel_tests && { tail -5 "$OUT/kernel_tests.log"; grep -E "^(FAILED|ERROR)" "$OUT/kernel_tests.log" | head -20; }
     step kernel_bench 120 python3 -m kernels.bench --batches 1 4 16 64 \
