@@ -29,6 +29,7 @@ import os
 import shlex
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -51,16 +52,18 @@ class TandemUp:
                 "--port", str(port), *engine_args]
         if cgroup is not None:  # the shell joins the group, then becomes `tandem up`
             argv = ["sh", "-c", f'echo $$ > {cgroup}/cgroup.procs && exec "$@"', "sh", *argv]
-        self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                     text=True)
+        # its log goes to a file: a pipe nobody reads fills (64 KiB) and then blocks the stack
+        self.log = tempfile.TemporaryFile("w+")
+        self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=self.log, text=True)
         self.url = f"http://127.0.0.1:{self.http_port}/v1"
 
     def wait_ready(self, timeout_s: float = 600.0) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
+                self.log.seek(0)
                 raise RuntimeError(f"tandem up exited {self.proc.returncode}: "
-                                   f"{self.proc.stderr.read()[-2000:]}")
+                                   f"{self.log.read()[-2000:]}")
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{self.http_port}/ready", timeout=2):
                     return
@@ -74,6 +77,7 @@ class TandemUp:
             self.proc.wait(120)
         except subprocess.TimeoutExpired:
             self.proc.kill()
+        self.log.close()
 
 
 def make_cgroup(cpus: float) -> Path | None:
