@@ -8,9 +8,13 @@ thread's CPU time, steady on a loaded machine; wall time is printed beside it), 
 ``--profile-steps`` more run under ``torch.profiler``: aten ops per step (all, and those that
 are not views, which is what launches a kernel on a GPU), the top ops by self CPU time, and on
 CUDA the kernel launches, host synchronisations and queued (``cudaMemcpyAsync``) copies per step,
-the device's busy time per step (kernels and copies; beside the CPU time it says which side
-bounds a step) and the kernels that take most of it, and where each synchronisation is made
-(``sync_sites``: torch's sync debug mode, over ``--profile-steps`` more steps).
+the device's busy time per step (kernels and copies) and its share of the wall time, the
+host's time waiting in those synchronisations (``host_wait_ms_per_step``: the CUDA calls' own
+CPU time under the profiler; a wait may spin, so the CPU time includes it) and the CPU time
+less it (``host_busy_ms_per_step``: the host's own work, which must stay under the device's
+busy time for the GPU to bound a step), the kernels that take most of the device's time, and
+where each synchronisation is made (``sync_sites``: torch's sync debug mode, over
+``--profile-steps`` more steps).
 ``host_reads_per_step`` counts the runner's device-to-host copies of sampled tokens. Also the
 CPU split of a step's phases (schedule, prepare_inputs, forward, sample, postprocess) and the
 rest of ``engine.step``.
@@ -69,6 +73,12 @@ def device_events(events) -> list:
 def count_calls(events, names: frozenset[str]) -> int:
     """Calls of the functions ``names`` among profiler ``events`` (``key``, ``count``)."""
     return sum(a.count for a in events if a.key in names)
+
+
+def calls_ms(events, names: frozenset[str]) -> float:
+    """CPU milliseconds spent inside the functions ``names`` among profiler ``events``
+    (``key``, ``cpu_time_total`` in microseconds)."""
+    return sum(a.cpu_time_total for a in events if a.key in names) / 1e3
 
 
 def make_engine(dtype: str, quantization: str, max_batch: int, device: str = "cpu",
@@ -201,7 +211,11 @@ def profile_batch(e, batch: int, warmup: int, steps: int, profile_steps: int, to
         **({"kernel_launches_per_step": count_calls(everything, LAUNCH_EVENTS) / profile_steps,
             "host_syncs_per_step": count_calls(everything, SYNC_EVENTS) / profile_steps,
             "async_copies_per_step": count_calls(everything, COPY_EVENTS) / profile_steps,
-            "gpu_ms_per_step": sum(a.self_device_time_total for a in kernels) / 1e3 / profile_steps,
+            "gpu_ms_per_step": (gpu := sum(a.self_device_time_total for a in kernels) / 1e3
+                                / profile_steps),
+            "gpu_busy_share": gpu / (wall / steps * 1e3),
+            "host_wait_ms_per_step": (wait := calls_ms(everything, SYNC_EVENTS) / profile_steps),
+            "host_busy_ms_per_step": cpu / steps * 1e3 - wait,
             "sync_sites_per_step": {k: v / profile_steps for k, v in sites.items()},
             "top_kernels": [{"kernel": a.key, "calls_per_step": a.count / profile_steps,
                              "device_us_per_step": a.self_device_time_total / profile_steps}
@@ -283,8 +297,9 @@ def main() -> None:
           f"{', host work only (constant model, CUDA-graph buffers)' if args.host_only else ''}")
     for r in rows:
         split = ", ".join(f"{k} {v:.2f}" for k, v in r["phase_cpu_ms_per_step"].items())
-        gpu = (f", {r['gpu_ms_per_step']:.2f} GPU ms/step, "
-               f"{r['kernel_launches_per_step']:.0f} launches, "
+        gpu = (f", {r['gpu_ms_per_step']:.2f} GPU ms/step (busy {r['gpu_busy_share']:.0%} of "
+               f"the wall), host waits {r['host_wait_ms_per_step']:.2f} ms and works "
+               f"{r['host_busy_ms_per_step']:.2f}, {r['kernel_launches_per_step']:.0f} launches, "
                f"{r['host_syncs_per_step']:.0f} syncs, {r['async_copies_per_step']:.0f} queued "
                f"copies" if "kernel_launches_per_step" in r else "")
         print(f"batch {r['batch']:3d}: {r['cpu_ms_per_step']:8.2f} CPU ms/step, "

@@ -47,3 +47,16 @@ def test_queued_copies_are_not_counted_as_host_syncs():
     assert profile_decode_step.count_calls(events, profile_decode_step.SYNC_EVENTS) == 1
     assert profile_decode_step.count_calls(events, profile_decode_step.COPY_EVENTS) == 3
     assert profile_decode_step.count_calls(events, profile_decode_step.LAUNCH_EVENTS) == 7
+
+
+def test_the_host_s_wait_is_the_synchronising_calls_time_only():
+    """host_wait_ms_per_step sums the CPU time of the synchronising CUDA calls (microseconds in
+    the profiler): not the queued copies' or the launches', which are the host's own work."""
+    from types import SimpleNamespace as Event
+
+    events = [Event(key="cudaMemcpyAsync", cpu_time_total=40.0),
+              Event(key="cudaStreamSynchronize", cpu_time_total=900.0),
+              Event(key="cudaEventSynchronize", cpu_time_total=100.0),
+              Event(key="cudaLaunchKernel", cpu_time_total=250.0)]
+    assert profile_decode_step.calls_ms(events, profile_decode_step.SYNC_EVENTS) == 1.0
+    assert profile_decode_step.calls_ms(events, profile_decode_step.LAUNCH_EVENTS) == 0.25
