@@ -13,7 +13,7 @@ import asyncio
 import logging
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 
 from services.api import worker_pb2
@@ -56,6 +56,14 @@ class WorkerOptions:
     publish_kv_events: bool = True  # prefix cache stored/removed/cleared to Redis (state/kv_events.py)
 
 
+class OutputSink(Protocol):
+    """Where an open request's engine outputs go, on the event loop thread: its
+    ``asyncio.Queue``, or a followed decode stream itself (``services/decode/server.py``), which
+    sends them on without a queue."""
+
+    def put_nowait(self, item: RequestOutput) -> None: ...
+
+
 class WorkerRuntime:
     """Owns the engine thread; asyncio code awaits ``call`` and reads per-request queues."""
 
@@ -64,9 +72,7 @@ class WorkerRuntime:
         self.worker_id = options.worker_id or f"{options.role}-{uuid.uuid4().hex[:8]}"
         self.engine = engine
         self.loop = asyncio.get_running_loop()
-        # each open request's outputs go to its put_nowait: its queue, or (a followed decode
-        # stream, services/decode/server.py) the stream itself
-        self.streams: dict[str, asyncio.Queue[RequestOutput]] = {}
+        self.streams: dict[str, OutputSink] = {}  # request id -> where its outputs go
         self.max_num_queued = 0  # high-water mark of num_queued(), taken at each admission
         self.reservations = None  # decode role: its Reservations (GetLoad reports their closes)
         self.metrics = None  # its services.observability.metrics.WorkerMetrics, once serving
