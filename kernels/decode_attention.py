@@ -37,6 +37,20 @@ MIN_TILES_PER_SPLIT = 2  # key tiles: a shorter split costs more to write and me
 
 
 @triton.jit
+def _sequence_splits(seq_len, window, max_splits, BLOCK_N: tl.constexpr,
+                     MIN_TILES: tl.constexpr, SLIDING: tl.constexpr):
+    """(first key position, keys per split, splits used) of a sequence of ``seq_len`` keys,
+    from its length alone, so the same whatever the batch; both stages call it, so the merge
+    reads exactly the splits stage 1 wrote."""
+    lo = 0
+    if SLIDING:  # the query (position seq_len - 1) sees the last ``window`` keys
+        lo = tl.maximum(seq_len - window, 0)
+    tiles = tl.cdiv(seq_len - lo, BLOCK_N)
+    split_tiles = tl.maximum(tl.cdiv(tiles, max_splits), MIN_TILES)
+    return lo, split_tiles * BLOCK_N, tl.cdiv(tiles, split_tiles)
+
+
+@triton.jit
 def _decode_split_kernel(
     Q, K_cache, V_cache, Block_tables, Seq_lens, Out, Lse, qk_scale, cap_log2, window,
     max_splits, stride_qs, stride_qh, stride_bt, stride_b, stride_s, stride_h,
@@ -50,12 +64,7 @@ def _decode_split_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(Seq_lens + seq)
-    lo = 0
-    if SLIDING:  # the query (position seq_len - 1) sees the last ``window`` keys
-        lo = tl.maximum(seq_len - window, 0)
-    # from this sequence's length alone: the same split whatever the batch
-    tiles = tl.cdiv(seq_len - lo, BLOCK_N)
-    split_len = tl.maximum(tl.cdiv(tiles, max_splits), MIN_TILES) * BLOCK_N
+    lo, split_len, _ = _sequence_splits(seq_len, window, max_splits, BLOCK_N, MIN_TILES, SLIDING)
     start = lo + split * split_len
     end = tl.minimum(start + split_len, seq_len)
 
@@ -99,12 +108,8 @@ def _decode_merge_kernel(
     never written) enter as exact zeros (weight 0, partial 0)."""
     seq = tl.program_id(0)
     head = tl.program_id(1)
-    seq_len = tl.load(Seq_lens + seq)
-    lo = 0
-    if SLIDING:
-        lo = tl.maximum(seq_len - window, 0)
-    tiles = tl.cdiv(seq_len - lo, BLOCK_N)
-    used = tl.cdiv(tiles, tl.maximum(tl.cdiv(tiles, max_splits), MIN_TILES))
+    _, _, used = _sequence_splits(tl.load(Seq_lens + seq), window, max_splits, BLOCK_N,
+                                  MIN_TILES, SLIDING)
     offs_k = tl.arange(0, BLOCK_K)
     offs_d = tl.arange(0, BLOCK_D)
     mask_k = offs_k < used
