@@ -17,7 +17,8 @@ The kernel is built on first use with the system C compiler (``$CC``, else ``cc`
 ``$TANDEM_CACHE_DIR/kernels`` (default ``~/.cache/tandem/kernels``), keyed by a hash of the
 source, the flags and the CPU; later processes load the cached library. Without a compiler, or
 if the build fails, ``paged_decode_attention`` falls back to the torch reference and logs why
-once. It runs float32 CPU tensors; anything else takes the reference too. OpenMP threads:
+once. It runs float32 CPU tensors, or float32 queries over a float16 cache (``KV_DTYPES``);
+anything else takes the reference too. OpenMP threads:
 ``torch.get_num_threads()``; the library links ``libgomp.so.1``, so in a process that imported
 torch it shares torch's OpenMP runtime (one thread pool, no oversubscription).
 
@@ -47,6 +48,8 @@ _ERRORS = {1: "a block table entry is outside the KV cache", 2: "a sequence leng
            "1..(block_table columns x block_size)", 3: "out of memory for the split context's parts",
            4: "a query's sequence is not a row of block_tables"}
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
+# the cache element types the C kernel reads (queries and outputs are float32): its function
+KV_DTYPES = {torch.float32: "tandem_paged_attention_f32", torch.float16: "tandem_paged_attention_f16kv"}
 
 
 def cache_dir() -> Path:
@@ -83,9 +86,9 @@ def _library() -> ctypes.CDLL | None:
     except (RuntimeError, OSError) as e:
         log.warning("CPU paged attention kernel unavailable, using the torch reference: %s", e)
         return None
-    fn = lib.tandem_paged_attention_f32
-    fn.argtypes = [_PTR] * 8 + [_I64] * 10 + [ctypes.c_float, ctypes.c_float, ctypes.c_int]
-    fn.restype = ctypes.c_int
+    for fn in (lib.tandem_paged_attention_f32, lib.tandem_paged_attention_f16kv):
+        fn.argtypes = [_PTR] * 8 + [_I64] * 10 + [ctypes.c_float, ctypes.c_float, ctypes.c_int]
+        fn.restype = ctypes.c_int
     return lib
 
 
@@ -109,8 +112,9 @@ def paged_decode_attention(
     ``softcap`` c the scores become ``c * tanh(score / c)`` before the softmax. Writes and
     returns ``out`` (``[num_seqs, num_heads, head_dim]``, q's dtype; a new tensor if ``None``).
 
-    float32 CPU tensors run the C kernel; other dtypes or devices run
-    ``reference.paged_decode_attention``. Raises ``ValueError`` when a sequence length is
+    float32 CPU tensors run the C kernel, and so do float32 q and out over a float16 cache
+    (``--kv-cache-dtype float16``: each element widened exactly, the float32 kernel's sums);
+    other dtypes or devices run ``reference.paged_decode_attention``. Raises ``ValueError`` when a sequence length is
     outside ``1..max_blocks * block_size`` or a needed block id is outside the cache (checked
     before any memory is read).
     """
@@ -126,7 +130,8 @@ def paged_decode_attention(
         return out
     dst = out if out.is_contiguous() else torch.empty_like(q)
     plan = AttentionPlan(block_tables, seq_lens, q.shape[1], k_cache.shape[2], scale,
-                         torch.get_num_threads(), sliding_window=sliding_window, softcap=softcap)
+                         torch.get_num_threads(), sliding_window=sliding_window, softcap=softcap,
+                         kv_dtype=k_cache.dtype)
     plan(q.contiguous(), k_cache, v_cache, dst)
     if dst is not out:
         out.copy_(dst)
@@ -144,8 +149,8 @@ def paged_prefill_attention(
     ``q`` and ``out``, the last of its ``seq_lens[s]`` positions, already in the cache), each
     query token computed exactly as a decode step computes it (``AttentionPlan.for_tokens``).
 
-    float32 CPU tensors run the C kernel, others the reference. Raises ``ValueError`` as
-    ``paged_decode_attention`` does.
+    Runs in C as ``paged_decode_attention`` does (float32, or float32 over a float16 cache),
+    others in the reference. Raises ``ValueError`` as ``paged_decode_attention`` does.
     """
     out = torch.empty_like(q) if out is None else out
     lib = _library() if _runs_in_c(q, k_cache, v_cache, out) else None
@@ -159,7 +164,7 @@ def paged_prefill_attention(
     dst = out if out.is_contiguous() else torch.empty_like(q)
     plan = AttentionPlan.for_tokens(block_tables, seq_lens, query_start_loc, q.shape[1],
                                     k_cache.shape[2], scale, torch.get_num_threads(),
-                                    sliding_window, softcap)
+                                    sliding_window, softcap, k_cache.dtype)
     plan(q[first:last].contiguous(), k_cache, v_cache, dst[first:last])
     if dst is not out:
         out[first:last].copy_(dst[first:last])
@@ -174,19 +179,24 @@ class AttentionPlan:
     cached tokens each query attends to (its position + 1); query_seq: ``[num_queries]`` int,
     each query's row of block_tables (``None``: query i is sequence i, a decode step);
     sliding_window: each query sees its last ``sliding_window`` tokens only (None: all);
-    softcap: scores become ``softcap * tanh(score / softcap)`` (Gemma 2; None: as they are).
+    softcap: scores become ``softcap * tanh(score / softcap)`` (Gemma 2; None: as they are);
+    kv_dtype: the cache's element type, float32 or float16 (``tandem_paged_attention_f16kv``).
     Validated by the kernel on each call. Raises ``RuntimeError`` when the C kernel is not
-    available.
+    available, ``ValueError`` for another ``kv_dtype``.
     """
 
     def __init__(self, block_tables: torch.Tensor, context_lens: torch.Tensor, num_heads: int,
                  num_kv_heads: int, scale: float, num_threads: int,
                  query_seq: torch.Tensor | None = None,
-                 sliding_window: int | None = None, softcap: float | None = None) -> None:
+                 sliding_window: int | None = None, softcap: float | None = None,
+                 kv_dtype: torch.dtype = torch.float32) -> None:
         lib = _library()
         if lib is None:
             raise RuntimeError("the CPU paged attention kernel is not built (no C compiler?)")
-        self._fn = lib.tandem_paged_attention_f32
+        if kv_dtype not in KV_DTYPES:
+            raise ValueError(f"the CPU paged attention kernel reads float32 or float16 caches, "
+                             f"not {kv_dtype}")
+        self._fn = getattr(lib, KV_DTYPES[kv_dtype])
         self.tables = block_tables.to(torch.int64).contiguous()
         self.lens = context_lens.to(torch.int64).contiguous()
         self.query_seq = None if query_seq is None else query_seq.to(torch.int64).contiguous()
@@ -200,7 +210,8 @@ class AttentionPlan:
     def for_tokens(cls, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                    query_start_loc: list[int], num_heads: int, num_kv_heads: int, scale: float,
                    num_threads: int, sliding_window: int | None = None,
-                   softcap: float | None = None) -> AttentionPlan:
+                   softcap: float | None = None,
+                   kv_dtype: torch.dtype = torch.float32) -> AttentionPlan:
         """The plan of a step's rows ``query_start_loc[0]:query_start_loc[-1]``: sequence ``s``
         owns rows ``query_start_loc[s]:query_start_loc[s + 1]``, the last of its
         ``seq_lens[s]`` positions (a decode row is a chunk of one)."""
@@ -209,7 +220,7 @@ class AttentionPlan:
         ends = torch.cumsum(counts, 0)[seq]  # each token's distance from its chunk's end
         lens = seq_lens.to(torch.int64)[seq] - (ends - torch.arange(seq.shape[0]) - 1)
         return cls(block_tables, lens, num_heads, num_kv_heads, scale, num_threads, seq,
-                   sliding_window, softcap)
+                   sliding_window, softcap, kv_dtype)
 
     @property
     def kernel_address(self) -> int:
@@ -219,7 +230,7 @@ class AttentionPlan:
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  out: torch.Tensor) -> torch.Tensor:
         """q, out: contiguous float32 ``[num_queries, num_heads, head_dim]``; k_cache, v_cache:
-        contiguous float32 ``[num_blocks, block_size, num_kv_heads, head_dim]`` (not checked:
+        contiguous, the plan's ``kv_dtype``, ``[num_blocks, block_size, num_kv_heads, head_dim]`` (not checked:
         the caller owns them). Raises ``ValueError`` as ``paged_decode_attention`` does."""
         if self.num_queries == 0:
             return out
@@ -237,7 +248,8 @@ class AttentionPlan:
 
 def _runs_in_c(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                out: torch.Tensor) -> bool:
-    tensors = (q, k_cache, v_cache, out)
-    return (all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
+    return (all(t.device.type == "cpu" for t in (q, k_cache, v_cache, out))
+            and q.dtype == out.dtype == torch.float32
+            and k_cache.dtype == v_cache.dtype and k_cache.dtype in KV_DTYPES
             and k_cache.is_contiguous() and v_cache.is_contiguous()
             and q.shape[1] % k_cache.shape[2] == 0)

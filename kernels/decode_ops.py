@@ -6,7 +6,7 @@ At a batch-1 decode step each of these is a handful of torch ops whose dispatch 
 their arithmetic (576- or 1536-element rows); one C call replaces each group. The kernel is
 built on first use like ``kernels.cpu_attention`` (same compiler, flags, cache directory).
 Without a compiler ``available()`` is False and callers keep the torch path. The functions take
-float32 contiguous CPU tensors; ``lib()`` hands the raw functions to a caller that prepares its
+float32 contiguous CPU tensors (the KV cache may be float16: ``kv_f16``); ``lib()`` hands the raw functions to a caller that prepares its
 arguments once per step (``services.engine.quantized_forward``). Imports nothing of ``services``.
 
 The C code computes in float32 like the references but sums and rounds in another order (and
@@ -41,14 +41,14 @@ def lib() -> ctypes.CDLL | None:
         return None
     so.tandem_add_rmsnorm_f32.argtypes = [_PTR] * 4 + [_I64] * 2 + [_F32, _INT]
     so.tandem_rope_write_kv_f32.argtypes = ([_PTR] * 2 + [_I64] * 5 + [_PTR] * 3 + [_I64]
-                                            + [_PTR] * 3 + [_I64] + [_PTR] * 3 + [_F32, _INT])
+                                            + [_PTR] * 3 + [_I64] + [_PTR] * 3 + [_F32, _INT, _INT])
     so.tandem_silu_mul_f32.argtypes = [_PTR] * 2 + [_I64] * 2 + [_INT]
     so.tandem_gelu_tanh_mul_f32.argtypes = [_PTR] * 2 + [_I64] * 2 + [_INT]
     so.tandem_argmax_rows_f32.argtypes = [_PTR, _I64, _I64, _PTR, _INT]
     so.tandem_softcap_f32.argtypes = [_PTR, _I64, _I64, _F32, _INT]
     so.tandem_decode_layers_f32.argtypes = (
         [_PTR, _I64] + [_PTR] * 11 + [_I64] * 6 + [_F32] + [_PTR, _I64, _PTR] + [_I64] * 2
-        + [_PTR] * 2 + [_I64] * 2 + [_PTR, _F32, _F32] + [_INT] * 4 + [_PTR] * 2)
+        + [_PTR] * 2 + [_I64] * 2 + [_PTR, _F32, _F32] + [_INT] * 4 + [_PTR] * 2 + [_INT])
     return so
 
 
@@ -80,14 +80,24 @@ def check(rc: int, what: str) -> None:
     raise ValueError(f"{what}: {_ERRORS.get(rc, f'error {rc}')}")
 
 
-def _require(*tensors: torch.Tensor) -> ctypes.CDLL:
+def _require(*tensors: torch.Tensor, dtypes: tuple[torch.dtype, ...] = (torch.float32,),
+             ) -> ctypes.CDLL:
     so = lib()
     if so is None:
         raise RuntimeError("fused decode ops are not built (no C compiler?)")
     for t in tensors:
-        if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous():
-            raise ValueError("decode ops take contiguous float32 CPU tensors")
+        if t.dtype not in dtypes or t.device.type != "cpu" or not t.is_contiguous():
+            raise ValueError("decode ops take contiguous float32 CPU tensors (and a KV cache "
+                             "of float32 or float16)")
     return so
+
+
+def kv_f16(cache: torch.Tensor) -> int:
+    """The C functions' ``kv_f16`` flag for a KV cache tensor: 1 for float16, 0 for float32;
+    ``ValueError`` for any other dtype."""
+    if cache.dtype not in (torch.float32, torch.float16):
+        raise ValueError(f"the CPU KV cache is float32 or float16, not {cache.dtype}")
+    return int(cache.dtype == torch.float16)
 
 
 def add_rmsnorm(x: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor, eps: float,
@@ -125,13 +135,17 @@ def rope_write_kv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int,
     qkv: ``[T, (num_heads + 2 num_kv_heads) * head_dim]`` float32 (q heads, k heads, v heads);
     positions, slot_mapping: ``[T]`` int64; cos, sin: ``[max_positions, head_dim]`` float32
     (``model.RotaryEmbedding``'s tables); k_cache, v_cache: ``[num_blocks, block_size,
-    num_kv_heads, head_dim]``. Writes rotated q to ``q_out`` (``[T, num_heads, head_dim]``, and
-    returns it), rotated k and v to their slots. RoFormer (Su et al. 2021), Hugging Face's
+    num_kv_heads, head_dim]`` float32, or float16 (each value rounded to nearest even once,
+    after the float32 arithmetic). Writes rotated q to ``q_out`` (``[T, num_heads, head_dim]``,
+    and returns it), rotated k and v to their slots. RoFormer (Su et al. 2021), Hugging Face's
     rotate-half layout. Raises ``ValueError`` naming ``positions`` / ``slot_mapping`` for an
     index out of range (before anything is written).
     """
     extras = [t for t in (bias, q_norm, k_norm) if t is not None]
-    so = _require(qkv, cos, sin, k_cache, v_cache, q_out, *extras)
+    so = _require(qkv, cos, sin, q_out, *extras)
+    _require(k_cache, v_cache, dtypes=(k_cache.dtype,))
+    if v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"k_cache is {k_cache.dtype}, v_cache {v_cache.dtype}")
     head_dim = cos.shape[1]
     pos, slots = positions.to(torch.int64).contiguous(), slot_mapping.to(torch.int64).contiguous()
     check(so.tandem_rope_write_kv_f32(
@@ -140,7 +154,7 @@ def rope_write_kv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int,
         k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(),
         k_cache.numel() // (num_kv_heads * head_dim), *(None if t is None else t.data_ptr()
                                                           for t in (bias, q_norm, k_norm)),
-        norm_eps, torch.get_num_threads()), "rope_write_kv")
+        norm_eps, torch.get_num_threads(), kv_f16(k_cache)), "rope_write_kv")
     return q_out
 
 

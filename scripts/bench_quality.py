@@ -14,7 +14,8 @@ file's weights dequantized, token-exact with transformers) each precision gets:
   other side's top 20 counted at its 20th logprob (what a peer's ``top_logprobs`` allows).
 
 Precisions (``--modes``): ``auto`` (the default: the GGUF's Q4_1 weights, int8 activations),
-``f32`` (the linear layers as float32 rows through the same C kernels; the Q8_0 embedding /
+``auto_kv32`` (the same with a float32 KV cache, ``--kv-cache-dtype float32``; ``auto``'s is
+float16), ``f32`` (the linear layers as float32 rows through the same C kernels; the Q8_0 embedding /
 LM head stay Q8_0), ``bfloat16`` (dense torch modules in bf16), ``none`` (the oracle itself).
 
 ``--peer URL``: an OpenAI-compatible server with the same GGUF (llama.cpp's llama-server, or
@@ -35,13 +36,14 @@ from pathlib import Path
 import torch
 
 TEXT_FILE = Path(__file__).resolve().parents[1] / "loadtest" / "texts" / "public_domain.txt"
-MODES = {"auto": ("auto", "auto"), "f32": ("float32", "f32"), "bfloat16": ("bfloat16", "none"),
-         "none": ("float32", "none")}
+MODES = {"auto": ("auto", "auto"), "auto_kv32": ("auto", "auto", "float32"),
+         "f32": ("float32", "f32"), "bfloat16": ("bfloat16", "none"), "none": ("float32", "none")}
 TOP = 20
 
 
 @torch.inference_mode()
-def text_logprobs(dtype: str, quantization: str, ids: list[int]) -> tuple[torch.Tensor, str]:
+def text_logprobs(dtype: str, quantization: str, ids: list[int], kv_cache_dtype: str = "auto",
+                  ) -> tuple[torch.Tensor, str]:
     """``[n - 1, vocab]`` float32 log-softmax of the next-token logits at positions 0..n-2 (one
     prefill of ``ids``) and the resolved precision, for an engine built in that precision."""
     from services.engine.attention import AttentionMetadata
@@ -49,13 +51,15 @@ def text_logprobs(dtype: str, quantization: str, ids: list[int]) -> tuple[torch.
 
     n = len(ids)
     engine = LLMEngine(EngineConfig(dtype=dtype, quantization=quantization,
+                                    kv_cache_dtype=kv_cache_dtype,
                                     num_kv_blocks=n // 16 + 2, max_model_len=n + 16))
     model, blocks = engine.runner.model, (n + 15) // 16
     meta = AttentionMetadata(slot_mapping=torch.arange(n), block_tables=torch.arange(blocks)[None],
                              seq_lens=torch.tensor([n]), query_start_loc=[0, n], num_decode_seqs=0)
     hidden = model(torch.tensor(ids), torch.arange(n), engine.kv_cache, meta)
     logp = model.compute_logits(hidden[:-1]).float().log_softmax(-1)
-    return logp, f"{engine.precision.dtype}:{engine.precision.quantization}"
+    kv = "" if engine.layout.dtype == engine.precision.dtype else f" kv {engine.layout.dtype}"
+    return logp, f"{engine.precision.dtype}:{engine.precision.quantization}{kv}"
 
 
 def kl_top(oracle_top: tuple[torch.Tensor, torch.Tensor], other_ids: torch.Tensor,
@@ -147,7 +151,7 @@ def main() -> None:
     results: dict[str, dict] = {}
     for mode in args.modes.split(","):
         logp, resolved = (oracle, "float32:none") if mode == "none" else text_logprobs(
-            *MODES[mode], ids)
+            *MODES[mode][:2], ids, *MODES[mode][2:])
         results[mode] = {"resolved": resolved, "tokens": len(ids), **compare(logp, oracle, ids)}
         print(json.dumps({mode: results[mode]}), flush=True)
     if args.peer:

@@ -2,7 +2,7 @@
 
 The engine on the built-in GGUF (``--dtype``/``--quantization``, default ``auto``/``auto``: the
 served default; ``--device cuda`` for a GPU), per batch size (default 1, 16, 64): ``batch``
-requests of 16 random prompt tokens are prefilled, ``--warmup`` decode steps run, then
+requests of ``--prompt-len`` (default 16) random prompt tokens are prefilled, ``--warmup`` decode steps run, then
 ``--steps`` decode steps are timed in CPU seconds of this process (``time.process_time``: every
 thread's CPU time, steady on a loaded machine; wall time is printed beside it), and
 ``--profile-steps`` more run under ``torch.profiler``: aten ops per step (all, and those that
@@ -82,12 +82,15 @@ def calls_ms(events, names: frozenset[str]) -> float:
 
 
 def make_engine(dtype: str, quantization: str, max_batch: int, device: str = "cpu",
-                enforce_eager: bool = False, async_scheduling: bool | None = None):
+                enforce_eager: bool = False, async_scheduling: bool | None = None,
+                kv_cache_dtype: str = "auto", max_context: int = 0):
     from services.engine.engine import EngineConfig, LLMEngine
 
-    e = LLMEngine(EngineConfig(dtype=dtype, quantization=quantization, num_kv_blocks=2048,
+    blocks = max(2048, max_batch * (max_context // 16 + 2))  # max_context: prompt + steps
+    e = LLMEngine(EngineConfig(dtype=dtype, quantization=quantization, num_kv_blocks=blocks,
                                max_num_seqs=max(64, max_batch), device=device,
-                               enforce_eager=enforce_eager, async_scheduling=async_scheduling))
+                               enforce_eager=enforce_eager, async_scheduling=async_scheduling,
+                               kv_cache_dtype=kv_cache_dtype))
     e.warm_up()
     return e
 
@@ -134,14 +137,15 @@ def sampling_params(kind: str, i: int, tokens: int):
             SamplingParams(temperature=0, logprobs=5, **base)][i % 4]
 
 
-def _start(e, batch: int, tokens: int, seed: int, kind: str = "greedy") -> None:
-    """Add ``batch`` requests of 16 random prompt tokens and step until every one has its
-    first token: what follows is decode."""
+def _start(e, batch: int, tokens: int, seed: int, kind: str = "greedy",
+           prompt_len: int = 16) -> None:
+    """Add ``batch`` requests of ``prompt_len`` random prompt tokens and step until every one
+    has its first token: what follows is decode."""
     import random
 
     rng = random.Random(seed)
     for i in range(batch):
-        ids = [rng.randrange(17, e.model_config.vocab_size) for _ in range(16)]
+        ids = [rng.randrange(17, e.model_config.vocab_size) for _ in range(prompt_len)]
         e.add_request(e.make_request(f"p{seed}-{i}", ids, sampling_params(kind, i, tokens)))
     started: set[str] = set()
     while len(started) < batch:
@@ -163,12 +167,12 @@ class PhaseClock:
 
 
 def profile_batch(e, batch: int, warmup: int, steps: int, profile_steps: int, top: int,
-                  seed: int, sampling: str = "greedy") -> dict:
+                  seed: int, sampling: str = "greedy", prompt_len: int = 16) -> dict:
     """Decode-step figures at ``batch`` running sequences (see the module docstring)."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = e.runner.device.type == "cuda"
-    _start(e, batch, warmup + steps + profile_steps + 4, seed, sampling)
+    _start(e, batch, warmup + steps + profile_steps + 4, seed, sampling, prompt_len)
     for _ in range(warmup):
         e.step()
     clock = PhaseClock()
@@ -274,6 +278,9 @@ def main() -> None:
                    help="wait for each step's tokens before launching the next")
     p.add_argument("--host-only", action="store_true",
                    help="the engine's host work per step without the model (module docstring)")
+    p.add_argument("--prompt-len", type=int, default=16,
+                   help="prompt tokens per request: the decode steps' context starts there")
+    p.add_argument("--kv-cache-dtype", default="auto", help="the engine's kv_cache_dtype")
     p.add_argument("--out", default="profile_decode_step.json")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -282,16 +289,20 @@ def main() -> None:
         p.error("--host-only samples greedily (its head has 16 tokens)")
     e = make_engine(args.dtype, args.quantization, max(batches), args.device,
                     args.enforce_eager,
-                    False if args.no_async_scheduling else (True if args.host_only else None))
+                    False if args.no_async_scheduling else (True if args.host_only else None),
+                    args.kv_cache_dtype,
+                    args.prompt_len + args.warmup + args.steps + args.profile_steps + 8)
     if args.host_only:
         host_only(e)
     rows = [profile_batch(e, b, args.warmup, args.steps, args.profile_steps, args.top, seed=b,
-                          sampling=args.sampling) for b in batches]
-    result = {"precision": vars(e.precision), "device": args.device, "sampling": args.sampling,
+                          sampling=args.sampling, prompt_len=args.prompt_len) for b in batches]
+    result = {"precision": vars(e.precision), "kv_cache_dtype": e.layout.dtype,
+              "prompt_len": args.prompt_len, "device": args.device, "sampling": args.sampling,
               "host_only": args.host_only,
               "threads": args.threads, "steps": args.steps, "torch": torch.__version__,
               "layers": e.model_config.num_hidden_layers, "rows": rows}
-    print(f"precision {e.precision} on {args.device}, {args.sampling} sampling, "
+    print(f"precision {e.precision}, KV cache {e.layout.dtype}, {args.prompt_len}-token prompts, "
+          f"on {args.device}, {args.sampling} sampling, "
           f"{args.threads} thread(s), {args.steps} timed steps, async scheduling "
           f"{'on' if e.async_scheduling else 'off'}"
           f"{', host work only (constant model, CUDA-graph buffers)' if args.host_only else ''}")

@@ -84,21 +84,34 @@ static inline const float *staged_head(const float *x, const float *b, const flo
     return buf;
 }
 
+/* n float32 values into a cache row at dst: float32 (kv_f16 0) or float16 (1, rounded to
+ * nearest even: the same bits on every path, F16C's vcvtps2ph or not). */
+static inline void store_kv(void *dst, const float *src, int64_t n, int kv_f16) {
+    if (kv_f16) {
+        _Float16 *d16 = dst;
+#pragma omp simd
+        for (int64_t d = 0; d < n; d++) d16[d] = (_Float16)src[d];
+    } else {
+        memcpy(dst, src, sizeof(float) * (size_t)n);
+    }
+}
+
 /* qkv [T, row_stride]: per row num_heads q heads, then num_kv_heads k heads, then v heads.
  * Writes rotated q to q_out [T, num_heads * head_dim], rotated k and plain v to the cache
- * rows slot_mapping[t] of k_cache / v_cache ([num_slots, num_kv_heads * head_dim]). bias
+ * rows slot_mapping[t] of k_cache / v_cache ([num_slots, num_kv_heads * head_dim], float32,
+ * or float16 with kv_f16: each value rounded once, after the float32 arithmetic). bias
  * [(num_heads + 2 num_kv_heads) head_dim] (NULL: none) is added to the row first; q_norm,
  * k_norm [head_dim] (NULL: none) normalise each q / k head before the rotation. */
 int tandem_rope_write_kv_f32(const float *qkv, float *q_out, int64_t T, int64_t row_stride,
                              int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                              const int64_t *positions, const float *cos, const float *sin,
-                             int64_t max_positions, float *k_cache, float *v_cache,
+                             int64_t max_positions, void *k_cache, void *v_cache,
                              const int64_t *slot_mapping, int64_t num_slots, const float *bias,
                              const float *q_norm, const float *k_norm, float norm_eps,
-                             int num_threads) {
+                             int num_threads, int kv_f16) {
     if (T < 0 || head_dim <= 0 || head_dim % 2 || num_heads <= 0 || num_kv_heads <= 0
         || row_stride < (num_heads + 2 * num_kv_heads) * head_dim
-        || ((bias || q_norm || k_norm) && head_dim > MAX_HEAD_DIM))
+        || ((bias || q_norm || k_norm || kv_f16) && head_dim > MAX_HEAD_DIM))
         return TANDEM_BAD_SHAPE;
     for (int64_t t = 0; t < T; t++) { /* validate first: no access out of bounds */
         if (positions[t] < 0 || positions[t] >= max_positions) return TANDEM_BAD_POSITION;
@@ -110,7 +123,8 @@ int tandem_rope_write_kv_f32(const float *qkv, float *q_out, int64_t T, int64_t 
     for (int64_t t = 0; t < T; t++) {
         const float *row = qkv + t * row_stride;
         const float *c = cos + positions[t] * head_dim, *s = sin + positions[t] * head_dim;
-        float *k_dst = k_cache + slot_mapping[t] * kv_width, buf[MAX_HEAD_DIM];
+        const int64_t kv_row = slot_mapping[t] * kv_width;
+        float buf[MAX_HEAD_DIM], rot[MAX_HEAD_DIM];
         for (int64_t hd = 0; hd < num_heads; hd++) {
             const int64_t at = hd * head_dim;
             rotate_head(staged_head(row + at, bias ? bias + at : NULL, q_norm, norm_eps,
@@ -118,19 +132,28 @@ int tandem_rope_write_kv_f32(const float *qkv, float *q_out, int64_t T, int64_t 
                         q_out + t * q_width + at, c, s, half);
         }
         for (int64_t hd = 0; hd < num_kv_heads; hd++) {
-            const int64_t at = q_width + hd * head_dim;
-            rotate_head(staged_head(row + at, bias ? bias + at : NULL, k_norm, norm_eps,
-                                    head_dim, buf),
-                        k_dst + hd * head_dim, c, s, half);
+            const int64_t at = q_width + hd * head_dim, to = kv_row + hd * head_dim;
+            const float *k = staged_head(row + at, bias ? bias + at : NULL, k_norm, norm_eps,
+                                         head_dim, buf);
+            if (kv_f16) {
+                rotate_head(k, rot, c, s, half);
+                store_kv((_Float16 *)k_cache + to, rot, head_dim, 1);
+            } else {
+                rotate_head(k, (float *)k_cache + to, c, s, half);
+            }
         }
-        float *v_dst = v_cache + slot_mapping[t] * kv_width;
         const float *v = row + q_width + kv_width;
-        if (bias) {
-            const float *vb = bias + q_width + kv_width;
+        for (int64_t hd = 0; hd < num_kv_heads; hd++) {
+            const int64_t at = hd * head_dim, to = kv_row + at;
+            void *v_dst = kv_f16 ? (void *)((_Float16 *)v_cache + to) : (void *)((float *)v_cache + to);
+            if (bias) {
+                const float *vb = bias + q_width + kv_width + at;
 #pragma omp simd
-            for (int64_t d = 0; d < kv_width; d++) v_dst[d] = v[d] + vb[d];
-        } else {
-            memcpy(v_dst, v, sizeof(float) * (size_t)kv_width);
+                for (int64_t d = 0; d < head_dim; d++) buf[d] = v[at + d] + vb[d];
+                store_kv(v_dst, buf, head_dim, kv_f16);
+            } else {
+                store_kv(v_dst, v + at, head_dim, kv_f16);
+            }
         }
     }
     return TANDEM_OK;
@@ -208,7 +231,7 @@ int tandem_softcap_f32(float *x, int64_t M, int64_t N, float softcap, int num_th
 typedef int (*quant_matmul_fn)(const float *x, const uint8_t *const *parts,
                                const int64_t *part_rows, int num_parts, float *out, int64_t M,
                                int64_t K, int64_t ldo, int fmt, int num_threads, int isa);
-typedef int (*attention_fn)(const float *q, const float *k_cache, const float *v_cache,
+typedef int (*attention_fn)(const float *q, const void *k_cache, const void *v_cache,
                             const int64_t *block_tables, const int64_t *query_seq,
                             const int64_t *seq_lens, float *out, float *scratch,
                             int64_t num_queries, int64_t num_seqs, int64_t num_heads,
@@ -243,7 +266,8 @@ enum { L_W_IN, L_W_POST, L_QKV, L_O = L_QKV + 3, L_GU = L_O + 3, L_DOWN = L_GU +
  * from Python. Buffers (float32, caller-owned): x [T, hidden] (the embeddings in, the residual
  * stream after), h, o, down [T, hidden], qkv [T, (heads + 2 kv_heads) head_dim], q, a [T,
  * heads * head_dim], gu [T, 2 ffn], act [T, ffn], out [T, hidden]. activation: ACT_SILU or
- * ACT_GELU_TANH; softcap: the attention's (0: none).
+ * ACT_GELU_TANH; softcap: the attention's (0: none); kv_f16: the KV cache holds float16 (the
+ * attention function then reads float16: tandem_paged_attention_f16kv).
  */
 int tandem_decode_layers_f32(
     const int64_t *layers, int64_t num_layers, float *x, float *h, float *qkv, float *q,
@@ -253,14 +277,14 @@ int tandem_decode_layers_f32(
     const int64_t *slot_mapping, int64_t num_blocks, int64_t block_size,
     const int64_t *block_tables, const int64_t *seq_lens, int64_t max_blocks,
     int64_t max_seq_len, float *scratch, float scale, float softcap, int activation, int fmt,
-    int isa, int num_threads, quant_matmul_fn matmul, attention_fn attention) {
+    int isa, int num_threads, quant_matmul_fn matmul, attention_fn attention, int kv_f16) {
     const int64_t qkv_width = (num_heads + 2 * num_kv_heads) * head_dim;
     const int64_t q_width = num_heads * head_dim;
     const float *residual = NULL;
     int rc;
     for (int64_t l = 0; l < num_layers; l++) {
         const int64_t *L = layers + l * LAYER_FIELDS;
-        float *k_cache = (float *)(intptr_t)L[L_K], *v_cache = (float *)(intptr_t)L[L_V];
+        void *k_cache = (void *)(intptr_t)L[L_K], *v_cache = (void *)(intptr_t)L[L_V];
         rc = tandem_add_rmsnorm_f32(x, residual, (const float *)(intptr_t)L[L_W_IN], h, T,
                                     hidden, eps, num_threads);
         if (rc) return rc;
@@ -272,7 +296,8 @@ int tandem_decode_layers_f32(
                                       slot_mapping, num_blocks * block_size,
                                       (const float *)(intptr_t)L[L_QKV_BIAS],
                                       (const float *)(intptr_t)L[L_Q_NORM],
-                                      (const float *)(intptr_t)L[L_K_NORM], eps, num_threads);
+                                      (const float *)(intptr_t)L[L_K_NORM], eps, num_threads,
+                                      kv_f16);
         if (rc) return rc;
         rc = attention(q, k_cache, v_cache, block_tables, NULL, seq_lens, a, scratch, T, T,
                        num_heads, num_kv_heads, head_dim, num_blocks, block_size, max_blocks,

@@ -34,8 +34,8 @@ _SECTION = ConfigDict(extra="forbid", frozen=True, use_enum_values=False)
 # Help for the engine's own knobs; their defaults live in EngineConfig (helper "engine"'s file).
 ENGINE_HELP = {
     "model": "GGUF file or Hugging Face directory (default: built-in SmolLM2-135M-Instruct)",
-    "dtype": "model and KV cache dtype (float32: exact oracle mode; auto: bfloat16 where the "
-             "CPU computes it natively, else float32)",
+    "dtype": "model dtype, and the KV cache's unless kv_cache_dtype says otherwise (float32: "
+             "exact oracle mode; auto: bfloat16 where the CPU computes it natively, else float32)",
     "quantization": "linear layers on a GGUF weight format as stored in the file (none: dense "
                     "in dtype through torch, the oracle; auto: the file's format, F32 included, "
                     "when the CPU kernel builds)",
@@ -44,6 +44,10 @@ ENGINE_HELP = {
     "num_kv_blocks": "KV blocks per worker; overrides kv_cache_memory_gib",
     "kv_cache_memory_gib": "KV cache memory per worker, GiB (default: 1 on CPU; on a GPU what "
                            "gpu_memory_utilization leaves after the model and its largest step)",
+    "kv_cache_dtype": "KV cache element type (vLLM's --kv-cache-dtype): float16 (half the KV "
+                      "bytes, each K/V value rounded once, llama.cpp's default cache type) runs "
+                      "where a GGUF format's linears run in the CPU kernels; auto: float16 "
+                      "there for Q4_0/Q4_1/Q8_0 linears, else the model's dtype",
     "gpu_memory_utilization": "fraction of the GPU's memory this worker may use, KV cache "
                               "included (vLLM's; `tandem up` divides it among workers sharing "
                               "a GPU)",

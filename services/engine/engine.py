@@ -49,7 +49,7 @@ from .metrics import EngineMetrics
 from .model_runner import ModelRunner, PendingStep, StepResult
 from .outputs import EngineDeadError, RequestOutput
 from .policy import create_scheduler
-from .quantized import build_model, resident_weight_bytes
+from .quantized import Precision, build_model, resident_weight_bytes
 from .request import Request, RequestStatus
 from .sampler import TokenLogprobs
 from .sampling_params import SamplingParams
@@ -69,6 +69,36 @@ def _async_scheduling(config: EngineConfig, on_gpu: bool, faults: EngineFaults |
     for static batching's padding rows nor under fault injection's per-step hooks."""
     wanted = on_gpu if config.async_scheduling is None else config.async_scheduling
     return wanted and config.scheduling_policy == "continuous" and faults is None
+
+
+def resolve_kv_cache_dtype(kv_cache_dtype: str, precision: Precision, device: str,
+                           fused_forward: bool) -> torch.dtype:
+    """The KV cache's torch dtype for the ``kv_cache_dtype`` setting.
+
+    ``float16`` runs where the fused C forward pass does (``QuantizedForward``: a GGUF format's
+    linears in the CPU kernels, float32 activations), which writes each K/V value rounded to
+    nearest even once and reads it widened exactly: half the KV bytes, twice the blocks in the
+    same memory, a faster attention, and a request's tokens still the same bits in any batch.
+    llama.cpp's default cache type is the same (``f16``); the quality it costs on the built-in
+    model is measured by ``scripts.bench_quality`` (docs/benchmarks.md). ``auto`` picks
+    ``float16`` there when the linears are a quantized block format (Q4_0, Q4_1, Q8_0: the
+    weights' rounding is far larger than the cache's), and the model's dtype
+    (``precision.dtype``) everywhere else: F32 rows and the float32 oracle (``quantization
+    none``) keep a float32 cache. A dtype equal to the model's is always accepted.
+
+    Raises ``ValueError`` naming ``kv_cache_dtype`` for any other combination: the torch module
+    path and the GPU kernels read the cache in the model's dtype only.
+    """
+    fused_cpu = fused_forward and torch.device(device).type == "cpu"
+    if kv_cache_dtype == "auto":
+        quantized = precision.quantization not in ("none", "f32")
+        return torch.float16 if fused_cpu and quantized else getattr(torch, precision.dtype)
+    if kv_cache_dtype == precision.dtype or (kv_cache_dtype == "float16" and fused_cpu):
+        return getattr(torch, kv_cache_dtype)
+    raise ValueError(
+        f"kv_cache_dtype: {kv_cache_dtype} runs only where the model computes in it, or (float16) "
+        f"in the fused CPU forward pass of a GGUF format (--quantization auto); this worker runs "
+        f"{precision.quantization} weights in {precision.dtype} on {device}")
 
 
 class LLMEngine:
@@ -93,7 +123,8 @@ class LLMEngine:
         self.weight_bytes = resident_weight_bytes(model)
         self.max_model_len = min(config.max_model_len or model_config.max_position_embeddings,
                                  model_config.max_position_embeddings)
-        dtype = getattr(torch, self.precision.dtype)
+        dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.precision, config.device,
+                                       getattr(model, "fused_forward", None) is not None)
         self.layout = KVCacheLayout.of(model_config, config.block_size, dtype)
         per_block = self.layout.block_bytes * 2 * self.layout.num_layers  # bytes, K and V
         if config.num_kv_blocks:
@@ -138,8 +169,9 @@ class LLMEngine:
         self._steps_lost_all = 0  # failed steps in a row whose every request failed alone
         self.async_scheduling = _async_scheduling(config, self.kv_cache.is_cuda, self._faults)
         self._ahead: tuple[SchedulerOutput, PendingStep] | None = None  # launched, not collected
-        log.info("engine ready in %.1fs: %d KV blocks of %d tokens, max_model_len %d",
-                 time.perf_counter() - t0, num_blocks, config.block_size, self.max_model_len)
+        log.info("engine ready in %.1fs: %d KV blocks of %d tokens (%s), max_model_len %d",
+                 time.perf_counter() - t0, num_blocks, config.block_size, self.layout.dtype,
+                 self.max_model_len)
 
     def warm_up(self) -> float:
         """Run one throwaway request (an 8-token prefill, then a decode step) so the first real

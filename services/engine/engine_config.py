@@ -32,6 +32,9 @@ class EngineConfig(BaseModel):
     # None: 1 GiB on CPU; on a GPU what gpu_memory_utilization leaves (kv_sizing.py)
     kv_cache_memory_gib: float | None = Field(default=None, gt=0)
     gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)  # this worker's GPU share
+    # the KV cache's element type (engine.resolve_kv_cache_dtype): auto is float16 where the
+    # fused C forward pass runs Q4_0/Q4_1/Q8_0 linears on the CPU, else the model's dtype
+    kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     max_num_seqs: int = Field(default=64, gt=0)
     max_num_batched_tokens: int = Field(default=2048, gt=0)
     max_model_len: int | None = Field(default=None, gt=1)  # default: the model's context

@@ -46,7 +46,8 @@ class QuantizedForward:
     ``LlamaForCausalLM`` (``quantized.assemble_quantized``), reading the model's own weights.
 
     Shapes as ``LlamaForCausalLM.forward``: input_ids, positions ``[num_tokens]`` int64;
-    kv_cache ``[num_layers, 2, num_blocks, block_size, kv_heads, head_dim]`` float32; returns
+    kv_cache ``[num_layers, 2, num_blocks, block_size, kv_heads, head_dim]`` float32 or float16
+    (``--kv-cache-dtype``: written rounded, read widened; activations stay float32); returns
     float32 ``[num_tokens, hidden]`` (after the final norm). Raises ``ValueError`` naming
     ``positions`` or ``slot_mapping`` for an index out of range.
     """
@@ -95,14 +96,14 @@ class QuantizedForward:
             self._caches = (key, [(kv[0], kv[1]) for kv in kv_cache])
         return self._caches[1]
 
-    def _attention(self, meta: AttentionMetadata, threads: int,
+    def _attention(self, meta: AttentionMetadata, threads: int, kv_dtype: torch.dtype,
                    ) -> dict[int, cpu_attention.AttentionPlan]:
         """The C kernel's plans for this step's tokens, one per sliding window of the layers
         (0: none): decode rows and prefill chunks alike, each token over the cache up to
         itself."""
         return {w: cpu_attention.AttentionPlan.for_tokens(
             meta.block_tables, meta.seq_lens, meta.query_start_loc, self.num_heads,
-            self.num_kv_heads, self.scale, threads, w or None, self.softcap)
+            self.num_kv_heads, self.scale, threads, w or None, self.softcap, kv_dtype)
             for w in {extra.window for extra in self.extras}}
 
     def _layer_table(self, kv_cache: torch.Tensor) -> torch.Tensor | None:
@@ -141,7 +142,8 @@ class QuantizedForward:
         """Every layer of a decode step in one C call (``tandem_decode_layers_f32``; each
         layer's sliding window is in its row of the table)."""
         plan = cpu_attention.AttentionPlan(meta.block_tables, meta.seq_lens, self.num_heads,
-                                           self.num_kv_heads, self.scale, threads)
+                                           self.num_kv_heads, self.scale, threads,
+                                           kv_dtype=kv_cache.dtype)
         num_blocks, block_size = kv_cache.shape[2], kv_cache.shape[3]
         decode_ops.check(self._ops.tandem_decode_layers_f32(
             table.data_ptr(), table.shape[0], *b.pointers(), self.norm.data_ptr(), b.t,
@@ -150,14 +152,15 @@ class QuantizedForward:
             plan.tables.data_ptr(), plan.lens.data_ptr(), plan.tables.shape[1], plan.max_len,
             plan.scratch.data_ptr(), self.scale, self.softcap or 0.0, self.activation,
             self._one_format, quant.isa_level(), threads, self.layers[0][1].kernel_address,
-            plan.kernel_address), "decode_layers")
+            plan.kernel_address, decode_ops.kv_f16(kv_cache)), "decode_layers")
 
     def _layers(self, b: _Buffers, pos: torch.Tensor, slots: torch.Tensor,
                 meta: AttentionMetadata, kv_cache: torch.Tensor, threads: int) -> None:
         """The layers call by call (prefill and mixed steps)."""
         ops, t, heads, kv_heads, d = self._ops, b.t, self.num_heads, self.num_kv_heads, self.head_dim
-        plans = self._attention(meta, threads)
+        plans = self._attention(meta, threads, kv_cache.dtype)
         caches = self._layer_caches(kv_cache)
+        kv_f16 = decode_ops.kv_f16(kv_cache)
         num_slots = caches[0][0].shape[0] * caches[0][0].shape[1]
         norm, rope = ops.tandem_add_rmsnorm_f32, ops.tandem_rope_write_kv_f32
         act_mul = (ops.tandem_gelu_tanh_mul_f32 if self.activation else ops.tandem_silu_mul_f32)
@@ -172,7 +175,8 @@ class QuantizedForward:
                                   e.cos.data_ptr(), e.sin.data_ptr(), e.cos.shape[0],
                                   k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(),
                                   num_slots, _address(e.bias), _address(e.q_norm),
-                                  _address(e.k_norm), self.eps, threads), "rope_write_kv")
+                                  _address(e.k_norm), self.eps, threads, kv_f16),
+                             "rope_write_kv")
             plans[e.window](b.q, k_cache, v_cache, b.a)
             o_mm(b.a.view(t, heads * d), b.o, threads)
             if e.attn_out is not None:  # in place

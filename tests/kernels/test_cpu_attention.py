@@ -83,6 +83,37 @@ def test_other_dtypes_take_the_reference():
     assert torch.equal(run(batch), expected)
 
 
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(6, 2, 8), (9, 3, 64), (8, 2, 64),
+                                                             (4, 2, 128)])
+@pytest.mark.parametrize("window,softcap", [(None, None), (40, None), (None, 20.0)])
+def test_a_float16_cache_gives_the_float32_kernels_bits_on_its_widened_values(
+        num_heads, num_kv_heads, head_dim, window, softcap):
+    """float32 queries over a float16 cache (``--kv-cache-dtype float16``): each element widens
+    exactly, then the float32 kernel's sums in its order, so the result is the same bits as the
+    float32 kernel over the cache converted to float32: decode rows (long contexts in parts)
+    and prefill chunks (head_dim 8: the plain loops; the others the AVX-512 passes)."""
+    seqs = [(6, 1), (300, 1), (1999, 1), (0, 1), (5, 11), (31, 2), (0, 17)]
+    batch = make_paged_batch(seqs, num_heads, num_kv_heads, head_dim, 16, device="cpu")
+    nd = 4
+    k16, v16 = batch.k_cache.half(), batch.v_cache.half()
+    outs = []
+    for k, v in ((k16, v16), (k16.float(), v16.float())):
+        out = torch.empty_like(batch.q)
+        cpu_attention.paged_decode_attention(batch.q[:nd], k, v, batch.block_tables[:nd],
+                                             batch.seq_lens[:nd], batch.scale, out=out[:nd],
+                                             sliding_window=window, softcap=softcap)
+        cpu_attention.paged_prefill_attention(batch.q, k, v, batch.block_tables[nd:],
+                                              batch.seq_lens[nd:], batch.query_start_loc[nd:],
+                                              batch.scale, out=out, sliding_window=window,
+                                              softcap=softcap)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+    want = reference.paged_attention(batch.q, k16.float(), v16.float(), batch.block_tables,
+                                     batch.seq_lens, batch.query_start_loc, nd, batch.scale,
+                                     sliding_window=window, softcap=softcap)
+    torch.testing.assert_close(outs[0], want, atol=2e-5, rtol=0)
+
+
 def test_empty_batch():
     batch = decode_batch()
     out = cpu_attention.paged_decode_attention(batch.q[:0], batch.k_cache, batch.v_cache,

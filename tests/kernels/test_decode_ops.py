@@ -93,6 +93,31 @@ def test_rope_write_kv_with_bias_and_qk_norm_matches_the_module_path(bias, qk_no
     assert (plain_q - q).abs().max() > 0.1  # the bias / norms were applied
 
 
+@pytest.mark.parametrize("bias,qk_norm", [(False, False), (True, True)])
+def test_a_float16_cache_gets_the_float32_writes_rounded_once(bias, qk_norm):
+    """``--kv-cache-dtype float16``: the same float32 arithmetic, each K/V value rounded to
+    nearest even once as it is stored (torch's ``.half()``), q untouched by the cache's type."""
+    t, heads, kv_heads, head_dim = 5, 9, 3, 64
+    g = torch.Generator().manual_seed(3)
+    rope = RotaryEmbedding(head_dim, 64, 10000.0)
+    width = (heads + 2 * kv_heads) * head_dim
+    qkv = torch.randn(t, width, generator=g) * 30  # values with bits below float16's mantissa
+    extras = [torch.randn(width, generator=g) if bias else None,
+              *((torch.randn(head_dim, generator=g) for _ in range(2)) if qk_norm else (None, None))]
+    positions, slots = torch.arange(3, 3 + t), torch.tensor([9, 2, 5, 0, 7])
+    caches = {}
+    for dtype in (torch.float32, torch.float16):
+        k, v = (torch.zeros(3, 4, kv_heads, head_dim, dtype=dtype) for _ in range(2))
+        q = torch.empty(t, heads, head_dim)
+        decode_ops.rope_write_kv(qkv, heads, kv_heads, positions, rope.cos, rope.sin, k, v,
+                                 slots, q, *extras, norm_eps=1e-6)
+        caches[dtype] = q, k, v
+    (q32, k32, v32), (q16, k16, v16) = caches[torch.float32], caches[torch.float16]
+    assert torch.equal(q16, q32)
+    assert torch.equal(k16, k32.half()) and torch.equal(v16, v32.half())
+    assert not torch.equal(k16.float(), k32)  # the rounding happened
+
+
 def test_rope_write_kv_rejects_bad_positions_and_slots_before_writing():
     rope = RotaryEmbedding(8, 16, 10000.0)
     qkv, q = torch.randn(2, 3 * 8), torch.empty(2, 1, 8)

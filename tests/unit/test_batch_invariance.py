@@ -34,6 +34,7 @@ def engine(**overrides) -> LLMEngine:
     e = LLMEngine(EngineConfig(dtype="auto", quantization="auto", **{"num_kv_blocks": 512,
                                                                       **overrides}))
     assert e.precision.quantization == "q4_1" and e.runner.model.fused_forward is not None
+    assert e.kv_cache.dtype == torch.float16  # auto: the served default's float16 KV cache
     e.warm_up()
     return e
 

@@ -113,7 +113,9 @@ def test_a_stopping_worker_ends_its_follow_streams_after_what_they_hold(engine):
                 for m in rest for u in m.updates] == [("done", 8, "length")]
         assert not servicer.follows
 
-    asyncio.run(_with_servicer(engine, body))
+    # the finished request's tokens wait unread while it decodes: a lease long enough for a
+    # slow or busy machine (the short one is what the lease tests exercise)
+    asyncio.run(_with_servicer(engine, body, lease_s=60.0))
 
 
 def test_follow_ids_are_checked(engine):

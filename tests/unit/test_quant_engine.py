@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from kernels import quant
-from services.engine.engine import EngineConfig, LLMEngine
+from services.engine.engine import EngineConfig, LLMEngine, resolve_kv_cache_dtype
 from services.engine.gguf_file import GGUFFile
 from services.engine.loader import load_model
 from services.engine.model_files import default_model_path
-from services.engine.quantized import (QuantLinear, cpu_has_native_bf16, resolve_precision,
-                                       resident_weight_bytes)
+from services.engine.quantized import (Precision, QuantLinear, cpu_has_native_bf16,
+                                       resolve_precision, resident_weight_bytes)
 from services.engine.quantized_loader import file_weight_formats, load_gguf_quantized
 from services.engine.sampling_params import SamplingParams
 
@@ -58,6 +58,37 @@ def test_auto_reencodes_block_formats_without_a_kernel_to_q8_0():
     assert resolve_precision("auto", "auto", {"q4_k", "f16"}, "cpu").quantization == "none"
     assert resolve_precision("float32", "auto", {"q4_k"}, "cpu", "Gemma 2").quantization == "none"
     assert resolve_precision("float32", "auto", {"q4_k"}, "cuda").quantization == "none"
+
+
+def test_kv_cache_dtype_auto_is_float16_only_for_block_formats_in_the_fused_cpu_pass():
+    q4, f32_rows = Precision("float32", "q4_1"), Precision("float32", "f32")
+    oracle, bf16 = Precision("float32", "none"), Precision("bfloat16", "none")
+    assert resolve_kv_cache_dtype("auto", q4, "cpu", True) == torch.float16
+    assert resolve_kv_cache_dtype("auto", q4, "cpu", False) == torch.float32  # module path
+    assert resolve_kv_cache_dtype("auto", f32_rows, "cpu", True) == torch.float32
+    assert resolve_kv_cache_dtype("auto", oracle, "cpu", False) == torch.float32
+    assert resolve_kv_cache_dtype("auto", bf16, "cuda", False) == torch.bfloat16
+    assert resolve_kv_cache_dtype("float32", q4, "cpu", True) == torch.float32
+    assert resolve_kv_cache_dtype("float16", f32_rows, "cpu", True) == torch.float16
+    for kv, precision, device, fused in [("float16", oracle, "cpu", False),
+                                         ("float16", bf16, "cuda", False),
+                                         ("bfloat16", q4, "cpu", True),
+                                         ("float32", bf16, "cuda", False)]:
+        with pytest.raises(ValueError, match="kv_cache_dtype"):
+            resolve_kv_cache_dtype(kv, precision, device, fused)
+
+
+def test_a_float16_kv_cache_holds_twice_the_blocks_and_the_oracle_refuses_it():
+    per_block = 16 * 3 * 64 * 4 * 2 * 30  # bytes of a float32 block: K and V, 30 layers
+    config = dict(dtype="auto", quantization="auto", kv_cache_memory_gib=64 * per_block / 2**30)
+    half, full = (LLMEngine(EngineConfig(**config, kv_cache_dtype=kv)) for kv in ("auto", "float32"))
+    if half.runner.model.fused_forward is None:
+        pytest.skip("the fused C forward pass is not built here")
+    assert (half.kv_cache.dtype, full.kv_cache.dtype) == (torch.float16, torch.float32)
+    assert half.layout.dtype == "float16" and half.layout.block_bytes * 2 == full.layout.block_bytes
+    assert (half.block_manager.num_blocks, full.block_manager.num_blocks) == (128, 64)
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        LLMEngine(EngineConfig(dtype="float32", quantization="none", kv_cache_dtype="float16"))
 
 
 def test_gguf_file_reads_what_gguf_reader_reads():

@@ -24,10 +24,10 @@ def engine() -> LLMEngine:
     return LLMEngine(EngineConfig(num_kv_blocks=NUM_BLOCKS, max_num_seqs=4))
 
 
-def _options(engine: LLMEngine) -> WorkerOptions:
+def _options(engine: LLMEngine, lease_s: float = LEASE_S) -> WorkerOptions:
     return WorkerOptions(role="decode", engine=engine.config, host="127.0.0.1",
                          advertise_host="127.0.0.1", port=0, kv_port=0, kv_transport="tcp",
-                         redis_url="redis://127.0.0.1:1/0", heartbeat_s=1.0, kv_lease_s=LEASE_S)
+                         redis_url="redis://127.0.0.1:1/0", heartbeat_s=1.0, kv_lease_s=lease_s)
 
 
 def _request(rid: str, max_tokens: int) -> worker_pb2.DecodeRequest:
@@ -44,8 +44,8 @@ async def _until(condition, deadline_s: float = 60.0) -> None:
         await asyncio.sleep(0.02)
 
 
-async def _with_servicer(engine: LLMEngine, body) -> None:
-    runtime = WorkerRuntime(_options(engine), engine)
+async def _with_servicer(engine: LLMEngine, body, lease_s: float = LEASE_S) -> None:
+    runtime = WorkerRuntime(_options(engine, lease_s), engine)
     runtime.engine_loop.start()  # no heartbeat: nothing here needs the registry
     servicer = DecodeServicer(runtime)
     try:
