@@ -116,7 +116,7 @@ class LLMEngine:
         t0 = time.perf_counter()
         by_utilization = (torch.device(config.device).type == "cuda"
                           and not config.num_kv_blocks and config.kv_cache_memory_gib is None)
-        free_at_start = torch.cuda.mem_get_info(config.device)[0] if by_utilization else 0
+        free_at_start = torch.cuda.mem_get_info(config.device)[0] if by_utilization else None
         model, self.precision = build_model(config.model, config.dtype, config.quantization,
                                             config.device, weights)
         self.model_config: ModelConfig = (model_config := model.config)
@@ -126,19 +126,7 @@ class LLMEngine:
         dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.precision, config.device,
                                        getattr(model, "fused_forward", None) is not None)
         self.layout = KVCacheLayout.of(model_config, config.block_size, dtype)
-        per_block = self.layout.block_bytes * 2 * self.layout.num_layers  # bytes, K and V
-        if config.num_kv_blocks:
-            num_blocks = config.num_kv_blocks
-        elif by_utilization:
-            step_tokens = min(config.max_num_batched_tokens, self.max_model_len)
-            memory = kv_sizing.measure_gpu(model, config.block_size, step_tokens,
-                                           config.max_num_seqs, free_at_start)
-            num_blocks = kv_sizing.gpu_kv_cache_bytes(memory, config.gpu_memory_utilization) // per_block
-            log.info("KV cache sized by gpu_memory_utilization %.2f: %s", config.gpu_memory_utilization,
-                     memory)
-        else:
-            num_blocks = kv_sizing.blocks_for_memory(
-                config.kv_cache_memory_gib or kv_sizing.CPU_DEFAULT_GIB, per_block)
+        num_blocks = self._num_kv_blocks(model, free_at_start)
         kv_shape = (self.layout.num_layers, 2, num_blocks, config.block_size,
                     self.layout.num_kv_heads, self.layout.head_dim)
         self.kv_cache = zeroed_kv_cache(kv_shape, dtype, config.device)  # zero pages on first touch
@@ -172,6 +160,25 @@ class LLMEngine:
         log.info("engine ready in %.1fs: %d KV blocks of %d tokens (%s), max_model_len %d",
                  time.perf_counter() - t0, num_blocks, config.block_size, self.layout.dtype,
                  self.max_model_len)
+
+    def _num_kv_blocks(self, model, free_at_start: int | None) -> int:
+        """KV blocks of ``self.layout`` for this worker: ``num_kv_blocks`` when set; on a GPU
+        without a size, what ``gpu_memory_utilization`` leaves after a profiling step
+        (``free_at_start``: the device's free bytes before the model loaded; ``kv_sizing``);
+        else ``kv_cache_memory_gib`` (1 GiB by default)."""
+        config = self.config
+        per_block = self.layout.block_bytes * 2 * self.layout.num_layers  # bytes, K and V
+        if config.num_kv_blocks:
+            return config.num_kv_blocks
+        if free_at_start is None:
+            return kv_sizing.blocks_for_memory(
+                config.kv_cache_memory_gib or kv_sizing.CPU_DEFAULT_GIB, per_block)
+        step_tokens = min(config.max_num_batched_tokens, self.max_model_len)
+        memory = kv_sizing.measure_gpu(model, config.block_size, step_tokens,
+                                       config.max_num_seqs, free_at_start)
+        log.info("KV cache sized by gpu_memory_utilization %.2f: %s", config.gpu_memory_utilization,
+                 memory)
+        return kv_sizing.gpu_kv_cache_bytes(memory, config.gpu_memory_utilization) // per_block
 
     def warm_up(self) -> float:
         """Run one throwaway request (an 8-token prefill, then a decode step) so the first real
