@@ -60,15 +60,16 @@ static void KV_FN(score_range)(const float *q, const KV_T *k_cache, const int64_
     float row[KV_ROW_FLOATS(head_dim)]; /* a K row in float32 when KV_T is not */
     for (int64_t t0 = t_begin, n; t0 < t_end; t0 += n) {
         const KV_T *next;
-        const KV_T *kb = KV_FN(block_run)(k_cache, table, t0, t_end, block_size, token_stride, &n,
-                                    &next);
+        const KV_T *kb = KV_FN(block_run)(k_cache, table, t0, t_end, block_size, token_stride,
+                                          &n, &next);
         for (int64_t i = 0; i < n; ++i) {
             KV_FN(prefetch_row)(next, i, token_stride);
             for (int64_t h = 0; h < num_heads; ++h) {
                 const float *qh = q + h * head_dim;
                 const KV_T *k = kb + i * token_stride + (h / group) * head_dim;
                 /* the AVX-512 passes' order (16 lanes over head_dim, hsum4's tree) */
-                scores[h * stride + t0 - t_begin + i] = tandem_ordered_sum(qh, KV_ROW(k, row, head_dim), head_dim) * scale;
+                scores[h * stride + t0 - t_begin + i] =
+                    tandem_ordered_sum(qh, KV_ROW(k, row, head_dim), head_dim) * scale;
             }
         }
     }
@@ -81,8 +82,8 @@ static void KV_FN(weigh_values)(const KV_T *v_cache, const int64_t *table, int64
     memset(os, 0, sizeof(float) * (size_t)(num_heads * head_dim));
     for (int64_t t0 = t_begin, n; t0 < t_end; t0 += n) {
         const KV_T *next;
-        const KV_T *vb = KV_FN(block_run)(v_cache, table, t0, t_end, block_size, token_stride, &n,
-                                    &next);
+        const KV_T *vb = KV_FN(block_run)(v_cache, table, t0, t_end, block_size, token_stride,
+                                          &n, &next);
         for (int64_t i = 0; i < n; ++i) {
             KV_FN(prefetch_row)(next, i, token_stride);
             for (int64_t h = 0; h < num_heads; ++h) {
@@ -109,7 +110,7 @@ static void KV_FN(weigh_values)(const KV_T *v_cache, const int64_t *table, int64
  */
 
 #define AVX512_PASSES(G, C)                                                                    \
-    static void KV_FN(score_##G##x##C)(const float *q, const KV_T *k_cache, const int64_t *table,    \
+    static void KV_FN(score_##G##x##C)(const float *q, const KV_T *k_cache, const int64_t *table,  \
                                 int64_t num_kv_heads, int64_t group, int64_t head_dim,         \
                                 int64_t t_begin, int64_t t_end, int64_t block_size,            \
                                 float scale, float *scores, int64_t stride) {                   \
@@ -118,7 +119,7 @@ static void KV_FN(weigh_values)(const KV_T *v_cache, const int64_t *table, int64
         (void)group, (void)head_dim;                                                           \
         for (int64_t t0 = t_begin, n; t0 < t_end; t0 += n) {                                   \
             const KV_T *next;                                                                 \
-            const KV_T *kb = KV_FN(block_run)(k_cache, table, t0, t_end, block_size, token_stride,   \
+            const KV_T *kb = KV_FN(block_run)(k_cache, table, t0, t_end, block_size, token_stride, \
                                         &n, &next);                                            \
             for (int64_t kh = 0; kh < num_kv_heads; ++kh) {                                    \
                 __m512 qv[G][C];                                                               \
@@ -127,7 +128,7 @@ static void KV_FN(weigh_values)(const KV_T *v_cache, const int64_t *table, int64
                         qv[g][c] = _mm512_loadu_ps(q + ((kh * G + g) * C + c) * 16);           \
                 float *dst = scores + kh * G * stride + t0 - t_begin;                          \
                 for (int64_t i = 0; i < n; ++i) {                                              \
-                    if (kh == 0) KV_FN(prefetch_row)(next, i, token_stride);                          \
+                    if (kh == 0) KV_FN(prefetch_row)(next, i, token_stride);                       \
                     const KV_T *k = kb + i * token_stride + kh * 16 * C;                      \
                     __m512 kv[C];                                                              \
                     for (int c = 0; c < C; ++c) kv[c] = KV_LOAD16(k + 16 * c);           \
@@ -149,7 +150,7 @@ static void KV_FN(weigh_values)(const KV_T *v_cache, const int64_t *table, int64
             }                                                                                  \
         }                                                                                      \
     }                                                                                          \
-    static void KV_FN(weigh_##G##x##C)(const KV_T *v_cache, const int64_t *table,                    \
+    static void KV_FN(weigh_##G##x##C)(const KV_T *v_cache, const int64_t *table,                  \
                                 int64_t num_kv_heads, int64_t group, int64_t head_dim,         \
                                 int64_t t_begin, int64_t t_end, int64_t block_size,            \
                                 const float *scores, int64_t stride, float *os) {              \
@@ -158,7 +159,7 @@ static void KV_FN(weigh_values)(const KV_T *v_cache, const int64_t *table, int64
         memset(os, 0, sizeof(float) * (size_t)(num_kv_heads * G * C * 16));                    \
         for (int64_t t0 = t_begin, n; t0 < t_end; t0 += n) {                                   \
             const KV_T *next;                                                                 \
-            const KV_T *vb = KV_FN(block_run)(v_cache, table, t0, t_end, block_size, token_stride,   \
+            const KV_T *vb = KV_FN(block_run)(v_cache, table, t0, t_end, block_size, token_stride, \
                                         &n, &next);                                            \
             for (int64_t kh = 0; kh < num_kv_heads; ++kh) {                                    \
                 float *o = os + kh * G * C * 16;                                               \
@@ -167,7 +168,7 @@ static void KV_FN(weigh_values)(const KV_T *v_cache, const int64_t *table, int64
                 for (int g = 0; g < G; ++g)                                                    \
                     for (int c = 0; c < C; ++c) acc[g][c] = _mm512_loadu_ps(o + (g * C + c) * 16); \
                 for (int64_t i = 0; i < n; ++i) {                                              \
-                    if (kh == 0) KV_FN(prefetch_row)(next, i, token_stride);                          \
+                    if (kh == 0) KV_FN(prefetch_row)(next, i, token_stride);                       \
                     const KV_T *v = vb + i * token_stride + kh * 16 * C;                      \
                     __m512 vv[C];                                                              \
                     for (int c = 0; c < C; ++c) vv[c] = KV_LOAD16(v + 16 * c);           \
@@ -197,7 +198,11 @@ AVX512_PASSES(4, 2)
 AVX512_PASSES(4, 4)
 AVX512_PASSES(8, 2)
 #define SHAPE(G, C) {G, 16 * C, KV_FN(score_##G##x##C), KV_FN(weigh_##G##x##C)}
-static const struct { int64_t group, head_dim; KV_FN(score_fn) score; KV_FN(weigh_fn) weigh; } KV_FN(AVX512_SHAPES)[] = {
+static const struct {
+    int64_t group, head_dim;
+    KV_FN(score_fn) score;
+    KV_FN(weigh_fn) weigh;
+} KV_FN(AVX512_SHAPES)[] = {
     SHAPE(1, 2), SHAPE(1, 4), SHAPE(1, 8), SHAPE(2, 2), SHAPE(2, 4), SHAPE(2, 8),
     SHAPE(3, 2), SHAPE(3, 4), SHAPE(3, 8), SHAPE(4, 2), SHAPE(4, 4), SHAPE(8, 2)};
 #endif
@@ -210,7 +215,8 @@ static void KV_FN(choose_passes)(int64_t group, int64_t head_dim, KV_FN(score_fn
     (void)group, (void)head_dim;
 #if defined(__AVX512F__) && defined(__AVX512DQ__)
     for (size_t i = 0; i < sizeof(KV_FN(AVX512_SHAPES)) / sizeof(KV_FN(AVX512_SHAPES)[0]); ++i)
-        if (KV_FN(AVX512_SHAPES)[i].group == group && KV_FN(AVX512_SHAPES)[i].head_dim == head_dim) {
+        if (KV_FN(AVX512_SHAPES)[i].group == group
+            && KV_FN(AVX512_SHAPES)[i].head_dim == head_dim) {
             *score = KV_FN(AVX512_SHAPES)[i].score;
             *weigh = KV_FN(AVX512_SHAPES)[i].weigh;
         }
@@ -323,12 +329,12 @@ int KV_FN(tandem_paged_attention)(
                 const int64_t t_begin = lo + part * per;
                 const int64_t t_end = t_begin + per < len ? t_begin + per : len;
                 const int64_t slot = split ? work : part; /* this part's row of po, pm, ps */
-                KV_FN(attend_part)(q + i * row, k_cache, v_cache, table, num_kv_heads, group, head_dim,
-                            t_begin, t_end, block_size, scale, softcap, score, weigh, scores,
-                            parts == 1,
-                            parts == 1 ? out + i * row : po + slot * row,
-                            parts == 1 ? NULL : pm + slot * num_heads,
-                            parts == 1 ? NULL : ps + slot * num_heads);
+                KV_FN(attend_part)(q + i * row, k_cache, v_cache, table, num_kv_heads, group,
+                                   head_dim, t_begin, t_end, block_size, scale, softcap, score,
+                                   weigh, scores, parts == 1,
+                                   parts == 1 ? out + i * row : po + slot * row,
+                                   parts == 1 ? NULL : pm + slot * num_heads,
+                                   parts == 1 ? NULL : ps + slot * num_heads);
             }
             if (!split && parts > 1)
                 merge_parts(parts, num_heads, head_dim, po, pm, ps, out + i * row);
