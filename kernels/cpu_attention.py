@@ -49,7 +49,8 @@ _ERRORS = {1: "a block table entry is outside the KV cache", 2: "a sequence leng
            4: "a query's sequence is not a row of block_tables"}
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 # the cache element types the C kernel reads (queries and outputs are float32): its function
-KV_DTYPES = {torch.float32: "tandem_paged_attention_f32", torch.float16: "tandem_paged_attention_f16kv"}
+KV_DTYPES = {torch.float32: "tandem_paged_attention_f32",
+             torch.float16: "tandem_paged_attention_f16kv"}
 
 
 def cache_dir() -> Path:
@@ -86,7 +87,7 @@ def _library() -> ctypes.CDLL | None:
     except (RuntimeError, OSError) as e:
         log.warning("CPU paged attention kernel unavailable, using the torch reference: %s", e)
         return None
-    for fn in (lib.tandem_paged_attention_f32, lib.tandem_paged_attention_f16kv):
+    for fn in (getattr(lib, name) for name in KV_DTYPES.values()):
         fn.argtypes = [_PTR] * 8 + [_I64] * 10 + [ctypes.c_float, ctypes.c_float, ctypes.c_int]
         fn.restype = ctypes.c_int
     return lib
@@ -114,9 +115,9 @@ def paged_decode_attention(
 
     float32 CPU tensors run the C kernel, and so do float32 q and out over a float16 cache
     (``--kv-cache-dtype float16``: each element widened exactly, the float32 kernel's sums);
-    other dtypes or devices run ``reference.paged_decode_attention``. Raises ``ValueError`` when a sequence length is
-    outside ``1..max_blocks * block_size`` or a needed block id is outside the cache (checked
-    before any memory is read).
+    other dtypes or devices run ``reference.paged_decode_attention``. Raises ``ValueError``
+    when a sequence length is outside ``1..max_blocks * block_size`` or a needed block id is
+    outside the cache (checked before any memory is read).
     """
     out = torch.empty_like(q) if out is None else out
     num_seqs = q.shape[0]
@@ -230,8 +231,9 @@ class AttentionPlan:
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  out: torch.Tensor) -> torch.Tensor:
         """q, out: contiguous float32 ``[num_queries, num_heads, head_dim]``; k_cache, v_cache:
-        contiguous, the plan's ``kv_dtype``, ``[num_blocks, block_size, num_kv_heads, head_dim]`` (not checked:
-        the caller owns them). Raises ``ValueError`` as ``paged_decode_attention`` does."""
+        contiguous, the plan's ``kv_dtype``, ``[num_blocks, block_size, num_kv_heads, head_dim]``
+        (not checked: the caller owns them). Raises ``ValueError`` as ``paged_decode_attention``
+        does."""
         if self.num_queries == 0:
             return out
         num_blocks, block_size, _, head_dim = k_cache.shape

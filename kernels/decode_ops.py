@@ -6,8 +6,9 @@ At a batch-1 decode step each of these is a handful of torch ops whose dispatch 
 their arithmetic (576- or 1536-element rows); one C call replaces each group. The kernel is
 built on first use like ``kernels.cpu_attention`` (same compiler, flags, cache directory).
 Without a compiler ``available()`` is False and callers keep the torch path. The functions take
-float32 contiguous CPU tensors (the KV cache may be float16: ``kv_f16``); ``lib()`` hands the raw functions to a caller that prepares its
-arguments once per step (``services.engine.quantized_forward``). Imports nothing of ``services``.
+float32 contiguous CPU tensors (the KV cache may be float16: ``kv_f16``); ``lib()`` hands the
+raw functions to a caller that prepares its arguments once per step
+(``services.engine.quantized_forward``). Imports nothing of ``services``.
 
 The C code computes in float32 like the references but sums and rounds in another order (and
 may fuse multiply-adds): results agree to float32 rounding, not bit for bit.
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from kernels.cpu_attention import build_shared_library
+from kernels.cpu_attention import KV_DTYPES, build_shared_library
 
 log = logging.getLogger(__name__)
 
@@ -93,9 +94,10 @@ def _require(*tensors: torch.Tensor, dtypes: tuple[torch.dtype, ...] = (torch.fl
 
 
 def kv_f16(cache: torch.Tensor) -> int:
-    """The C functions' ``kv_f16`` flag for a KV cache tensor: 1 for float16, 0 for float32;
-    ``ValueError`` for any other dtype."""
-    if cache.dtype not in (torch.float32, torch.float16):
+    """The C functions' ``kv_f16`` flag for a KV cache tensor: 1 for float16, 0 for float32
+    (the element types the CPU attention reads, ``cpu_attention.KV_DTYPES``); ``ValueError``
+    for any other dtype."""
+    if cache.dtype not in KV_DTYPES:
         raise ValueError(f"the CPU KV cache is float32 or float16, not {cache.dtype}")
     return int(cache.dtype == torch.float16)
 
@@ -143,7 +145,7 @@ def rope_write_kv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int,
     """
     extras = [t for t in (bias, q_norm, k_norm) if t is not None]
     so = _require(qkv, cos, sin, q_out, *extras)
-    _require(k_cache, v_cache, dtypes=(k_cache.dtype,))
+    _require(k_cache, v_cache, dtypes=tuple(KV_DTYPES))
     if v_cache.dtype != k_cache.dtype:
         raise ValueError(f"k_cache is {k_cache.dtype}, v_cache {v_cache.dtype}")
     head_dim = cos.shape[1]

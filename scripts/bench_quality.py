@@ -15,8 +15,9 @@ file's weights dequantized, token-exact with transformers) each precision gets:
 
 Precisions (``--modes``): ``auto`` (the default: the GGUF's Q4_1 weights, int8 activations),
 ``auto_kv32`` (the same with a float32 KV cache, ``--kv-cache-dtype float32``; ``auto``'s is
-float16), ``f32`` (the linear layers as float32 rows through the same C kernels; the Q8_0 embedding /
-LM head stay Q8_0), ``bfloat16`` (dense torch modules in bf16), ``none`` (the oracle itself).
+float16), ``f32`` (the linear layers as float32 rows through the same C kernels; the Q8_0
+embedding / LM head stay Q8_0), ``bfloat16`` (dense torch modules in bf16), ``none`` (the
+oracle itself).
 
 ``--peer URL``: an OpenAI-compatible server with the same GGUF (llama.cpp's llama-server, or
 Tandem itself), asked at each position for one greedy token with ``logprobs: 20`` on
@@ -36,13 +37,15 @@ from pathlib import Path
 import torch
 
 TEXT_FILE = Path(__file__).resolve().parents[1] / "loadtest" / "texts" / "public_domain.txt"
-MODES = {"auto": ("auto", "auto"), "auto_kv32": ("auto", "auto", "float32"),
-         "f32": ("float32", "f32"), "bfloat16": ("bfloat16", "none"), "none": ("float32", "none")}
+# mode -> (dtype, quantization, kv_cache_dtype)
+MODES = {"auto": ("auto", "auto", "auto"), "auto_kv32": ("auto", "auto", "float32"),
+         "f32": ("float32", "f32", "auto"), "bfloat16": ("bfloat16", "none", "auto"),
+         "none": ("float32", "none", "auto")}
 TOP = 20
 
 
 @torch.inference_mode()
-def text_logprobs(dtype: str, quantization: str, ids: list[int], kv_cache_dtype: str = "auto",
+def text_logprobs(ids: list[int], dtype: str, quantization: str, kv_cache_dtype: str,
                   ) -> tuple[torch.Tensor, str]:
     """``[n - 1, vocab]`` float32 log-softmax of the next-token logits at positions 0..n-2 (one
     prefill of ``ids``) and the resolved precision, for an engine built in that precision."""
@@ -147,11 +150,11 @@ def main() -> None:
 
     tokenizer = Tokenizer.load(default_model_path())
     ids = tokenizer.encode(TEXT_FILE.read_text())
-    oracle, _ = text_logprobs("float32", "none", ids)
+    oracle, _ = text_logprobs(ids, *MODES["none"])
     results: dict[str, dict] = {}
     for mode in args.modes.split(","):
         logp, resolved = (oracle, "float32:none") if mode == "none" else text_logprobs(
-            *MODES[mode][:2], ids, *MODES[mode][2:])
+            ids, *MODES[mode])
         results[mode] = {"resolved": resolved, "tokens": len(ids), **compare(logp, oracle, ids)}
         print(json.dumps({mode: results[mode]}), flush=True)
     if args.peer:
@@ -162,10 +165,10 @@ def main() -> None:
             peer_top(args.peer, ids, positions, tokenizer), oracle, ids, positions)}
         print(json.dumps({"peer": results["peer"]}), flush=True)
     cols = ("perplexity", "kl_mean", "top1_agreement", "max_logprob_gap", "kl_top20")
-    print(f"{'precision':10s} {'resolved':16s} " + " ".join(f"{c:>15s}" for c in cols))
+    print(f"{'precision':10s} {'resolved':24s} " + " ".join(f"{c:>15s}" for c in cols))
     for mode, r in results.items():
         cells = [f"{r[c]:15.4f}" if isinstance(r.get(c), float) else f"{'-':>15s}" for c in cols]
-        print(f"{mode:10s} {r.get('resolved', r.get('url', '')):16.16s} " + " ".join(cells))
+        print(f"{mode:10s} {r.get('resolved', r.get('url', '')):24.24s} " + " ".join(cells))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=1))
 

@@ -84,15 +84,15 @@ static inline const float *staged_head(const float *x, const float *b, const flo
     return buf;
 }
 
-/* n float32 values into a cache row at dst: float32 (kv_f16 0) or float16 (1, rounded to
- * nearest even: the same bits on every path, F16C's vcvtps2ph or not). */
-static inline void store_kv(void *dst, const float *src, int64_t n, int kv_f16) {
+/* n float32 values into cache elements [at, at + n): a float32 cache (kv_f16 0) or a float16
+ * one (1, each rounded to nearest even: the same bits on every path, F16C's vcvtps2ph or not). */
+static inline void store_kv(void *cache, int64_t at, const float *src, int64_t n, int kv_f16) {
     if (kv_f16) {
-        _Float16 *d16 = dst;
+        _Float16 *d16 = (_Float16 *)cache + at;
 #pragma omp simd
         for (int64_t d = 0; d < n; d++) d16[d] = (_Float16)src[d];
     } else {
-        memcpy(dst, src, sizeof(float) * (size_t)n);
+        memcpy((float *)cache + at, src, sizeof(float) * (size_t)n);
     }
 }
 
@@ -135,25 +135,19 @@ int tandem_rope_write_kv_f32(const float *qkv, float *q_out, int64_t T, int64_t 
             const int64_t at = q_width + hd * head_dim, to = kv_row + hd * head_dim;
             const float *k = staged_head(row + at, bias ? bias + at : NULL, k_norm, norm_eps,
                                          head_dim, buf);
-            if (kv_f16) {
-                rotate_head(k, rot, c, s, half);
-                store_kv((_Float16 *)k_cache + to, rot, head_dim, 1);
-            } else {
-                rotate_head(k, (float *)k_cache + to, c, s, half);
-            }
+            /* a float32 cache takes the rotation in place, a float16 one rounded from rot */
+            rotate_head(k, kv_f16 ? rot : (float *)k_cache + to, c, s, half);
+            if (kv_f16) store_kv(k_cache, to, rot, head_dim, 1);
         }
         const float *v = row + q_width + kv_width;
         for (int64_t hd = 0; hd < num_kv_heads; hd++) {
-            const int64_t at = hd * head_dim, to = kv_row + at;
-            void *v_dst = kv_f16 ? (void *)((_Float16 *)v_cache + to) : (void *)((float *)v_cache + to);
+            const int64_t at = hd * head_dim;
             if (bias) {
                 const float *vb = bias + q_width + kv_width + at;
 #pragma omp simd
                 for (int64_t d = 0; d < head_dim; d++) buf[d] = v[at + d] + vb[d];
-                store_kv(v_dst, buf, head_dim, kv_f16);
-            } else {
-                store_kv(v_dst, v + at, head_dim, kv_f16);
             }
+            store_kv(v_cache, kv_row + at, bias ? buf : v + at, head_dim, kv_f16);
         }
     }
     return TANDEM_OK;
