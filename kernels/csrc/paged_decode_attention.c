@@ -75,9 +75,20 @@ static int64_t part_tokens(int64_t len, int64_t block_size) {
  * part's max and sum for the merge. The sum is tandem_ordered_sum's (fixed order). */
 static void softmax_part(float *sc, int64_t n, int whole, float *max_out, float *sum_out) {
     float max = sc[0];
-    for (int64_t t = 1; t < n; ++t)
-        max = sc[t] > max ? sc[t] : max;
     int64_t t = 0;
+#if defined(__AVX512F__)
+    /* the same largest value as the loop below, 16 at a time (a max has no order to keep; a
+     * tie of -0 and +0 may pick either, which no difference below sees) */
+    __m512 lanes = _mm512_set1_ps(max);
+    for (; t < n; t += 16) {
+        const __mmask16 k = n - t >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - t)) - 1);
+        lanes = _mm512_mask_max_ps(lanes, k, lanes, _mm512_maskz_loadu_ps(k, sc + t));
+    }
+    max = _mm512_reduce_max_ps(lanes);
+#endif
+    for (; t < n; ++t)
+        max = sc[t] > max ? sc[t] : max;
+    t = 0;
 #if defined(__AVX512F__)
     const __m512 mv = _mm512_set1_ps(max);
     for (; t < n; t += 16) {
