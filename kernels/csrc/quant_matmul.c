@@ -861,11 +861,11 @@ static inline __attribute__((always_inline)) void q4_rows16(
 
 /* Block b (bytes long) of the next tile at ahead (NULL: none) into L2: the tiles of a row kernel
  * stream in address order, and a thread's next tile is the next in memory. At every batch, in
- * the first pass over a tile. Intel Xeon VM (AVX-512 VNNI, 300 MiB L3), batch-1 decode step at 2
- * threads, paired rounds in one process: 0.70x the step time without it (0.72x at batch 2,
- * 0.73x at batch 16); one tile ahead, two or three tiles ahead within 2% of it. (An AMD EPYC VM
- * once measured a batch-1 step 5% faster with no prefetch than with an L1 one; this L2 one was
- * not measured there.) */
+ * the first pass over a tile. Intel Xeon VM (AVX-512 VNNI, 300 MiB L3), python -m
+ * scripts.bench_floor alternated with the tree that prefetched from 4 rows only: batch-1 TPOT
+ * 4.18 / 3.19 / 3.71 ms against 4.33 / 7.02 / 5.68 at 2 threads, 6.95 / 5.75 / 6.23 against
+ * 10.39 / 12.38 / 10.95 at 1. (An AMD EPYC VM once measured a batch-1 step 5% faster with no
+ * prefetch than with an L1 one; this L2 one was not measured there.) */
 #define X16_MR 6 /* activation rows a pass of the X16 kernels: 2 x 6 integer sums, 6 float sums */
 static inline __attribute__((always_inline)) void prefetch_block(const uint8_t *ahead, int64_t b,
                                                                  int bytes) {
