@@ -191,7 +191,7 @@ static int gated_mul(const float *gate_up, float *out, int64_t M, int64_t F, int
         int64_t f = 0;
 #if defined(__AVX512F__)
         for (; f < F; f += 16) { /* the tail masked: every element through act16 */
-            const __mmask16 k = F - f >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (F - f)) - 1);
+            const __mmask16 k = tandem_mask16(F - f);
             _mm512_mask_storeu_ps(o + f, k, _mm512_mul_ps(act16(_mm512_maskz_loadu_ps(k, g + f), act),
                                                           _mm512_maskz_loadu_ps(k, u + f)));
         }

@@ -81,7 +81,7 @@ static void softmax_part(float *sc, int64_t n, int whole, float *max_out, float 
      * tie of -0 and +0 may pick either, which no difference below sees) */
     __m512 lanes = _mm512_set1_ps(max);
     for (; t < n; t += 16) {
-        const __mmask16 k = n - t >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - t)) - 1);
+        const __mmask16 k = tandem_mask16(n - t);
         lanes = _mm512_mask_max_ps(lanes, k, lanes, _mm512_maskz_loadu_ps(k, sc + t));
     }
     max = _mm512_reduce_max_ps(lanes);
@@ -92,7 +92,7 @@ static void softmax_part(float *sc, int64_t n, int whole, float *max_out, float 
 #if defined(__AVX512F__)
     const __m512 mv = _mm512_set1_ps(max);
     for (; t < n; t += 16) {
-        const __mmask16 k = n - t >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - t)) - 1);
+        const __mmask16 k = tandem_mask16(n - t);
         _mm512_mask_storeu_ps(sc + t, k, tandem_exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, sc + t), mv)));
     }
 #endif

@@ -73,6 +73,7 @@
 #include <immintrin.h>
 #endif
 #include "simd_sums.h"
+#include "vec_math.h"
 
 #define QK 32
 #define TILE_N 16
@@ -599,7 +600,7 @@ static void run_tile_rows(const uint8_t *ut, const float *dwt, const float *cwt,
     for (int64_t j = 0; j < nt;) {
         const int two = j + 2 <= nt;
         const int64_t left_r = rows - (j + two) * TILE_N;
-        const __mmask16 rm = left_r >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left_r) - 1);
+        const __mmask16 rm = tandem_mask16(left_r);
         for (int64_t m = 0; m < M;) {
             const int64_t left = M - m;
             const int mr = two ? (left >= 5 ? 5 : (int)left) : one_rows[left >= 8 ? 8 : left];
@@ -1041,7 +1042,7 @@ static void rows_tile(int fmt, const uint8_t *src, int64_t row_bytes, int64_t ro
         memcpy(pad, src, (size_t)(rows * row_bytes));
         src = pad;
     }
-    const __mmask16 rm = rows >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << rows) - 1);
+    const __mmask16 rm = tandem_mask16(rows);
     const int64_t K = nb * QK, ng = (nb + 3) / 4;
     for (int64_t m = 0; m < M;) {
         const int mr = M - m >= 5 ? 5 : (int)(M - m);

@@ -16,6 +16,12 @@
 #include <stdint.h>
 #if defined(__AVX512F__)
 #include <immintrin.h>
+
+/* The lanes a 16-wide loop step may touch with left > 0 elements to go: all 16, or the first
+ * left (the tail's mask). */
+static inline __mmask16 tandem_mask16(int64_t left) {
+    return left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
+}
 #endif
 
 #define TANDEM_EXP_LO -87.33654f
@@ -86,7 +92,7 @@ static inline void tandem_softcap(float *x, int64_t n, float cap) {
 #if defined(__AVX512F__)
     const __m512 cv = _mm512_set1_ps(cap);
     for (; t < n; t += 16) {
-        const __mmask16 k = n - t >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - t)) - 1);
+        const __mmask16 k = tandem_mask16(n - t);
         const __m512 v = _mm512_div_ps(_mm512_maskz_loadu_ps(k, x + t), cv);
         _mm512_mask_storeu_ps(x + t, k, _mm512_mul_ps(tandem_tanh16(v), cv));
     }
@@ -108,7 +114,7 @@ static inline float tandem_ordered_sum(const float *x, const float *y, int64_t n
         acc = y ? _mm512_fmadd_ps(v, _mm512_loadu_ps(y + i), acc) : _mm512_add_ps(acc, v);
     }
     if (i < n) { /* the tail: masked lanes add nothing (0 + lane, fma(0, 0, lane)) */
-        const __mmask16 k = (__mmask16)((1u << (n - i)) - 1);
+        const __mmask16 k = tandem_mask16(n - i);
         const __m512 v = _mm512_maskz_loadu_ps(k, x + i);
         acc = y ? _mm512_mask3_fmadd_ps(v, _mm512_maskz_loadu_ps(k, y + i), acc, k)
                 : _mm512_mask_add_ps(acc, k, acc, v);
