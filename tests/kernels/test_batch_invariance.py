@@ -4,8 +4,9 @@ one order of sums per row, "Defeating Nondeterminism in LLM Inference", Thinking
 
 Checked directly, kernel by kernel: the quantized matmul for every format and every path
 (the AVX-512 row kernels below 6 or 10 rows, the tiles above, the AVX2 panels, the scalar
-loops, F32's rows and 4x4 blocks), attention (its split of long contexts into parts, decode
-queries against a prefill chunk's, chunk sizes), RMSNorm and SiLU. The engine-level and
+loops, F32's rows and 4x4 blocks, the 16-row tiled layouts' row kernels), attention (its split
+of long contexts into parts, decode queries against a prefill chunk's, chunk sizes), RMSNorm
+and SiLU. The engine-level and
 whole-stack checks are in tests/unit/test_batch_invariance.py and
 tests/integration/test_determinism.py.
 """
@@ -59,6 +60,23 @@ def test_matmul_row_does_not_depend_on_batch_threads_or_path(fmt, n, k):
         for threads in (1, 2):
             for rows, where in batches_around(probe, seed=n + k):
                 out = with_threads(threads, lambda: quant.quant_matmul(rows, w, isa=isa))
+                assert torch.equal(out[where], expected), (isa, threads, rows.shape[0], where)
+
+
+@pytest.mark.parametrize("fmt", list(quant.TILED))
+@pytest.mark.parametrize("n,k", [(48, 96), (960, 576), (576, 1536)])
+def test_tiled_row_does_not_depend_on_batch_threads_or_path(fmt, n, k):
+    """The served layouts (``quant.tiled16``: the X16 row kernels, up to 6 activation rows a
+    pass, passes split evenly): the probe alone, among 3, 16 or 64 rows, first, middle or last,
+    on 1 and 2 threads; every path gives the file format's scalar bits."""
+    w = make_weight(fmt, n, k, seed=n)
+    tiled = quant.tiled16(w)
+    probe = torch.randn(k, generator=torch.Generator().manual_seed(k))
+    expected = quant.quant_matmul(probe[None], w, isa="scalar")[0]
+    for isa in quant.isas():
+        for threads in (1, 2):
+            for rows, where in batches_around(probe, seed=n + k):
+                out = with_threads(threads, lambda: quant.quant_matmul(rows, tiled, isa=isa))
                 assert torch.equal(out[where], expected), (isa, threads, rows.shape[0], where)
 
 
