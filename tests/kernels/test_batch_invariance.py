@@ -47,36 +47,28 @@ def batches_around(probe: torch.Tensor, seed: int):
             yield rows, where
 
 
-@pytest.mark.parametrize("fmt", list(quant.FORMATS))
-@pytest.mark.parametrize("n,k", [(37, 96), (960, 576), (576, 1536)])
-def test_matmul_row_does_not_depend_on_batch_threads_or_path(fmt, n, k):
-    """37 rows: two whole tiles and a padded one; 960 x 576 and 576 x 1536: the built-in
-    model's q/k/v and down shapes. Every path (``quant.isas()``) gives the bits of the scalar
-    one, which sums as the header says."""
+# (format, rows, columns, repacked in 16-row tiles): 37 rows are two whole tiles and a padded
+# one; 960 x 576 and 576 x 1536 are the built-in model's q/k/v and down shapes, which the served
+# default runs as 16-row tiles (quant.tiled16; Q4_1 and Q8_0, whole tiles only)
+MATMUL_CASES = [(fmt, n, k, False) for fmt in quant.FORMATS
+                for n, k in ((37, 96), (960, 576), (576, 1536))]
+MATMUL_CASES += [(fmt, n, k, True) for fmt in quant.TILED for n, k in ((960, 576), (576, 1536))]
+
+
+@pytest.mark.parametrize("fmt,n,k,tiled", MATMUL_CASES)
+def test_matmul_row_does_not_depend_on_batch_threads_or_path(fmt, n, k, tiled):
+    """The probe alone, among 3, 16 or 64 rows, first, middle or last, on 1 and 2 threads: every
+    path (``quant.isas()``) gives the bits of the scalar one on the file's rows, which sums as
+    the header says; tiled: the same weight in 16-row tiles (their row kernels at every
+    batch) gives those bits too."""
     w = make_weight(fmt, n, k, seed=n)
+    layout = quant.tiled16(w) if tiled else w
     probe = torch.randn(k, generator=torch.Generator().manual_seed(k))
     expected = quant.quant_matmul(probe[None], w, isa="scalar")[0]
     for isa in quant.isas():
         for threads in (1, 2):
             for rows, where in batches_around(probe, seed=n + k):
-                out = with_threads(threads, lambda: quant.quant_matmul(rows, w, isa=isa))
-                assert torch.equal(out[where], expected), (isa, threads, rows.shape[0], where)
-
-
-@pytest.mark.parametrize("fmt", list(quant.TILED))
-@pytest.mark.parametrize("n,k", [(48, 96), (960, 576), (576, 1536)])
-def test_tiled_row_does_not_depend_on_batch_threads_or_path(fmt, n, k):
-    """The served layouts (``quant.tiled16``: the X16 row kernels, up to 6 activation rows a
-    pass, passes split evenly): the probe alone, among 3, 16 or 64 rows, first, middle or last,
-    on 1 and 2 threads; every path gives the file format's scalar bits."""
-    w = make_weight(fmt, n, k, seed=n)
-    tiled = quant.tiled16(w)
-    probe = torch.randn(k, generator=torch.Generator().manual_seed(k))
-    expected = quant.quant_matmul(probe[None], w, isa="scalar")[0]
-    for isa in quant.isas():
-        for threads in (1, 2):
-            for rows, where in batches_around(probe, seed=n + k):
-                out = with_threads(threads, lambda: quant.quant_matmul(rows, tiled, isa=isa))
+                out = with_threads(threads, lambda: quant.quant_matmul(rows, layout, isa=isa))
                 assert torch.equal(out[where], expected), (isa, threads, rows.shape[0], where)
 
 
