@@ -10,9 +10,9 @@ are not views, which is what launches a kernel on a GPU), the top ops by self CP
 CUDA the kernel launches, host synchronisations and queued (``cudaMemcpyAsync``) copies per step,
 the device's busy time per step (kernels and copies) and its share of the wall time, the
 host's time waiting in those synchronisations (``host_wait_ms_per_step``: the CUDA calls' own
-CPU time under the profiler; a wait may spin, so the CPU time includes it) and the CPU time
-less it (``host_busy_ms_per_step``: the host's own work, which must stay under the device's
-busy time for the GPU to bound a step), the kernels that take most of the device's time, and
+wall time under the profiler) and the host's own work (``host_busy_ms_per_step``: the CPU time
+less the waits that spin, which must stay under the device's busy time for the GPU to bound a
+step), the kernels that take most of the device's time, and
 where each synchronisation is made (``sync_sites``: torch's sync debug mode, over
 ``--profile-steps`` more steps).
 ``host_reads_per_step`` counts the runner's device-to-host copies of sampled tokens. Also the
@@ -31,6 +31,12 @@ off): what is left is what the host does per step on a GPU with graphs (scheduli
 persistent batch, staging the inputs, sampling calls, updating requests, metrics), minus the
 CUDA calls' own cost. The device's time per step must exceed this for a step to cost only
 the GPU's time.
+
+The wait for a launched step's tokens sleeps (a blocking event,
+``model_runner.copy_done_event``), so it costs no CPU time; ``--spin-wait`` makes it spin
+as it did before (CUDA's default event), to compare the two in one run. The other
+synchronisations (a synchronous step's ``tolist``, ``cudaMemcpy``) spin as CUDA's default
+schedule has them, and their time is counted as waiting, not work.
 
 Prints a table and writes JSON (``--out``). Compare figures only within one run and one thread
 count (``--threads``; with 2, OpenMP's waiting threads count as CPU time too).
@@ -61,6 +67,8 @@ LAUNCH_EVENTS = frozenset(("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKern
 SYNC_EVENTS = frozenset(("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize",
                          "cudaMemcpy"))
 COPY_EVENTS = frozenset(("cudaMemcpyAsync",))  # host <-> device and device copies, queued
+# the syncs whose wait is CPU time: all but the wait on the engine's blocking copy event
+SPINNING_SYNC_EVENTS = SYNC_EVENTS - {"cudaEventSynchronize"}
 
 
 def device_events(events) -> list:
@@ -167,8 +175,11 @@ class PhaseClock:
 
 
 def profile_batch(e, batch: int, warmup: int, steps: int, profile_steps: int, top: int,
-                  seed: int, sampling: str = "greedy", prompt_len: int = 16) -> dict:
-    """Decode-step figures at ``batch`` running sequences (see the module docstring)."""
+                  seed: int, sampling: str = "greedy", prompt_len: int = 16,
+                  spin_wait: bool = False) -> dict:
+    """Decode-step figures at ``batch`` running sequences (see the module docstring).
+    ``spin_wait``: the engine's copy events spin (``--spin-wait``), so their waits are CPU
+    time too."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = e.runner.device.type == "cuda"
@@ -218,8 +229,9 @@ def profile_batch(e, batch: int, warmup: int, steps: int, profile_steps: int, to
             "gpu_ms_per_step": (gpu := sum(a.self_device_time_total for a in kernels) / 1e3
                                 / profile_steps),
             "gpu_busy_share": gpu / (wall / steps * 1e3),
-            "host_wait_ms_per_step": (wait := calls_ms(everything, SYNC_EVENTS) / profile_steps),
-            "host_busy_ms_per_step": cpu / steps * 1e3 - wait,
+            "host_wait_ms_per_step": calls_ms(everything, SYNC_EVENTS) / profile_steps,
+            "host_busy_ms_per_step": cpu / steps * 1e3 - calls_ms(
+                everything, SYNC_EVENTS if spin_wait else SPINNING_SYNC_EVENTS) / profile_steps,
             "sync_sites_per_step": {k: v / profile_steps for k, v in sites.items()},
             "top_kernels": [{"kernel": a.key, "calls_per_step": a.count / profile_steps,
                              "device_us_per_step": a.self_device_time_total / profile_steps}
@@ -281,6 +293,8 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=16,
                    help="prompt tokens per request: the decode steps' context starts there")
     p.add_argument("--kv-cache-dtype", default="auto", help="the engine's kv_cache_dtype")
+    p.add_argument("--spin-wait", action="store_true",
+                   help="CUDA: the wait for a step's tokens spins (CUDA's default event)")
     p.add_argument("--out", default="profile_decode_step.json")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -294,18 +308,24 @@ def main() -> None:
                     args.prompt_len + args.warmup + args.steps + args.profile_steps + 8)
     if args.host_only:
         host_only(e)
+    if args.spin_wait:
+        from services.engine import model_runner
+
+        model_runner.copy_done_event = torch.cuda.Event  # CUDA's default: a spinning wait
     rows = [profile_batch(e, b, args.warmup, args.steps, args.profile_steps, args.top, seed=b,
-                          sampling=args.sampling, prompt_len=args.prompt_len) for b in batches]
+                          sampling=args.sampling, prompt_len=args.prompt_len,
+                          spin_wait=args.spin_wait) for b in batches]
     result = {"precision": vars(e.precision), "kv_cache_dtype": e.layout.dtype,
               "prompt_len": args.prompt_len, "device": args.device, "sampling": args.sampling,
-              "host_only": args.host_only,
+              "host_only": args.host_only, "spin_wait": args.spin_wait,
               "threads": args.threads, "steps": args.steps, "torch": torch.__version__,
               "layers": e.model_config.num_hidden_layers, "rows": rows}
     print(f"precision {e.precision}, KV cache {e.layout.dtype}, {args.prompt_len}-token prompts, "
           f"on {args.device}, {args.sampling} sampling, "
           f"{args.threads} thread(s), {args.steps} timed steps, async scheduling "
           f"{'on' if e.async_scheduling else 'off'}"
-          f"{', host work only (constant model, CUDA-graph buffers)' if args.host_only else ''}")
+          f"{', host work only (constant model, CUDA-graph buffers)' if args.host_only else ''}"
+          f"{', the wait for a step spins' if args.spin_wait else ''}")
     for r in rows:
         split = ", ".join(f"{k} {v:.2f}" for k, v in r["phase_cpu_ms_per_step"].items())
         gpu = (f", {r['gpu_ms_per_step']:.2f} GPU ms/step (busy {r['gpu_busy_share']:.0%} of "

@@ -37,6 +37,16 @@ def _untimed(phase: str, fn: Callable, *args):
     return fn(*args)
 
 
+def copy_done_event() -> torch.cuda.Event:
+    """The event a launched step records after queueing its tokens' copy to the host. Blocking
+    (``cudaEventBlockingSync``): the thread that waits on it sleeps until the copy lands
+    instead of spinning in the driver, so the step's one wait costs no CPU time that the
+    serving threads or a neighbouring process could use. vLLM made its async-scheduling events
+    blocking for the same reason (vllm-project/vllm#47081). NOTE: ``torch.Event(blocking=True)``
+    ignores the flag on CUDA; ``torch.cuda.Event`` honours it."""
+    return torch.cuda.Event(blocking=True)
+
+
 @dataclass
 class PendingStep:
     """A launched step whose sampled tokens are on their way to the host (``ModelRunner.launch``:
@@ -218,7 +228,7 @@ class ModelRunner:
             return PendingStep(out, inputs, tokens, tokens, None)
         host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
         host.copy_(tokens, non_blocking=True)
-        copied = torch.cuda.Event()
+        copied = copy_done_event()
         copied.record()
         return PendingStep(out, inputs, tokens, host, copied)
 

@@ -172,6 +172,43 @@ def test_on_a_gpu_steps_ahead_give_the_tokens_of_steps_one_at_a_time():
     assert outs[0] == outs[1] and not launched[0] and len(launched[1]) >= GREEDY.max_tokens - 2
 
 
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_a_gpu_the_wait_for_a_steps_tokens_sleeps(monkeypatch):
+    """The step's one host wait (``PendingStep.wait``, on ``model_runner.copy_done_event``)
+    sleeps instead of spinning: with every forward made ~20 ms longer on the device
+    (``torch.cuda._sleep``), the waits take wall time and almost no CPU time of the thread
+    that waits. CUDA's default event fails this: its wait spins, all of it CPU time."""
+    import time
+
+    from services.engine.engine import EngineConfig
+    from services.engine.model_runner import PendingStep
+
+    engine = LLMEngine(EngineConfig(device="cuda", dtype="bfloat16", num_kv_blocks=512,
+                                    max_num_seqs=16))
+    forward = engine.runner.forward
+
+    def slow_forward(inputs):
+        torch.cuda._sleep(40_000_000)  # clock cycles: ~20 ms at 2 GHz
+        return forward(inputs)
+
+    engine.runner.forward = slow_forward
+    waited = {"cpu": 0.0, "wall": 0.0}
+    wait = PendingStep.wait
+
+    def timed_wait(step: PendingStep) -> None:
+        c0, w0 = time.thread_time(), time.perf_counter()
+        wait(step)
+        waited["cpu"] += time.thread_time() - c0
+        waited["wall"] += time.perf_counter() - w0
+
+    monkeypatch.setattr(PendingStep, "wait", timed_wait)
+    generate_all(engine, [chat_prompt_ids(p) for p in CHAT_PROMPTS[:4]], GREEDY)
+    assert waited["wall"] > 0.1, waited  # the steps did wait on the device
+    assert waited["cpu"] < 0.2 * waited["wall"], waited
+    assert engine.block_manager.num_free_blocks == 512
+
+
 def land_remote_prefill(prefill: LLMEngine, decode: LLMEngine, request_id: str,
                         ids: list[int], params: SamplingParams) -> None:
     """A P/D handoff in process: ``prefill`` computes the prompt and its first token, the
