@@ -39,11 +39,13 @@ def score_scales(scale: float, softcap: float | None) -> tuple[float, float]:
 @triton.jit
 def attend_tile(q, K_cache, V_cache, kv_offsets, kv_mask, score_mask, m_i, l_i, acc, qk_scale,
                 cap_log2, PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
-                SOFTCAP: tl.constexpr):
+                SOFTCAP: tl.constexpr, MASK_SCORES: tl.constexpr = True):
     """Fold one key tile into the running (max ``m_i [M]``, sum ``l_i [M]``, ``acc [M, D]``).
 
     q: ``[M, BLOCK_D]`` in the cache dtype; score_mask: ``[M, BLOCK_N]``, False where a query
-    must not see a key. Returns the updated ``(m_i, l_i, acc)``, all float32.
+    must not see a key. ``MASK_SCORES`` False: every query sees every key of the tile (the
+    caller knows it), so ``score_mask`` is not applied; the same bits as an all-True mask,
+    without its compares and selects. Returns the updated ``(m_i, l_i, acc)``, all float32.
     """
     k = tl.load(K_cache + kv_offsets, mask=kv_mask, other=0.0)
     if UPCAST_DOT:
@@ -54,7 +56,8 @@ def attend_tile(q, K_cache, V_cache, kv_offsets, kv_mask, score_mask, m_i, l_i, 
     if SOFTCAP:  # c * tanh(s / c); tanh(y) = sign(y) (1 - e) / (1 + e), e = exp(-2|y|)
         e = tl.exp(-2.0 * tl.abs(s))
         s = cap_log2 * tl.where(s >= 0, 1.0, -1.0) * (1.0 - e) / (1.0 + e)
-    s = tl.where(score_mask, s, float("-inf"))
+    if MASK_SCORES:
+        s = tl.where(score_mask, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that have seen no key yet
     alpha = tl.exp2(m_i - m_safe)

@@ -19,6 +19,12 @@ def dot_options(dtype: torch.dtype, device: torch.device) -> dict[str, object]:
     }
 
 
+def launch_options(num_warps: int | None, num_stages: int | None) -> dict[str, int]:
+    """Triton launch keywords for the options given (None: Triton's default)."""
+    return {k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages))
+            if v is not None}
+
+
 def check_devices(*tensors: torch.Tensor) -> None:
     """Raise ``ValueError`` unless every tensor is on the first one's device."""
     device = tensors[0].device

@@ -4,8 +4,10 @@ Decode: achieved HBM bandwidth (K/V bytes read / time, 1e9 bytes/s, and % of the
 peak) at each batch x context, against ``torch.nn.functional.scaled_dot_product_attention``
 on K/V already gathered into dense ``[batch, num_kv_heads, context, head_dim]`` tensors.
 Prefill: TFLOP/s of causal attention (4 * heads * head_dim * attended query-key pairs), whole
-prompts (against SDPA ``is_causal``) and 512-token chunks after a cached prefix. Times are
-medians of ``triton.testing.do_bench`` (L2 flushed between runs). Needs a CUDA device.
+prompts (against SDPA ``is_causal``) and 512-token chunks after a cached prefix;
+``--prefill-configs`` times several tile shapes / warps / pipeline stages side by side on the
+same inputs (a sweep to choose the defaults with figures). Times are medians of
+``triton.testing.do_bench`` (L2 flushed between runs). Needs a CUDA device.
 
     python -m kernels.bench --out bench-results/kernels.json [--shape llama3-8b] [--peak-gbps N]
 """
@@ -58,9 +60,9 @@ def time_ms(fn, device: torch.device) -> float:
 def paged_cache(batch: int, context: int, shape: tuple[int, int, int], dtype: torch.dtype,
                 device: torch.device):
     """K/V caches holding ``batch`` sequences of ``context`` tokens in shuffled blocks, their
-    block tables ``[batch, context // BLOCK_SIZE]`` and seq_lens ``[batch]``."""
+    block tables ``[batch, ceil(context / BLOCK_SIZE)]`` and seq_lens ``[batch]``."""
     _, num_kv_heads, head_dim = shape
-    blocks_per_seq = context // BLOCK_SIZE
+    blocks_per_seq = -(-context // BLOCK_SIZE)  # the last block partly filled
     num_blocks = batch * blocks_per_seq
     cache_shape = (num_blocks, BLOCK_SIZE, num_kv_heads, head_dim)
     k_cache = torch.randn(cache_shape, device=device).to(dtype)
@@ -122,8 +124,27 @@ def bench_decode(batches, contexts, shape, dtype, device, peak, max_gib: float,
     return rows
 
 
-def prefill_row(mode: str, context: int, chunk: int, batch: int, shape, dtype, device) -> dict:
-    """``batch`` sequences whose last ``chunk`` of ``context`` tokens are the queries."""
+TUNING_KEYS = ("block_m", "block_n", "num_warps", "num_stages")
+
+
+def parse_prefill_config(text: str) -> dict[str, int]:
+    """``--prefill-configs`` entry ``BMxBNxWxS`` (rows and keys per tile, warps, pipeline
+    stages; 0: the wrapper's default) -> ``paged_prefill_attention``'s tuning keywords;
+    ``default`` -> none. Raises ``ValueError`` on another form."""
+    if text == "default":
+        return {}
+    parts = text.split("x")
+    if len(parts) != 4 or not all(p.isdigit() for p in parts):
+        raise ValueError(f"prefill config {text!r} is not BMxBNxWxS (e.g. 128x64x8x3) or default")
+    return {k: int(v) for k, v in zip(TUNING_KEYS, parts) if int(v)}
+
+
+def prefill_rows(mode: str, context: int, chunk: int, batch: int, shape, dtype, device,
+                 configs: list[dict[str, int]]) -> list[dict]:
+    """``batch`` sequences whose last ``chunk`` of ``context`` tokens are the queries: one row
+    per tuning config (``parse_prefill_config``), on the same inputs; ``max_abs_diff`` is each
+    config's output against the first's, and a config Triton cannot launch (e.g. out of
+    shared memory) gets its error instead of a time."""
     from kernels.prefill_attention import paged_prefill_attention
 
     num_heads, num_kv_heads, head_dim = shape
@@ -131,28 +152,41 @@ def prefill_row(mode: str, context: int, chunk: int, batch: int, shape, dtype, d
     q = torch.randn(batch * chunk, num_heads, head_dim, device=device).to(dtype)
     locs = torch.arange(0, batch * chunk + 1, chunk, dtype=torch.int32, device=device)
     scale = head_dim**-0.5
-    ms = time_ms(lambda: paged_prefill_attention(
-        q, k_cache, v_cache, tables, seq_lens, locs, chunk, scale), device)
     pairs = batch * (chunk * (context - chunk) + chunk * (chunk + 1) // 2)
     flops = 4 * num_heads * head_dim * pairs
-    row = {"mode": mode, "context": context, "chunk": chunk, "batch": batch,
-           "triton_ms": ms, "triton_tflops": flops / ms / 1e9}
+    base = {"mode": mode, "context": context, "chunk": chunk, "batch": batch}
     if mode == "prompt":  # the same work as one dense causal attention per sequence
         dense_q = q.view(batch, chunk, num_heads, head_dim).transpose(1, 2)
         kv = torch.randn(batch, num_kv_heads, chunk, head_dim, device=device).to(dtype)
         sdpa_ms = time_ms(lambda: F.scaled_dot_product_attention(
             dense_q, kv, kv, is_causal=True, scale=scale, enable_gqa=True), device)
-        row |= {"sdpa_ms": sdpa_ms, "sdpa_tflops": flops / sdpa_ms / 1e9}
-    return row
+        base |= {"sdpa_ms": sdpa_ms, "sdpa_tflops": flops / sdpa_ms / 1e9}
+    rows, first = [], None
+    for config in configs:
+        run = lambda: paged_prefill_attention(  # noqa: E731
+            q, k_cache, v_cache, tables, seq_lens, locs, chunk, scale, **config)
+        row = base | {k: config.get(k) for k in TUNING_KEYS}
+        try:
+            got = run()
+            ms = time_ms(run, device)
+        except Exception as exc:  # noqa: BLE001 - a sweep reports a config it cannot run
+            rows.append(row | {"error": f"{type(exc).__name__}: {exc}"[:200]})
+            continue
+        first = got if first is None else first
+        rows.append(row | {"triton_ms": ms, "triton_tflops": flops / ms / 1e9,
+                           "max_abs_diff": (got.float() - first.float()).abs().max().item()})
+    return rows
 
 
-def bench_prefill(lengths, shape, dtype, device, tokens_per_batch: int) -> list[dict]:
+def bench_prefill(lengths, shape, dtype, device, tokens_per_batch: int,
+                  configs: list[dict[str, int]] | None = None) -> list[dict]:
     rows = []
     for length in lengths:
         cases = [("prompt", length)] + ([("chunk", CHUNK)] if length > CHUNK else [])
         for mode, chunk in cases:
             batch = max(1, tokens_per_batch // chunk)
-            rows.append(prefill_row(mode, length, chunk, batch, shape, dtype, device))
+            rows += prefill_rows(mode, length, chunk, batch, shape, dtype, device,
+                                 configs or [{}])
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     return rows
@@ -165,12 +199,15 @@ def print_tables(decode: list[dict], prefill: list[dict]) -> None:
         pct = f"{r['triton_pct_peak']:.0f}" if r["triton_pct_peak"] is not None else "?"
         print(f"{r['batch']:>6} {r['context']:>8} {r['num_splits']:>6} {r['triton_gbps']:>12.0f} "
               f"{pct:>7} {r['sdpa_gbps']:>10.0f} {r['max_abs_diff']:>10.1e}")
-    print(f"\n{'mode':>6} {'context':>8} {'chunk':>6} {'batch':>6} {'triton TFLOP/s':>15} "
-          f"{'sdpa TFLOP/s':>13}")
+    print(f"\n{'mode':>6} {'context':>8} {'chunk':>6} {'batch':>6} {'config':>14} "
+          f"{'triton TFLOP/s':>15} {'sdpa TFLOP/s':>13}")
     for r in prefill:
         sdpa = f"{r['sdpa_tflops']:.1f}" if "sdpa_tflops" in r else "-"
-        print(f"{r['mode']:>6} {r['context']:>8} {r['chunk']:>6} {r['batch']:>6} "
-              f"{r['triton_tflops']:>15.1f} {sdpa:>13}")
+        config = ("x".join(str(r[k] or 0) for k in TUNING_KEYS)
+                  if any(r[k] for k in TUNING_KEYS) else "default")
+        tflops = f"{r['triton_tflops']:.1f}" if "triton_tflops" in r else r["error"][:40]
+        print(f"{r['mode']:>6} {r['context']:>8} {r['chunk']:>6} {r['batch']:>6} {config:>14} "
+              f"{tflops:>15} {sdpa:>13}")
 
 
 def main() -> None:
@@ -188,10 +225,17 @@ def main() -> None:
     parser.add_argument("--table-width", type=int, default=None,
                         help="decode block tables this many tokens wide (e.g. max_model_len, as "
                              "CUDA graphs pass them); default: each context's own width")
+    parser.add_argument("--prefill-configs", nargs="+", default=["default"],
+                        help="prefill tuning configs to time side by side, each BMxBNxWxS (rows "
+                             "and keys per tile, warps, stages; 0: default) or 'default'")
     parser.add_argument("--smoke", action="store_true",
                         help="tiny shapes on CPU in the Triton interpreter: checks the script")
     parser.add_argument("--out", type=Path, default=Path("bench-results/kernels.json"))
     args = parser.parse_args()
+    try:
+        configs = [parse_prefill_config(c) for c in args.prefill_configs]
+    except ValueError as exc:
+        parser.error(str(exc))
     if args.smoke:
         os.environ["TRITON_INTERPRET"] = "1"  # before any kernel module is imported
         device = torch.device("cpu")
@@ -207,7 +251,8 @@ def main() -> None:
     dtype, shape = getattr(torch, args.dtype), SHAPES[args.shape]
     decode = bench_decode(args.batches, args.contexts, shape, dtype, device, peak, args.max_gib,
                           args.table_width)
-    prefill = bench_prefill(args.prefill_lengths, shape, dtype, device, args.prefill_tokens)
+    prefill = bench_prefill(args.prefill_lengths, shape, dtype, device, args.prefill_tokens,
+                            configs)
     print(f"{name}, peak {peak} GB/s, {args.shape} {shape}, {args.dtype}\n")
     print_tables(decode, prefill)
     import triton

@@ -11,7 +11,10 @@ program per (query tile, KV head): the tile packs ``BLOCK_Q`` tokens x all query
 head into the ``tl.dot`` rows, so each K/V tile is loaded once for the whole GQA group. Query
 tiles are numbered densely over the batch (each sequence gets ``q_len // BLOCK_Q + 1`` or fewer
 slots) and a program finds its sequence by binary search over ``query_start_loc``, so ragged
-batches launch no grid of ``num_seqs x max_query_len`` mostly-empty programs.
+batches launch no grid of ``num_seqs x max_query_len`` mostly-empty programs. Key tiles that
+every query of a tile sees whole (the cached prefix and the chunk's earlier tiles) skip the
+causal mask, as the off-diagonal blocks of FlashAttention-2's causal forward do; only the
+tiles on the diagonal are masked.
 """
 from __future__ import annotations
 
@@ -20,7 +23,8 @@ import triton
 import triton.language as tl
 
 from ._attention_tile import attend_tile, kv_tile_offsets, score_scales
-from ._launch import check_attention_args, check_devices, dot_options, next_power_of_2
+from ._launch import (check_attention_args, check_devices, dot_options, launch_options,
+                      next_power_of_2)
 
 
 @triton.jit
@@ -75,9 +79,24 @@ def _prefill_kernel(
     acc = tl.zeros([BLOCK_Q * BLOCK_G, BLOCK_D], tl.float32)
     table_row = Block_tables + seq * stride_bt
     kv_start = 0
+    # Key tiles before ``full_end`` are seen whole by every query of the tile (their last key
+    # is at or before the tile's first query), so they skip the causal mask; the tiles from
+    # there to ``kv_end`` are masked. Both loops step by BLOCK_N from kv_start: the same tiles
+    # in the same order as one masked loop, so the same bits. With a sliding window every tile
+    # is masked (a later query's window may start inside any of them).
     if SLIDING:  # the tile's first query sees nothing before this; no earlier block is read
         kv_start = tl.maximum(ctx_len + tile * BLOCK_Q - window + 1, 0)
-    for n0 in range(kv_start, kv_end, BLOCK_N):
+        full_end = kv_start
+    else:
+        full_end = tl.minimum(ctx_len + tile * BLOCK_Q + 1, kv_end) // BLOCK_N * BLOCK_N
+    for n0 in range(kv_start, full_end, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)
+        kv_offsets, kv_mask = kv_tile_offsets(table_row, pos, kv_end, kv_head, stride_b,
+                                              stride_s, stride_h, BLOCK_SIZE, HEAD_DIM, BLOCK_D)
+        m_i, l_i, acc = attend_tile(q, K_cache, V_cache, kv_offsets, kv_mask, None,
+                                    m_i, l_i, acc, qk_scale, cap_log2, PRECISION, UPCAST_DOT,
+                                    SOFTCAP, MASK_SCORES=False)
+    for n0 in range(full_end, kv_end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         kv_offsets, kv_mask = kv_tile_offsets(table_row, pos, kv_end, kv_head, stride_b,
                                               stride_s, stride_h, BLOCK_SIZE, HEAD_DIM, BLOCK_D)
@@ -97,6 +116,7 @@ def paged_prefill_attention(
     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, max_query_len: int, scale: float,
     *, sliding_window: int | None = None, softcap: float | None = None,
     out: torch.Tensor | None = None, block_m: int | None = None, block_n: int | None = None,
+    num_warps: int | None = None, num_stages: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed variable-length query chunks over their paged K/V.
 
@@ -108,9 +128,11 @@ def paged_prefill_attention(
     out (rows outside every sequence are left untouched); max_query_len: the longest chunk
     (tokens; only bounds the grid and may be larger); sliding_window W: a query at position p
     sees keys ``p - W < k <= p`` and blocks before every window of a tile are not read;
-    softcap c: scores become ``c * tanh(s / c)``. block_m / block_n: rows and keys per tile
-    (tuning). Returns ``out`` (q's shape and dtype). Same result as
-    ``kernels.reference.paged_prefill_attention``. Raises ``ValueError`` on bad arguments.
+    softcap c: scores become ``c * tanh(s / c)``. block_m / block_n: rows and keys per tile;
+    num_warps / num_stages: Triton's launch options (default: Triton's); all four for tuning
+    (``python -m kernels.bench --prefill-configs``). Returns ``out`` (q's shape and dtype).
+    Same result as ``kernels.reference.paged_prefill_attention``. Raises ``ValueError`` on bad
+    arguments.
     """
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -141,7 +163,7 @@ def paged_prefill_attention(
         GROUP=group, BLOCK_G=block_g, HEAD_DIM=head_dim,
         BLOCK_D=max(16, next_power_of_2(head_dim)), BLOCK_SIZE=block_size, BLOCK_Q=block_q,
         BLOCK_N=block_n, SLIDING=sliding_window is not None, SOFTCAP=bool(softcap),
-        **dot_options(q.dtype, q.device))
+        **dot_options(q.dtype, q.device), **launch_options(num_warps, num_stages))
     return out
 
 

@@ -9,8 +9,9 @@
 #   stage c: (warm after b, same call or the next; carries .whl and .gpu/stack) the P/D stack's
 #            GPU tests (oracle, abort, a killed decode worker), the TTFT split, eager throughput,
 #            KV sizing, precision.
-#   stage kernels: carries .whl: the Triton kernel tests, the kernel benchmark, the CUDA IPC
-#            handoff tests and the handoff benchmark (none needs the model).
+#   stage kernels: carries .whl: the Triton kernel tests, the kernel benchmark (and a sweep of
+#            the prefill kernel's tuning), the CUDA IPC handoff tests and the handoff benchmark
+#            (none needs the model).
 #   stage stack: carries .whl and .gpu/stack (see there): the served stack, unified against P/D.
 # STEPS="name ..." runs only the named steps of a stage (the names below), so a short lease spends
 # its minutes on what changed. `scripts/gpu_checks.sh b; scripts/gpu_checks.sh c` in one call.
@@ -64,6 +65,13 @@ if [ "$stage" = kernels ]; then
     step kernel_bench_graph 90 python3 -m kernels.bench --shape smollm2-135m --batches 1 16 64 256 \
         --contexts 512 2048 --table-width 8192 --prefill-lengths 512 --out "$OUT/kernels_graph.json"
     ran kernel_bench_graph && { head -8 "$OUT/kernel_bench_graph.log"; }
+    # prefill attention's tile shape, warps and pipeline stages (issue 36: >= 0.8x SDPA), side by
+    # side on the same inputs; the defaults follow the figures (block_n sets the key-tile order,
+    # so the bits: one choice for every batch alike)
+    step prefill_sweep 180 python3 -m kernels.bench --batches 1 --contexts 512 \
+        --prefill-lengths 2048 8192 --prefill-configs default 64x64x4x2 128x64x4x3 128x64x8x3 \
+        128x128x8x2 128x128x8x3 64x128x4x2 --out "$OUT/prefill_sweep.json"
+    ran prefill_sweep && { grep -E "^ *(mode|prompt|chunk) " "$OUT/prefill_sweep.log"; }
     step ipc_tests 90 python3 -m pytest -q -p no:cacheprovider tests/unit/test_kv_transfer_cuda.py
     ran ipc_tests && { tail -3 "$OUT/ipc_tests.log"; grep -E "^(FAILED|ERROR|E )" "$OUT/ipc_tests.log" | head -20; }
     step handoff 90 python3 -m scripts.bench_gpu_handoff --out "$OUT/gpu_handoff.json"
