@@ -83,6 +83,7 @@ def invalid_argument(details: str, trailing_metadata) -> ValueError:
 def create_server(
     service_names: Iterable[str], internal_secret: str | None = None,
     options: Sequence[tuple[str, Any]] = (), first: Sequence[grpc.aio.ServerInterceptor] = (),
+    reuse_port: bool = False,
 ) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
     """A ``grpc.aio`` server with the status interceptor, ``grpc.health.v1`` (every service
     reported SERVING) and server reflection; ``options`` are gRPC channel arguments. Add
@@ -90,14 +91,16 @@ def create_server(
 
     With ``internal_secret`` (workers), every call but health and reflection must carry it
     (``services.auth``), or gets UNAUTHENTICATED before its handler runs. ``first``: interceptors
-    that run before those (the gateway's API keys)."""
+    that run before those (the gateway's API keys). ``reuse_port``: SO_REUSEPORT, so that
+    several processes of this host listen on one fixed port (the gateway's
+    ``gateway.reuse_port``)."""
     interceptors: list[grpc.aio.ServerInterceptor] = [*first, StatusInterceptor()]
     if internal_secret is not None:
         interceptors.insert(0, InternalAuthInterceptor(internal_secret))
-    # no SO_REUSEPORT (gRPC's default): bound to port 0, Linux may hand out a port another
-    # process's reuseport listener holds, and the two then split the connections
+    # no SO_REUSEPORT unless asked (gRPC's default is on): bound to port 0, Linux may hand out a
+    # port another process's reuseport listener holds, and the two then split the connections
     server = grpc.aio.server(interceptors=interceptors,
-                             options=[("grpc.so_reuseport", 0), *options])
+                             options=[("grpc.so_reuseport", int(reuse_port)), *options])
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = [*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME]

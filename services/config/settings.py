@@ -166,6 +166,11 @@ class GatewaySection(BaseModel):
         0, help="Prometheus /metrics port while http_port is 0 (0: any free port, logged at "
         "start); with HTTP on, /metrics is on the HTTP port", env="TANDEM_GATEWAY_METRICS_PORT",
         flag="--gateway-metrics-port", ge=0, le=65535)
+    reuse_port: bool = setting(
+        False, help="share the gRPC and HTTP ports with the other gateway processes of this "
+        "host (SO_REUSEPORT: the kernel spreads new connections over them); /metrics and "
+        "/ready then move to metrics_port, one per process", env="TANDEM_GATEWAY_REUSE_PORT",
+        flag="--gateway-reuse-port")
     max_request_bytes: int = setting(
         4 * 1024 * 1024, help="largest request body in bytes (gRPC and HTTP), refused before "
         "it is parsed", gt=0)
@@ -273,6 +278,11 @@ class UpSection(BaseModel):
     num_unified: int | None = setting(None, help="unified workers (default 1)", gt=0)
     auto_unified_max_cores: int = setting(
         4, help="layout auto: most usable CPU cores on which unified workers are chosen", ge=0)
+    num_gateways: int = setting(
+        1, help="gateway processes sharing the gateway's gRPC and HTTP ports "
+        "(gateway.reuse_port; vLLM's --api-server-count): each streams to its own clients, so "
+        "more relay more tokens/s where one gateway's CPU is the bound (a GPU's decode rate)",
+        gt=0)
 
 
 class Settings(BaseSettings):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -48,8 +49,15 @@ class GatewayOptions:
     access: Access = field(default_factory=Access)  # API keys and per-key limits (default: open)
     tls: TlsFiles | None = None  # TLS on the gRPC and HTTP listeners (None: plaintext)
     internal_tls: InternalTls | None = None  # mutual TLS to the workers (None: plaintext)
-    metrics_port: int = 0  # Prometheus /metrics while http_port is None (0: a free port)
+    metrics_port: int = 0  # Prometheus /metrics while http_port is None or reuse_port (0: free)
+    # share port and http_port with this host's other gateway processes (SO_REUSEPORT)
+    reuse_port: bool = False
     routing: RoutingOptions = field(default_factory=RoutingOptions)  # gateway.routing & co.
+
+    def __post_init__(self) -> None:
+        if self.reuse_port and not self.port:
+            raise ValueError("gateway.reuse_port: needs a fixed gateway.port (0 would draw a "
+                             "free port for each process)")
 
 
 async def run_gateway(opts: GatewayOptions, until: Awaitable,
@@ -76,26 +84,24 @@ async def run_gateway(opts: GatewayOptions, until: Awaitable,
     core.router.start()
     ceiling = max(TRANSPORT_CEILING_BYTES, 4 * opts.limits.max_request_bytes)
     server, health = create_server([SERVICE_NAME], options=[("grpc.max_receive_message_length", ceiling)],
-                                   first=[ApiKeyInterceptor(opts.access)])
+                                   first=[ApiKeyInterceptor(opts.access)],
+                                   reuse_port=opts.reuse_port)
     add_gateway_to_server(GatewayServicer(core, opts.access), server, opts.limits.max_request_bytes)
     readiness = ReadinessMonitor(registry, health, [SERVICE_NAME], opts.heartbeat_s)
     http = await _start_http(opts, core, readiness)  # NOTE: listening before health can say SERVING
     await readiness.start()
     # before the gRPC server starts: a started server left behind by a failed bind kept the
-    # process alive (asyncio.run's teardown waited on it) and deaf to SIGTERM
-    metrics = None if http else MetricsServer(core.metrics.registry, opts.host, opts.metrics_port)
+    # process alive (asyncio.run's teardown waited on it) and deaf to SIGTERM; on a shared port
+    # the HTTP port's /metrics and /ready would be any gateway's: each serves its own here
+    metrics = None if http and not opts.reuse_port else MetricsServer(
+        core.metrics.registry, opts.host, opts.metrics_port,
+        ready=lambda: (bool(readiness.ready), readiness.reason))
     bound = bind(server, opts.host, opts.port, grpc_server_credentials(opts.tls) if opts.tls else None)
     await server.start()
     if on_ready is not None:
         on_ready()
-    log.info("gateway listening on %s:%d (gRPC%s)%s (model %s, kv failure policy %s, max %d in "
-             "flight, API keys %s); health SERVING once a prefill and a decode worker are live; "
-             "Prometheus metrics on http://%s:%d/metrics",
-             opts.host, bound, ", TLS" if opts.tls else "",
-             f" and http{'s' if opts.tls else ''}://{opts.host}:{http[1]} (OpenAI HTTP)" if http else "",
-             model.name, opts.kv_failure_policy, opts.max_inflight,
-             "required" if opts.access.keys.enabled else "off (open)", opts.host,
-             http[1] if http else metrics.port)
+    _log_listening(opts, bound, http[1] if http else None, model.name,
+                   metrics.port if metrics else http[1])
     try:
         await until
         await drain_gateway(readiness, core, opts.drain_s, hurry)
@@ -114,6 +120,36 @@ async def run_gateway(opts: GatewayOptions, until: Awaitable,
         await redis.aclose()
 
 
+def _log_listening(opts: GatewayOptions, port: int, http_port: int | None, model: str,
+                   metrics_port: int) -> None:
+    log.info("gateway listening on %s:%d (gRPC%s%s)%s (model %s, kv failure policy %s, max %d in "
+             "flight, API keys %s); health SERVING once a prefill and a decode worker are live; "
+             "Prometheus metrics on http://%s:%d/metrics",
+             opts.host, port, ", TLS" if opts.tls else "",
+             ", a port shared with this host's other gateways" if opts.reuse_port else "",
+             f" and http{'s' if opts.tls else ''}://{opts.host}:{http_port} (OpenAI HTTP)"
+             if http_port else "", model, opts.kv_failure_policy, opts.max_inflight,
+             "required" if opts.access.keys.enabled else "off (open)", opts.host, metrics_port)
+
+
+def reuse_port_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` with SO_REUSEPORT, for uvicorn to listen on beside
+    the other gateway processes of this host. Raises OSError (the port held without
+    SO_REUSEPORT, or ``port`` 0: a shared port must be fixed)."""
+    if not port:
+        raise OSError("gateway.reuse_port needs a fixed http_port: 0 would draw a port of its own")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise OSError(exc.errno, f"cannot serve HTTP on {host}:{port}: {exc.strerror}") from exc
+    return sock
+
+
 async def _start_http(opts: GatewayOptions, core: GatewayCore, readiness: ReadinessMonitor):
     """(uvicorn server, bound port, serving task, certificate poll task or None) of the HTTP
     front end, or None when off. Raises OSError when the port cannot be bound."""
@@ -124,6 +160,7 @@ async def _start_http(opts: GatewayOptions, core: GatewayCore, readiness: Readin
     from services.gateway.http import HttpServer, create_app
 
     certs = CertReloader(opts.tls) if opts.tls else None
+    sockets = [reuse_port_socket(opts.host, opts.http_port)] if opts.reuse_port else None
     server = HttpServer(uvicorn.Config(
         create_app(core, readiness, opts.access), host=opts.host, port=opts.http_port,
         log_level="warning", lifespan="off", access_log=False,
@@ -131,7 +168,7 @@ async def _start_http(opts: GatewayOptions, core: GatewayCore, readiness: Readin
         # after the drain: streams still open are cut, bounded
         timeout_graceful_shutdown=STOP_GRACE_S,
         log_config=None))  # NOTE: uvicorn logs via ours (json too)
-    task = asyncio.ensure_future(server.serve())
+    task = asyncio.ensure_future(server.serve(sockets))
     while not server.started:
         if task.done():  # bind failed: uvicorn logged it and returned
             raise OSError(f"cannot serve HTTP on {opts.host}:{opts.http_port}")

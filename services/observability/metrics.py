@@ -17,6 +17,7 @@ No torch here: the gateway imports this module.
 """
 from __future__ import annotations
 
+import json
 import socket
 import threading
 import time
@@ -250,7 +251,9 @@ class TokenClock:
 
 class MetricsServer:
     """``/metrics`` of ``registry`` on ``host:port`` (0: a free port below the ephemeral range,
-    ``services.ports``; ``port`` then says which)
+    ``services.ports``; ``port`` then says which), and with ``ready`` (``() -> (ready, why
+    not)``) ``/ready`` of this process (200 or 503, ``{"ready", "reason"}`` as the gateway's
+    HTTP ``/ready``)
     from prometheus-client's threaded WSGI server: scrapes run on its threads, never on an
     event loop or the engine thread. Raises OSError when the port cannot be bound.
 
@@ -258,10 +261,17 @@ class MetricsServer:
     prometheus-client 0.26 escapes ':' to '_' in sample names of its OpenMetrics output, which
     would rename every ``tandem:`` series that Prometheus (it asks for OpenMetrics) stores."""
 
-    def __init__(self, registry: CollectorRegistry, host: str, port: int) -> None:
+    def __init__(self, registry: CollectorRegistry, host: str, port: int,
+                 ready: Callable[[], tuple[bool, str]] | None = None) -> None:
         app = prometheus_client.make_wsgi_app(registry)
 
         def text_only(environ, start_response):
+            if ready is not None and environ.get("PATH_INFO") == "/ready":
+                ok, reason = ready()
+                body = json.dumps({"ready": ok, "reason": reason}).encode()
+                start_response("200 OK" if ok else "503 Service Unavailable",
+                               [("Content-Type", "application/json")])
+                return [body]
             return app({**environ, "HTTP_ACCEPT": "text/plain"}, start_response)
 
         try:

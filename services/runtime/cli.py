@@ -168,6 +168,7 @@ def gateway_options(s):
         RequestLimits(g.max_request_bytes, g.max_messages, g.max_tokens_cap, g.max_n),
         g.tokenize_threads, g.http_port or None,
         internal_secret=s.internal_secret(), drain_s=g.drain_s, metrics_port=g.metrics_port,
+        reuse_port=g.reuse_port,
         routing=RoutingOptions(g.routing.value, g.kv_overlap_score_weight, g.router_temperature,
                                g.kv_events, g.pd_threshold_tokens),
         **exposure_options(s))
@@ -209,13 +210,14 @@ def cmd_up(args, loaded: LoadedSettings) -> int:
     layout = up_layout(loaded)
     stack = Stack(UpOptions(s.host, s.gateway.port, layout.num_prefill, layout.num_decode,
                             s.state.redis_url, settings=s, num_unified=layout.num_unified,
-                            threads=layout.threads))
+                            threads=layout.threads, num_gateways=s.up.num_gateways))
     try:
         stack.start()
         stack.wait_ready()
         http_port = stack.settings.gateway.http_port
         logging.getLogger("tandem").info(
-            "Tandem is up: gateway at %s (gRPC)%s (%s)", stack.address,
+            "Tandem is up: %s at %s (gRPC)%s (%s)",
+            f"{s.up.num_gateways} gateways" if s.up.num_gateways > 1 else "gateway", stack.address,
             f" and http://{stack.opts.host}:{http_port}/v1 (OpenAI HTTP)" if http_port else "",
             layout.describe())
         if args.chat:

@@ -21,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -65,6 +66,18 @@ class UpOptions:
     # settings' engine on CUDA, round-robin over the visible GPUs, the workers of one GPU
     # splitting ``gpu_memory_utilization`` (``layout.gpu_placement``, as `tandem up` does)
     gpus: dict[str, tuple[str, float]] = field(default_factory=dict)
+    # gateway processes on ``port`` and the settings' http_port (SO_REUSEPORT: gateway.reuse_port)
+    num_gateways: int = 1
+
+
+def answers_ready(address: str) -> bool:
+    """Whether a gateway's /metrics port (``host:port``) answers 200 on ``/ready``: it listens
+    and sees Redis and live workers (``MetricsServer``'s ``ready``)."""
+    try:
+        with urllib.request.urlopen(f"http://{address}/ready", timeout=1.0) as resp:
+            return resp.status == 200
+    except OSError:  # refused (not listening yet), 503 (HTTPError), timed out
+        return False
 
 
 @dataclass
@@ -119,7 +132,10 @@ class Stack:
                     args += ["--gpu-memory-utilization", f"{utilization:.4f}"]
                     env = {"CUDA_VISIBLE_DEVICES": ",".join(self._gpu_order(gpu))}
                 self.add_worker(role, worker_id, args, env)
-        self.add_gateway("gateway", self.opts.port)
+        shared = self.opts.num_gateways > 1
+        for i in range(self.opts.num_gateways):
+            self.add_gateway("gateway" if i == 0 else f"gateway-{i}", self.opts.port,
+                             shared=shared)
         scrape = write_scrape_config(self.run_dir / "prometheus.yml", self.metrics_targets)
         log.info("Prometheus metrics: %s (scrape config: %s)",
                  ", ".join(f"{n} http://{a}/metrics" for n, a in self.metrics_targets.items()), scrape)
@@ -177,21 +193,24 @@ class Stack:
                                      "--metrics-port", str(port), *self.opts.worker_args, *extra_args],
                          env)
 
-    def add_gateway(self, name: str, port: int, extra_args: list[str] = ()) -> subprocess.Popen:
+    def add_gateway(self, name: str, port: int, extra_args: list[str] = (),
+                    shared: bool = False) -> subprocess.Popen:
         """Start a gateway on ``port``; several gateways share the workers and Redis. Only the
         first serves HTTP on the settings' ``http_port`` (and /metrics there); later ones serve
         none (their own ``--http-port`` in ``extra_args`` overrides), so no two gateways claim
-        one port, and serve /metrics on a port of their own."""
+        one port, and serve /metrics on a port of their own. ``shared``: every such gateway
+        listens on ``port`` and the ``http_port`` together (``gateway.reuse_port``), each with
+        /metrics and /ready on a port of its own (``UpOptions.num_gateways``)."""
         serve, g = self._serve("gateway"), self.settings.gateway
         self.gateway_ports.add(port)
         first = not any(c.argv[:len(serve)] == serve for c in self.children)
-        http_off = [] if first else ["--http-port", "0"]
-        metrics = []
-        if first and g.http_port:
+        http_off = [] if first or shared else ["--http-port", "0"]
+        metrics = ["--gateway-reuse-port"] if shared else []
+        if first and g.http_port and not shared:
             self.metrics_targets[name] = f"{self.opts.host}:{g.http_port}"
         else:  # /metrics on a port of its own
-            metrics = ["--gateway-metrics-port",
-                       str(self._metrics_port(name, g.metrics_port, "gateway.metrics_port"))]
+            metrics += ["--gateway-metrics-port",
+                        str(self._metrics_port(name, g.metrics_port, "gateway.metrics_port"))]
         return self._add(name, [*serve, "--port", str(port), *self.opts.gateway_args, *http_off,
                                 *metrics, *extra_args])
 
@@ -246,7 +265,8 @@ class Stack:
 
     def wait_ready(self) -> None:
         """Block until every worker is registered and the gateway reports SERVING (with TLS on
-        the gateway: accepts connections), looking every ``READY_POLL_S`` over one Redis client
+        the gateway: accepts connections; several gateways on one port: each answers ``/ready``
+        on its /metrics port), looking every ``READY_POLL_S`` over one Redis client
         and one channel. Raises TimeoutError after ``ready_timeout_s``, RuntimeError when a
         child exits meanwhile."""
         asyncio.run(self._wait_ready(time.monotonic() + self.opts.ready_timeout_s))
@@ -277,6 +297,10 @@ class Stack:
                     return False
         except (redis_errors.RedisError, OSError):  # Redis slow or restarting: not ready yet
             return False
+        if self.opts.num_gateways > 1:  # the shared port answers for any one of them: ask each
+            gateways = [n for n, _ in self.procs if n.startswith("gateway")]
+            return all(await asyncio.gather(*(
+                asyncio.to_thread(answers_ready, self.metrics_targets[n]) for n in gateways)))
         if self.settings.gateway.tls_cert_file:  # NOTE: TLS: this process may not trust its CA
             return await listening(self.opts.host, self.opts.port)
         try:

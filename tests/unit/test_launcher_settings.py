@@ -130,7 +130,7 @@ def fake_spawn(monkeypatch, started: list) -> None:
 
     monkeypatch.setattr(launcher, "spawn", lambda argv, env: started.append((argv, env)) or Exited())
     monkeypatch.setattr(launcher, "start_redis_server", None)  # a redis_url is given: not called
-    monkeypatch.setattr(Stack, "add_gateway", lambda self, name, port: None)
+    monkeypatch.setattr(Stack, "add_gateway", lambda self, name, port, **options: None)
     monkeypatch.setattr(launcher, "write_scrape_config", lambda path, targets: path)
     monkeypatch.setattr(launcher, "check_redis", lambda url: _done())
 

@@ -299,3 +299,46 @@ def test_a_steps_tokens_recorded_at_once_equal_one_by_one():
     assert many.histograms() == one.histograms() and many.finished == one.finished
     assert one.finished["length"] == 1 and one.inter_token_latency.count == 3
     assert [r.last_token_time for r in by_many] == [r.last_token_time for r in by_one]
+
+
+def test_metrics_server_answers_ready_from_its_callback():
+    """A gateway on a shared port serves /ready of its own process on its /metrics port: 200
+    or 503 with the reason, as the callback says at each request; /metrics beside it."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    from prometheus_client import CollectorRegistry
+
+    from services.observability.metrics import MetricsServer
+
+    state = {"ready": (False, "no live decode worker")}
+    server = MetricsServer(CollectorRegistry(), "127.0.0.1", 0, ready=lambda: state["ready"])
+    url = f"http://127.0.0.1:{server.port}"
+    try:
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(f"{url}/ready", timeout=10)
+        assert refused.value.code == 503
+        assert json.loads(refused.value.read()) == {"ready": False,
+                                                     "reason": "no live decode worker"}
+        state["ready"] = (True, "")
+        with urllib.request.urlopen(f"{url}/ready", timeout=10) as resp:
+            assert resp.status == 200 and json.loads(resp.read()) == {"ready": True, "reason": ""}
+        with urllib.request.urlopen(f"{url}/metrics", timeout=10) as resp:
+            assert resp.status == 200
+    finally:
+        server.close()
+    plain = MetricsServer(CollectorRegistry(), "127.0.0.1", 0)  # a worker's: no /ready route
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{plain.port}/ready", timeout=10) as resp:
+            assert resp.status == 200 and b"ready" not in resp.read()  # the metrics page
+    finally:
+        plain.close()
+
+
+def test_a_shared_gateway_port_must_be_fixed():
+    from services.gateway.app import GatewayOptions
+
+    with pytest.raises(ValueError, match="gateway.reuse_port"):
+        GatewayOptions("127.0.0.1", 0, "redis://x", "m", 1.0, 1.0, reuse_port=True)
+    assert GatewayOptions("127.0.0.1", 7000, "redis://x", "m", 1.0, 1.0, reuse_port=True).reuse_port
