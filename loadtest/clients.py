@@ -12,6 +12,7 @@ with ``stream_options.include_usage`` the last chunk has ``choices: []`` and the
 """
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Callable
 from urllib.parse import urlparse
@@ -60,13 +61,18 @@ def _stream_error(num_tokens: int, finish_reason: str) -> str:
 
 class GrpcClient:
     """The Tandem gateway's streaming ``Generate``; chat requests go as ``messages`` (the
-    gateway renders the template), others as a raw ``prompt``."""
+    gateway renders the template), others as a raw ``prompt``. ``channels``: connections,
+    requests taking them in turn (gRPC shares one connection among a process's channels to an
+    address unless each has a pool of its own, as here): gateways sharing a port
+    (``up.num_gateways``) each get some."""
 
-    def __init__(self, address: str, timeout_s: float = 300.0) -> None:
+    def __init__(self, address: str, timeout_s: float = 300.0, channels: int = 1) -> None:
         self.address = address
         self.timeout_s = timeout_s
-        self._channel = grpc.aio.insecure_channel(address)
-        self._stub = gateway_pb2_grpc.GatewayStub(self._channel)
+        options = [("grpc.use_local_subchannel_pool", 1)] if channels > 1 else []
+        self._channels = [grpc.aio.insecure_channel(address, options=options)
+                          for _ in range(channels)]
+        self._stubs = itertools.cycle([gateway_pb2_grpc.GatewayStub(c) for c in self._channels])
 
     def _request(self, req: SampleRequest, request_id: str) -> gateway_pb2.GenerateRequest:
         fields = dict(request_id=request_id, max_tokens=req.output_len, temperature=0.0,
@@ -80,7 +86,8 @@ class GrpcClient:
         record.sent_s, record.prompt_len = clock(), req.prompt_len
         last, count = None, 0
         try:
-            stream = self._stub.Generate(self._request(req, record.request_id), timeout=self.timeout_s)
+            stream = next(self._stubs).Generate(self._request(req, record.request_id),
+                                                timeout=self.timeout_s)
             async for msg in stream:
                 if msg.token_ids:
                     last = _stamp(record, clock(), last)
@@ -97,7 +104,8 @@ class GrpcClient:
         record.finish_s = clock()
 
     async def close(self) -> None:
-        await self._channel.close()
+        for channel in self._channels:
+            await channel.close()
 
 
 

@@ -1,15 +1,21 @@
 """The load loop of ``bench serve``: warm-up, then requests sent on an arrival schedule under a
 concurrency cap, every loop bounded in count (``len(requests)``) and time (``time_limit_s``
-for sending, ``request_timeout_s`` per request).
+for sending, ``request_timeout_s`` per request). ``run_load`` runs it in one process or, with
+``client_processes``, shared out among several started together (one Python client process
+relays about as many tokens/s as one gateway process: too few for a GPU's).
 """
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
+import multiprocessing
 import time
 import uuid
+from concurrent.futures import ProcessPoolExecutor
 from contextlib import nullcontext
 from dataclasses import dataclass
+from typing import Any
 
 from tqdm import tqdm
 
@@ -31,6 +37,11 @@ class RunConfig:
     request_timeout_s: a request still running after this fails with "timeout".
     redis_url: Tandem's Redis, to sample the workers' load (its gateway over gRPC or HTTP;
         "" = off).
+    client_processes: processes sending the requests (``run_load``): request i goes from
+        process i mod N at its scheduled time, each under an equal share of the cap, each with
+        its own connections (so a target of several gateways on one port sees several).
+    grpc_channels: gRPC connections of each process (``GrpcClient``); HTTP opens one per
+        request in flight.
     """
 
     target: str
@@ -45,11 +56,18 @@ class RunConfig:
     redis_url: str = ""
     server_poll_s: float = 0.5
     progress: bool = True
+    client_processes: int = 1
+    grpc_channels: int = 1
 
     def __post_init__(self) -> None:
         parse_target(self.target)
         if self.max_concurrency is not None and self.max_concurrency < 1:
             raise ValueError(f"max_concurrency must be >= 1, got {self.max_concurrency}")
+        if self.client_processes < 1 or (self.max_concurrency or math.inf) < self.client_processes:
+            raise ValueError(f"client_processes must be >= 1 and at most max_concurrency, got "
+                             f"{self.client_processes}")
+        if self.grpc_channels < 1:
+            raise ValueError(f"grpc_channels must be >= 1, got {self.grpc_channels}")
         if self.num_warmups < 0:
             raise ValueError(f"num_warmups must be >= 0, got {self.num_warmups}")
         for name in ("time_limit_s", "request_timeout_s"):
@@ -69,7 +87,7 @@ class RunOutcome:
 def make_client(cfg: RunConfig) -> GrpcClient | OpenAIClient:
     kind, address = parse_target(cfg.target)
     if kind == "grpc":
-        return GrpcClient(address, timeout_s=cfg.request_timeout_s)
+        return GrpcClient(address, timeout_s=cfg.request_timeout_s, channels=cfg.grpc_channels)
     return OpenAIClient(address, endpoint=cfg.endpoint, model=cfg.model, api_key=cfg.api_key,
                         timeout_s=cfg.request_timeout_s)
 
@@ -92,23 +110,78 @@ async def _warm_up(client, cfg: RunConfig, requests: list[SampleRequest]) -> Non
                            for r, rec in zip(requests, warm)))
 
 
-async def run_benchmark(cfg: RunConfig, requests: list[SampleRequest]) -> RunOutcome:
+@dataclass(frozen=True)
+class Shard:
+    """One client process's part of a ``run_load``: its requests' places in the dataset, their
+    scheduled times (the whole run's schedule), and the barrier every process waits at after
+    its warm-up, so that all start their clocks together."""
+
+    indices: list[int]
+    times: list[float]
+    barrier: Any  # a multiprocessing Manager's Barrier
+
+
+def run_load(cfg: RunConfig, requests: list[SampleRequest]) -> RunOutcome:
+    """``run_benchmark`` in this process, or shared out among ``cfg.client_processes`` spawned
+    ones (``RunConfig``); their records merged in dataset order, the duration the longest
+    process's, the server view the first's. Raises as ``run_benchmark`` (and ValueError when
+    there are fewer requests than processes)."""
+    n = cfg.client_processes
+    if n == 1:
+        return asyncio.run(run_benchmark(cfg, requests))
+    if len(requests) < n:
+        raise ValueError(f"num_prompts ({len(requests)}) must be at least client_processes ({n})")
+    times = cfg.schedule.times(len(requests))
+    context = multiprocessing.get_context("spawn")  # NOTE: grpc and tokenizers do not fork
+    with context.Manager() as manager, ProcessPoolExecutor(n, mp_context=context) as pool:
+        barrier = manager.Barrier(n)
+        cap = cfg.max_concurrency
+        jobs = []
+        for k in range(n):
+            indices = list(range(k, len(requests), n))
+            part = dataclasses.replace(
+                cfg, client_processes=1, redis_url=cfg.redis_url if k == 0 else "",
+                max_concurrency=None if cap is None else cap // n + (k < cap % n),
+                progress=cfg.progress and k == 0)
+            jobs.append(pool.submit(_run_shard, part, [requests[i] for i in indices],
+                                    Shard(indices, [float(times[i]) for i in indices], barrier)))
+        outcomes = [job.result() for job in jobs]
+    return RunOutcome(sorted((r for o in outcomes for r in o.records), key=lambda r: r.index),
+                      max(o.duration_s for o in outcomes), sum(o.not_sent for o in outcomes),
+                      outcomes[0].server_view, outcomes[0].model)
+
+
+def _run_shard(cfg: RunConfig, requests: list[SampleRequest], shard: Shard) -> RunOutcome:
+    try:
+        return asyncio.run(run_benchmark(cfg, requests, shard))
+    except BaseException:
+        shard.barrier.abort()  # the others stop waiting for this one
+        raise
+
+
+async def run_benchmark(cfg: RunConfig, requests: list[SampleRequest],
+                        shard: Shard | None = None) -> RunOutcome:
     """Run ``requests`` against ``cfg.target`` (see the module doc); failures are recorded,
-    not raised. Raises ``ValueError`` on an empty list and ``ConnectionError`` when an HTTP
-    target does not list its models (and no model was given)."""
+    not raised. ``shard``: this process's part of a ``run_load``. Raises ``ValueError`` on an
+    empty list, ``ConnectionError`` when an HTTP target does not list its models (and no model
+    was given), ``threading.BrokenBarrierError`` when another process of the run failed."""
     if not requests:
         raise ValueError("num_prompts must be > 0")
     client = make_client(cfg)
     try:
         model = await client.resolve_model() if isinstance(client, OpenAIClient) else ""
         await _warm_up(client, cfg, requests)
-        return await _timed_run(client, cfg, requests, model)
+        if shard is not None:
+            await asyncio.to_thread(shard.barrier.wait, cfg.request_timeout_s)
+        return await _timed_run(client, cfg, requests, model, shard)
     finally:
         await client.close()
 
 
-async def _timed_run(client, cfg: RunConfig, requests: list[SampleRequest], model: str) -> RunOutcome:
-    times = cfg.schedule.times(len(requests))
+async def _timed_run(client, cfg: RunConfig, requests: list[SampleRequest], model: str,
+                     shard: Shard | None = None) -> RunOutcome:
+    times = shard.times if shard else cfg.schedule.times(len(requests))
+    indices = shard.indices if shard else range(len(requests))
     tag = uuid.uuid4().hex[:8]
     sem = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else nullcontext()
     start = time.perf_counter()
@@ -130,7 +203,7 @@ async def _timed_run(client, cfg: RunConfig, requests: list[SampleRequest], mode
         bar.update(1)
 
     records, tasks = [], []
-    for i, (req, at) in enumerate(zip(requests, times)):
+    for i, req, at in zip(indices, requests, times):
         if at > cfg.time_limit_s or clock() > cfg.time_limit_s:
             break
         await asyncio.sleep(max(0.0, at - clock()))

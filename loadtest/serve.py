@@ -12,7 +12,6 @@ failed requests: they are part of the result), 2 on bad arguments.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import math
 import sys
 from pathlib import Path
@@ -22,7 +21,7 @@ from loadtest.datasets import DATASETS, DatasetOptions, build_dataset
 from loadtest.metrics import parse_goodput
 from loadtest.report import (build_result, json_number, plots_available, print_summary,
                              write_result)
-from loadtest.runner import RunConfig, rate_label, run_benchmark
+from loadtest.runner import RunConfig, rate_label, run_load
 
 
 def _range(text: str) -> tuple[int, int]:
@@ -49,6 +48,13 @@ def add_load_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--time-limit", type=float, default=600.0, help="seconds; nothing sent after")
     s.add_argument("--request-timeout", type=float, default=300.0, help="seconds per request")
     s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--client-processes", type=int, default=1,
+                   help="processes sending the requests, each with its own connections and a "
+                        "share of --max-concurrency (one relays about as many tokens/s as one "
+                        "gateway process)")
+    s.add_argument("--grpc-channels", type=int, default=1,
+                   help="gRPC connections of each client process, requests taking them in turn "
+                        "(one channel reaches one of the gateways sharing a port)")
     d = p.add_argument_group("dataset")
     d.add_argument("--dataset", default="chat", choices=DATASETS)
     d.add_argument("--random-input-len", type=int, default=128)
@@ -105,7 +111,8 @@ def run_config(args, rate: float, max_concurrency: int | None) -> RunConfig:
     schedule = ArrivalSchedule(rate, args.burstiness, args.ramp_up, args.ramp_up_start_rate, args.seed)
     return RunConfig(args.target, schedule, max_concurrency, args.num_warmups, args.time_limit,
                      args.request_timeout, args.endpoint, args.model, args.api_key,
-                     args.redis_url, args.server_poll_s, not args.disable_progress)
+                     args.redis_url, args.server_poll_s, not args.disable_progress,
+                     args.client_processes, args.grpc_channels)
 
 
 def run_info(args, cfg: RunConfig) -> dict:
@@ -115,7 +122,8 @@ def run_info(args, cfg: RunConfig) -> dict:
             "num_prompts": args.num_prompts, "request_rate": json_number(cfg.schedule.rate),
             "burstiness": cfg.schedule.burstiness, "max_concurrency": cfg.max_concurrency,
             "ramp_up_strategy": cfg.schedule.ramp, "ramp_up_start_rate": cfg.schedule.ramp_start_rate,
-            "seed": args.seed, "num_warmups": cfg.num_warmups, "tokenizer_id": args.tokenizer or "built-in"}
+            "seed": args.seed, "num_warmups": cfg.num_warmups, "tokenizer_id": args.tokenizer or "built-in",
+            "client_processes": cfg.client_processes, "grpc_channels": cfg.grpc_channels}
 
 
 def run_one(args, requests, rate: float, max_concurrency: int | None, name: str) -> dict:
@@ -123,7 +131,7 @@ def run_one(args, requests, rate: float, max_concurrency: int | None, name: str)
     slos = parse_goodput(args.goodput)
     percentiles = parse_percentiles(args.percentiles)
     cfg = run_config(args, rate, max_concurrency)
-    outcome = asyncio.run(run_benchmark(cfg, requests))
+    outcome = run_load(cfg, requests)
     result = build_result(outcome, run_info(args, cfg), slos, percentiles, args.save_detailed)
     paths = write_result(result, outcome, Path(args.result_dir), name)
     print_summary(result, percentiles)

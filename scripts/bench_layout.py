@@ -18,6 +18,9 @@ Options (``--options``, comma-separated names, or ``all``):
 - ``unified-passive``, ``unified-active``: OpenMP wait policy (``OMP_WAIT_POLICY``) of the
   unified worker's threads: sleep at once, or spin, between parallel regions;
 - ``unified-bind``: OpenMP threads bound to cores (``OMP_PROC_BIND=close``, ``OMP_PLACES=cores``).
+- ``unified-4gw``, ``disagg-1t-4gw``: ``unified`` / ``disagg-1t`` behind 4 gateway processes on
+  one port (``tandem up --num-gateways 4``); load them with ``--client-processes`` and
+  ``--grpc-channels`` so that the client is not the bound and reaches every gateway.
 
 On GPUs (the settings' engine on CUDA: ``TANDEM_DEVICE=cuda``, with ``TANDEM_MODEL`` /
 ``TANDEM_DTYPE`` as wanted) the workers are placed as `tandem up` places them: ``unified`` is
@@ -53,13 +56,15 @@ log = logging.getLogger("bench_layout")
 @dataclass(frozen=True)
 class Option:
     """One layout: workers per role, threads per worker ("all": every usable core), extra
-    environment for every child, and whether to pin each worker to its own core."""
+    environment for every child, whether to pin each worker to its own core, and gateway
+    processes sharing the ports (``up.num_gateways``)."""
 
     name: str
     counts: dict[str, int]
     threads: dict[str, int | str]
     env: dict[str, str] = field(default_factory=dict)
     pin: bool = False
+    gateways: int = 1
 
 
 DISAGG = {"prefill": 1, "decode": 1}
@@ -74,6 +79,8 @@ OPTIONS = {o.name: o for o in [
     Option("unified-active", {"unified": 1}, {"unified": "all"}, {"OMP_WAIT_POLICY": "ACTIVE"}),
     Option("unified-bind", {"unified": 1}, {"unified": "all"},
            {"OMP_PROC_BIND": "close", "OMP_PLACES": "cores"}),
+    Option("unified-4gw", {"unified": 1}, {"unified": "all"}, gateways=4),
+    Option("disagg-1t-4gw", DISAGG, {"prefill": 1, "decode": 1}, gateways=4),
 ]}
 
 
@@ -87,7 +94,7 @@ def start_stack(option: Option, cores: int, engine_args: list[str], port: int,
         num_decode=counts["decode"], num_unified=counts["unified"],
         redis_url=None, worker_args=engine_args, threads=threads, env=option.env,
         gateway_args=["--http-port", str(http_port)],  # 0: gRPC only, no collision on 8000
-        ready_timeout_s=600))  # on CUDA placed as `tandem up` does (Stack)
+        ready_timeout_s=600, num_gateways=option.gateways))  # on CUDA placed as `tandem up` does
     try:
         stack.start()
         stack.wait_ready()
@@ -124,6 +131,8 @@ def serve_argv(args, address: str, concurrency: int, out: Path, name: str) -> li
             str(args.output_range_ratio), "--num-warmups", "2", "--seed", str(args.seed),
             "--percentiles", "50,90,99", "--time-limit", str(args.time_limit),
             "--disable-progress", "--result-dir", str(out), "--result-name", name,
+            "--client-processes", str(min(args.client_processes, concurrency, n)),
+            "--grpc-channels", str(args.grpc_channels),
             *(["--tokenizer", os.environ["TANDEM_MODEL"]] if os.environ.get("TANDEM_MODEL") else [])]
 
 
@@ -177,6 +186,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine-args", default="--quantization auto",
                    help="worker flags of every option (the quantized default model by default)")
     p.add_argument("--time-limit", type=float, default=900.0, help="seconds per bench serve run")
+    p.add_argument("--client-processes", type=int, default=1,
+                   help="bench serve's --client-processes (at most the concurrency): on a GPU "
+                        "one client process is the bound before the stack is")
+    p.add_argument("--grpc-channels", type=int, default=1,
+                   help="bench serve's --grpc-channels: connections of each client process "
+                        "(the *-4gw options' gateways share a port: each channel reaches one)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--port", type=int, default=0, help="gateway port of each option's stack "
                    "(0: a free one)")

@@ -12,7 +12,8 @@
 #   stage kernels: carries .whl: the Triton kernel tests, the kernel benchmark (and a sweep of
 #            the prefill kernel's tuning), the CUDA IPC handoff tests and the handoff benchmark
 #            (none needs the model).
-#   stage stack: carries .whl and .gpu/stack (see there): the served stack, unified against P/D.
+#   stage stack: carries .whl and .gpu/stack (see there): the served stack, unified against P/D,
+#            and (step gateways, a call of its own) one gateway process against four.
 # STEPS="name ..." runs only the named steps of a stage (the names below), so a short lease spends
 # its minutes on what changed. `scripts/gpu_checks.sh b; scripts/gpu_checks.sh c` in one call.
 # .whl: cp312 manylinux wheels of the packages the GPU image lacks or has too old: pydantic(-core,
@@ -152,6 +153,16 @@ shutil.copy("/tmp/config.json", "/tmp/smol/config.json")' || exit 1
         --result-dir /tmp/layout
     cp /tmp/layout/layout.json "$OUT/" 2>/dev/null
     ran layout && { grep -E "^(option|unified|disagg|auto)|Error|error" "$OUT/layout.log" | tail -20; }
+    # one gateway against four on one port (issue 36: the stack >= 85% of the engine), each
+    # loaded by 4 client processes of 4 gRPC channels: one Python client relays about as many
+    # tokens/s as one gateway. Only when named, in a call of its own (with layout it would pass
+    # the 10-minute limit): `STEPS=gateways scripts/gpu_checks.sh stack`
+    [[ " ${STEPS:-} " == *" gateways "* ]] && step gateways 330 python3 -m scripts.bench_layout --options unified,unified-4gw \
+        --concurrency 16,64 --num-prompts 512 --input-len 512 --output-len 128 \
+        --output-range-ratio 0 --engine-args "" --time-limit 60 --client-processes 4 \
+        --grpc-channels 4 --result-dir /tmp/gateways
+    cp /tmp/gateways/layout.json "$OUT/gateways.json" 2>/dev/null
+    ran gateways && { grep -E "^(option|unified|disagg|auto)|Error|error" "$OUT/gateways.log" | tail -20; }
 else  # c: (carries .whl and .gpu/stack; stage b's joined GGUF must still be there)
     stack_deps
     step gpu_stack 240 python3 -m pytest -q -p no:cacheprovider tests/integration/test_gpu_stack.py

@@ -113,6 +113,32 @@ def test_each_gateway_reports_its_own_metrics_and_readiness(gateways):
         assert "tandem:requests_total" in scrape(address)[1]
 
 
+def test_bench_serve_reaches_every_gateway_from_its_processes_and_channels(gateways):
+    """The load generator that measures them: 2 client processes of 12 gRPC channels each
+    (``--client-processes 2 --grpc-channels 12``) send every request once, all answered, and
+    both gateways relay some."""
+    import math
+
+    from loadtest.arrivals import ArrivalSchedule
+    from loadtest.datasets import SampleRequest
+    from loadtest.runner import RunConfig, run_load
+
+    stack, _ = gateways
+    names = gateway_names(stack)
+    before = {n: requests_ok(stack.metrics_targets[n]) for n in names}
+    requests = [SampleRequest("", 8, TOKENS, True, "chat",
+                              ({"role": "user", "content": CHAT_PROMPTS[i % 8]},))
+                for i in range(CONNECTIONS)]
+    outcome = run_load(RunConfig(f"grpc://{stack.address}", ArrivalSchedule(math.inf),
+                                 max_concurrency=CONNECTIONS, num_warmups=0, progress=False,
+                                 client_processes=2, grpc_channels=CONNECTIONS // 2), requests)
+    assert [r.index for r in outcome.records] == list(range(CONNECTIONS))
+    assert all(r.success and r.output_tokens == TOKENS for r in outcome.records)
+    after = {n: requests_ok(stack.metrics_targets[n]) for n in names}
+    assert all(after[n] > before[n] for n in names), (before, after)
+    assert sum(after.values()) - sum(before.values()) == CONNECTIONS
+
+
 def test_a_dead_gateway_leaves_the_port_to_the_others(gateways):
     """SIGKILL one gateway (its listening sockets close with it): new connections on both
     ports go to the one left, whatever their hash. Last in this module: the stack's

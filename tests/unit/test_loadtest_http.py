@@ -138,6 +138,46 @@ async def test_a_whole_run_over_http_excludes_the_warm_up_and_records_every_requ
     assert max_concurrency_seen(outcome.records) <= 2  # the cap held: all 5 were due at once
 
 
+def test_a_run_shared_out_among_client_processes_sends_each_request_once():
+    """``client_processes`` 3: every request sent once (one body each, besides each process's
+    warm-up), records merged in dataset order with their scheduled times, the cap split
+    (2 + 2 + 1 of 5), and the first process's resolved model."""
+    import threading
+
+    from loadtest.runner import run_load
+
+    loop = asyncio.new_event_loop()
+    server = FakeOpenAI(slow_s=0.2)
+    base = loop.run_until_complete(server.start())
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        requests = [SampleRequest(f"p{i}", 2, 4, True, "chat",
+                                  ({"role": "user", "content": f"p{i}"},)) for i in range(11)]
+        cfg = RunConfig(base, ArrivalSchedule(math.inf), max_concurrency=5, num_warmups=1,
+                        progress=False, client_processes=3)
+        outcome = run_load(cfg, requests)
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+    assert [r.index for r in outcome.records] == list(range(11))
+    assert all(r.success and r.output_tokens for r in outcome.records)
+    sent = sorted(b["prompt"] if "prompt" in b else b["messages"][0]["content"]
+                  for b in server.bodies)
+    assert len(sent) == 11 + 3  # each process warms up once
+    assert sorted(set(sent)) == sorted(f"p{i}" for i in range(11))
+    assert outcome.model == "fake-model" and outcome.not_sent == 0
+    assert max_concurrency_seen(outcome.records) <= 5
+
+
+def test_client_processes_need_a_share_of_the_cap_each():
+    with pytest.raises(ValueError, match="client_processes"):
+        RunConfig("http://127.0.0.1:1/v1", ArrivalSchedule(math.inf), max_concurrency=2,
+                  client_processes=3)
+    with pytest.raises(ValueError, match="client_processes"):
+        RunConfig("http://127.0.0.1:1/v1", ArrivalSchedule(math.inf), client_processes=0)
+
+
 async def test_nothing_is_sent_after_the_time_limit():
     server = FakeOpenAI()
     base = await server.start()
