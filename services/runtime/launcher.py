@@ -69,6 +69,11 @@ class UpOptions:
     # gateway processes on ``port`` and the settings' http_port (SO_REUSEPORT: gateway.reuse_port)
     num_gateways: int = 1
 
+    def __post_init__(self) -> None:
+        if self.num_gateways > 1 and not self.port:
+            raise ValueError("up.num_gateways: gateways share a fixed port; port 0 would draw "
+                             "one for each")
+
 
 def answers_ready(address: str) -> bool:
     """Whether a gateway's /metrics port (``host:port``) answers 200 on ``/ready``: it listens

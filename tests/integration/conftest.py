@@ -48,11 +48,13 @@ def test_defaults() -> Iterator[None]:
 
 
 def start_stack(worker_args: list[str], redis_url: str | None,
-                gateway_args: list[str] = ()) -> Stack:
-    """One prefill + one decode worker and a gateway, ready (``redis_url`` None: its own Redis)."""
+                gateway_args: list[str] = (), num_gateways: int = 1) -> Stack:
+    """One prefill + one decode worker and ``num_gateways`` gateways (on one port), ready
+    (``redis_url`` None: its own Redis)."""
     s = Stack(UpOptions(host="127.0.0.1", port=free_port(), num_prefill=1, num_decode=1,
                         redis_url=redis_url, worker_args=worker_args,
-                        gateway_args=["--heartbeat-s", "0.5", *gateway_args], ready_timeout_s=180))
+                        gateway_args=["--heartbeat-s", "0.5", *gateway_args], ready_timeout_s=180,
+                        num_gateways=num_gateways))
     try:
         s.start()
         s.wait_ready()
@@ -68,6 +70,7 @@ class HttpStack:
 
     def __init__(self, stack: Stack, http_port: int) -> None:
         self.stack = stack
+        self.http_port = http_port
         self.url = f"http://127.0.0.1:{http_port}"
         self.base_url = f"{self.url}/v1"
 
@@ -80,12 +83,13 @@ class HttpStack:
 
 @contextlib.contextmanager
 def http_stack_with(redis_url: str | None, gateway_args: list[str],
-                    worker_args: list[str] = ()) -> Iterator[HttpStack]:
+                    worker_args: list[str] = (), num_gateways: int = 1) -> Iterator[HttpStack]:
     """``start_stack`` with HTTP on a free port, ``gateway_args`` and ``worker_args`` (beside
     ``WORKER_ARGS``); stopped after the block."""
     port = free_port()
     s = start_stack([*WORKER_ARGS, *worker_args], redis_url,
-                    gateway_args=["--http-port", str(port), *gateway_args])
+                    gateway_args=["--http-port", str(port), *gateway_args],
+                    num_gateways=num_gateways)
     try:
         yield HttpStack(s, port)
     finally:

@@ -1,8 +1,8 @@
 """Several gateway processes on one port (`tandem up --num-gateways N`, gateway.reuse_port,
 vLLM's --api-server-count): the kernel spreads new connections over the processes (gRPC and
-HTTP), each answers from the same workers, each reports its own /metrics and /ready on a port
-of its own (the Prometheus scrape config lists each), and one that dies leaves the port served
-by the rest."""
+HTTP), each answers from the same prefill and decode workers (over its own Follow stream),
+each reports its own /metrics and /ready on a port of its own (the Prometheus scrape config
+lists each), and one that dies leaves the port served by the rest."""
 from __future__ import annotations
 
 import asyncio
@@ -15,8 +15,8 @@ import httpx
 import pytest
 
 from services.api import gateway_pb2_grpc
-from services.runtime.launcher import Stack, UpOptions
-from tests.integration.conftest import WORKER_ARGS, free_port, running, wait_until
+from services.runtime.launcher import Stack
+from tests.integration.conftest import http_stack_with, wait_until
 from tests.integration.test_stack import chat_request
 from tests.reference import CHAT_PROMPTS, hf_greedy_outputs
 
@@ -28,14 +28,10 @@ MODEL = "SmolLM2-135M-Instruct"
 
 @pytest.fixture(scope="module")
 def gateways(redis_server):
-    """Two gateways sharing the gRPC and HTTP ports, one unified worker; (stack, http port)."""
-    http_port = free_port()
-    s = Stack(UpOptions(host="127.0.0.1", port=free_port(), num_prefill=0, num_decode=0,
-                        num_unified=1, redis_url=redis_server.url, worker_args=WORKER_ARGS,
-                        gateway_args=["--heartbeat-s", "0.5", "--http-port", str(http_port)],
-                        ready_timeout_s=240, num_gateways=2))
-    with running(s):
-        yield s, http_port
+    """Two gateways sharing the gRPC and HTTP ports before a prefill and a decode worker;
+    (stack, HTTP port)."""
+    with http_stack_with(redis_server.url, [], num_gateways=2) as s:
+        yield s.stack, s.http_port
 
 
 def gateway_names(stack: Stack) -> list[str]:

@@ -158,3 +158,11 @@ def test_a_free_metrics_port_is_drawn_again_when_an_earlier_child_holds_it(monke
             stack._metrics_port("decode-2", 9101, "worker.metrics_port")
     finally:
         stack.stop()
+
+
+def test_gateways_sharing_a_port_need_a_fixed_one():
+    with pytest.raises(ValueError, match="up.num_gateways"):
+        UpOptions(host="127.0.0.1", port=0, num_prefill=1, num_decode=1, redis_url=None,
+                  num_gateways=2)
+    assert UpOptions(host="127.0.0.1", port=0, num_prefill=1, num_decode=1,
+                     redis_url=None).num_gateways == 1
