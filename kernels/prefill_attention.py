@@ -44,16 +44,15 @@ def _find_sequence(Query_start_loc, tile_idx, num_seqs, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
-def _attend_keys(q, kv, lo, hi, kv_end, q_pos, window, state, qk_scale, cap_log2,
+def _attend_keys(q, K_cache, V_cache, table_row, kv_head, stride_b, stride_s, stride_h, lo, hi,
+                 kv_end, q_pos, window, m_i, l_i, acc, qk_scale, cap_log2,
                  BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                  BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
                  SOFTCAP: tl.constexpr, MASKED: tl.constexpr, SLIDING: tl.constexpr):
-    """Fold the key tiles ``lo, lo + BLOCK_N, .. < hi`` into ``state`` (m_i, l_i, acc);
-    ``MASKED``: apply the causal (and window) mask of ``q_pos`` and ``kv_end``, else every
-    query sees every key of these tiles. kv: (K_cache, V_cache, the sequence's block-table row,
-    KV head, the caches' block, slot and head strides)."""
-    K_cache, V_cache, table_row, kv_head, stride_b, stride_s, stride_h = kv
-    m_i, l_i, acc = state
+    """Fold the key tiles ``lo, lo + BLOCK_N, .. < hi`` of one sequence's KV head (its
+    block-table row ``table_row``; the caches' block, slot and head strides) into the running
+    (m_i, l_i, acc); ``MASKED``: apply the causal (and window) mask of ``q_pos`` and
+    ``kv_end``, else every query sees every key of these tiles."""
     for n0 in range(lo, hi, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         kv_offsets, kv_mask = kv_tile_offsets(table_row, pos, kv_end, kv_head, stride_b,
@@ -115,14 +114,14 @@ def _prefill_kernel(
         full_end = kv_start
     else:
         full_end = tl.minimum(ctx_len + tile * BLOCK_Q + 1, kv_end) // BLOCK_N * BLOCK_N
-    state = (m_i, l_i, acc)
-    kv = (K_cache, V_cache, table_row, kv_head, stride_b, stride_s, stride_h)
-    state = _attend_keys(q, kv, kv_start, full_end, kv_end, q_pos, window, state, qk_scale,
-                         cap_log2, BLOCK_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, PRECISION, UPCAST_DOT,
-                         SOFTCAP, False, SLIDING)
-    m_i, l_i, acc = _attend_keys(q, kv, full_end, kv_end, kv_end, q_pos, window, state,
-                                 qk_scale, cap_log2, BLOCK_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N,
-                                 PRECISION, UPCAST_DOT, SOFTCAP, True, SLIDING)
+    m_i, l_i, acc = _attend_keys(
+        q, K_cache, V_cache, table_row, kv_head, stride_b, stride_s, stride_h, kv_start,
+        full_end, kv_end, q_pos, window, m_i, l_i, acc, qk_scale, cap_log2, BLOCK_SIZE,
+        HEAD_DIM, BLOCK_D, BLOCK_N, PRECISION, UPCAST_DOT, SOFTCAP, False, SLIDING)
+    m_i, l_i, acc = _attend_keys(
+        q, K_cache, V_cache, table_row, kv_head, stride_b, stride_s, stride_h, full_end,
+        kv_end, kv_end, q_pos, window, m_i, l_i, acc, qk_scale, cap_log2, BLOCK_SIZE,
+        HEAD_DIM, BLOCK_D, BLOCK_N, PRECISION, UPCAST_DOT, SOFTCAP, True, SLIDING)
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     out = Out + (q_start + tok)[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
     tl.store(out, (acc / l_safe[:, None]).to(Out.dtype.element_ty), mask=row_mask)
