@@ -210,14 +210,15 @@ class Stack:
         self.gateway_ports.add(port)
         first = not any(c.argv[:len(serve)] == serve for c in self.children)
         http_off = [] if first or shared else ["--http-port", "0"]
-        metrics = ["--gateway-reuse-port"] if shared else []
+        reuse = ["--gateway-reuse-port"] if shared else []
+        metrics = []
         if first and g.http_port and not shared:
             self.metrics_targets[name] = f"{self.opts.host}:{g.http_port}"
         else:  # /metrics on a port of its own
-            metrics += ["--gateway-metrics-port",
-                        str(self._metrics_port(name, g.metrics_port, "gateway.metrics_port"))]
+            metrics = ["--gateway-metrics-port",
+                       str(self._metrics_port(name, g.metrics_port, "gateway.metrics_port"))]
         return self._add(name, [*serve, "--port", str(port), *self.opts.gateway_args, *http_off,
-                                *metrics, *extra_args])
+                                *reuse, *metrics, *extra_args])
 
     def _metrics_port(self, name: str, configured: int, setting: str) -> int:
         """The /metrics port of child ``name``: ``configured``, or a free one when it is 0 (kept

@@ -17,6 +17,7 @@ import pytest
 from services.api import gateway_pb2_grpc
 from services.runtime.launcher import Stack
 from tests.integration.conftest import http_stack_with, wait_until
+from tests.integration.test_prometheus import gateway_samples
 from tests.integration.test_stack import chat_request
 from tests.reference import CHAT_PROMPTS, hf_greedy_outputs
 
@@ -48,10 +49,7 @@ def scrape(address: str, path: str = "/metrics") -> tuple[int, str]:
 
 def requests_ok(address: str) -> float:
     """The gateway's ``tandem:requests_total{code="OK"}`` (gRPC and HTTP alike)."""
-    for line in scrape(address)[1].splitlines():
-        if line.startswith("tandem:requests_total{") and 'code="OK"' in line:
-            return float(line.rsplit(" ", 1)[1])
-    raise AssertionError(f"no OK request counter at {address}")
+    return gateway_samples(f"http://{address}")[("tandem:requests_total", "OK")]
 
 
 async def grpc_answer(address: str, prompt: str) -> tuple[list[int], str]:
