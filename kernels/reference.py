@@ -22,9 +22,13 @@ def write_kv_cache(
 ) -> None:
     """Scatter new K/V (``[num_tokens, num_kv_heads, head_dim]``) into their cache slots.
 
-    slot_mapping: ``[num_tokens]`` int64, ``block_id * block_size + offset``.
+    slot_mapping: ``[num_tokens]`` int64, ``block_id * block_size + offset``; -1: the token
+    is not written (a CUDA graph's padding rows), as the Triton kernels skip it.
     """
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    if len(slot_mapping) and int(slot_mapping.min()) < 0:
+        keep = slot_mapping >= 0
+        k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
     k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
 
@@ -156,6 +160,8 @@ def paged_prefill_attention(
     bs = k_cache.shape[1]
     for i in range(len(query_start_loc) - 1):
         start, end = int(query_start_loc[i]), int(query_start_loc[i + 1])
+        if start == end:  # a sequence with no query token this step (a CUDA graph's padding)
+            continue
         seq_len = int(seq_lens[i])
         first_block = 0
         if sliding_window is not None:  # the chunk's first query sees nothing before this

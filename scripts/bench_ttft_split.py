@@ -19,7 +19,11 @@ and what the prefill worker reported) splits its TTFT into
 
 Prints the median of each part per prompt length and writes JSON (``--out``).
 
-    python -m scripts.bench_ttft_split [--tokens 128 512 2048 8064] [--repeats 8]
+    python -m scripts.bench_ttft_split [--tokens 128 512 2048 8064] [--repeats 8] \
+        [--engine-args=--enforce-eager]
+
+``--engine-args``: flags of both workers (on a GPU, ``--enforce-eager`` launches prefill steps
+from Python instead of replaying them from CUDA graphs: run both to compare).
 """
 from __future__ import annotations
 
@@ -28,6 +32,7 @@ import asyncio
 import json
 import platform
 import random
+import shlex
 import statistics
 from pathlib import Path
 
@@ -84,10 +89,11 @@ def main() -> None:
     p.add_argument("--tokens", type=int, nargs="+", default=[128, 512, 2048, 8064])
     p.add_argument("--repeats", type=int, default=8)
     p.add_argument("--vocab", type=int, default=49152, help="token ids are drawn below this")
+    p.add_argument("--engine-args", default="", help="worker flags, e.g. --engine-args=--enforce-eager")
     p.add_argument("--out", type=Path, default=Path("bench-results/ttft_split.json"))
     args = p.parse_args()
     stack = Stack(UpOptions(host="127.0.0.1", port=free_port(), num_prefill=1, num_decode=1,
-                            redis_url=None,
+                            redis_url=None, worker_args=shlex.split(args.engine_args),
                             gateway_args=["--http-port", "0", "--pd-threshold-tokens", "0"],
                             ready_timeout_s=600))
     try:
@@ -104,7 +110,7 @@ def main() -> None:
         print(f"{n:>7} {m['ttft']:>9.1f} " + " ".join(f"{m[k]:>15.1f}" for k in PARTS))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"machine": platform.machine(), "tokens": args.tokens,
-                                    "repeats": args.repeats, "medians": medians, "rows": rows},
+                                    "engine_args": args.engine_args, "repeats": args.repeats, "medians": medians, "rows": rows},
                                    indent=2) + "\n")
     print(f"wrote {args.out}")
 

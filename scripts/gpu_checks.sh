@@ -167,8 +167,12 @@ else  # c: (carries .whl and .gpu/stack; stage b's joined GGUF must still be the
     stack_deps
     step gpu_stack 240 python3 -m pytest -q -p no:cacheprovider tests/integration/test_gpu_stack.py
     ran gpu_stack && { tail -3 "$OUT/gpu_stack.log"; grep -E "^(FAILED|ERROR|E )" "$OUT/gpu_stack.log" | head -20; }
+    # prefill steps from CUDA graphs (the default) against eager ones, one after the other
     step ttft_split 150 env TANDEM_DEVICE=cuda TANDEM_DTYPE=bfloat16 python3 -m scripts.bench_ttft_split --out "$OUT/ttft_split.json"
     ran ttft_split && tail -9 "$OUT/ttft_split.log"
+    step ttft_split_eager 100 env TANDEM_DEVICE=cuda TANDEM_DTYPE=bfloat16 python3 -m scripts.bench_ttft_split --tokens 128 512 2048 --repeats 4 \
+        --engine-args=--enforce-eager --out "$OUT/ttft_split_eager.json"
+    ran ttft_split_eager && tail -9 "$OUT/ttft_split_eager.log"
     step kv_sizing 45 python3 -c 'import torch; from services.engine.engine import EngineConfig, LLMEngine
 e = LLMEngine(EngineConfig(device="cuda", dtype="bfloat16"))
 print("free/total GiB", [x / 2**30 for x in torch.cuda.mem_get_info()], "kv blocks", e.block_manager.num_free_blocks)'

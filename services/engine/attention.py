@@ -47,9 +47,14 @@ class AttentionMetadata:
         int32)."""
         self._query_start_loc_t = t
 
+    def set_max_query_len(self, n: int) -> None:
+        """Bound ``max_query_len`` by ``n`` tokens instead (a CUDA graph's prefill bucket: the
+        attention grid must not depend on the step)."""
+        self._max_query_len = n
+
     @property
     def max_query_len(self) -> int:
-        """The longest query chunk of the step, in tokens."""
+        """The longest query chunk of the step, in tokens (or the bound set for it)."""
         if self._max_query_len is None:
             locs = self.query_start_loc
             self._max_query_len = max((b - a for a, b in zip(locs, locs[1:])), default=0)

@@ -1,23 +1,38 @@
-"""Decode steps replayed from CUDA graphs, one graph per batch-size bucket (vLLM's cudagraph
-capture sizes: 1, 2, 4, then every multiple of 8 up to ``max_num_seqs``).
+"""Steps replayed from CUDA graphs: decode steps, one graph per batch-size bucket (vLLM's
+cudagraph capture sizes: 1, 2, 4, then every multiple of 8 up to ``max_num_seqs``), and
+prefill steps, one graph per token-count bucket (16, 32, 48, 64, 96, 128, ... up to 2,048).
 
-A decode step of the built-in model is ~300 kernel launches; launching them from Python costs
-more CPU time than the GPU spends running them at small batches. A CUDA graph records the
-step's launches once and replays them with one call (NVIDIA's CUDA graphs; PyTorch's
-``torch.cuda.CUDAGraph``). The graph reads its inputs from static device buffers (input ids,
-positions, slot mapping, sequence lengths, block tables at the model's full width), so a step
+A forward pass of the built-in model is ~300 kernel launches; launching them from Python costs
+more CPU time than the GPU spends running them, at small batches and on prompts of up to a
+few thousand tokens alike (a 128-token prompt's eager prefill took ~23 ms on an H100, almost
+all of it the host's: docs/benchmarks.md, GPU). A CUDA graph records the step's launches
+once and replays them with one call (NVIDIA's CUDA graphs; PyTorch's ``torch.cuda.CUDAGraph``).
+The graph reads its inputs from static device buffers (input ids, positions, slot mapping,
+sequence lengths, query start offsets, block tables at the model's full width), so a step
 copies its inputs into them (``stage``: one host-to-device copy) and replays the graph of the
-smallest bucket that holds its batch.
+smallest bucket that holds it.
 
-Rows past the batch (the bucket's padding) repeat the batch's first row: they write the same
-K/V values into the same slot and attend to the same context, so they change nothing and need
-no special slot id in the kernels. Prefill and mixed steps run eagerly (their shapes vary too
-much to capture). ``capture=False`` runs the same padded buffers eagerly: the same code path
-without a GPU, for tests.
+Decode graphs: rows past the batch (the bucket's padding) repeat the batch's first row: they
+write the same K/V values into the same slot and attend to the same context, so they change
+nothing and need no special slot id in the kernels.
+
+Prefill graphs (steps without decode rows, as a prefill worker's are; vLLM captures such steps
+too, in its piecewise and full graph modes): a bucket of ``T`` tokens holds up to ``min(T,
+max_num_seqs)`` sequences. Token rows past the step's write no K/V (slot -1, which the cache
+write skips) and belong to no sequence; sequences past the step's have no query token (their
+start offset is the step's token count), so the attention kernel gives them no work. The
+attention grid is the bucket's (``max_query_len`` = T, every sequence slot); a sequence's
+result does not depend on it (the same key tiles in the same order; a tile past a query's
+position adds exact zeros). Steps with decode rows and prefill chunks together (a unified
+worker's mixed steps), and prefill steps of more tokens than the largest bucket, run eagerly.
+
+``capture=False`` runs the same padded buffers eagerly: the same code path without a GPU, for
+tests.
 """
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -27,154 +42,268 @@ from .input_batch import ModelInputs
 
 log = logging.getLogger(__name__)
 
+DECODE, PREFILL = "decode", "prefill"
+GraphKey = tuple[str, int]  # (DECODE, batch size) or (PREFILL, tokens)
+PREFILL_GRAPH_MAX_TOKENS = 2048  # larger prefill steps run eagerly: their GPU time dominates
+
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
-    """Batch sizes that get a graph: 1, 2, 4, then multiples of 8, up to ``max_num_seqs``
-    (which is always included)."""
+    """Batch sizes that get a decode graph: 1, 2, 4, then multiples of 8, up to
+    ``max_num_seqs`` (which is always included)."""
     sizes = [s for s in (1, 2, 4) if s < max_num_seqs]
     sizes += list(range(8, max_num_seqs, 8))
     return sizes + [max_num_seqs]
 
 
+def prefill_capture_sizes(max_tokens: int) -> list[int]:
+    """Token counts that get a prefill graph: 16, 32, then each power of two and the midpoint
+    above it (48, 64, 96, 128, 192, ...: a step pads by less than half), up to ``max_tokens``
+    capped at ``PREFILL_GRAPH_MAX_TOKENS`` (the cap is always included)."""
+    top = min(max_tokens, PREFILL_GRAPH_MAX_TOKENS)
+    sizes, p = [16], 32
+    while p < top:
+        sizes += [s for s in (p, p + p // 2) if s < top]
+        p *= 2
+    return [s for s in sizes if s < top] + [top]
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """Where one graph's inputs sit in the flat int64 buffer: each field's (offset, length) in
+    int64 entries (``query_start_loc`` holds int32 pairs), then the step's block tables as
+    staged (``[seqs, width]``, the width of the step); the graph reads its block tables from
+    the shared full-width area after every layout's staging area."""
+
+    tokens: int  # token rows of the graph
+    seqs: int  # sequence slots of the graph
+    fields: dict[str, tuple[int, int]]
+    tables: int  # offset of the staged block tables
+
+    @classmethod
+    def of(cls, kind: str, tokens: int, seqs: int) -> "_Layout":
+        lengths = {"input_ids": tokens, "positions": tokens, "slot_mapping": tokens,
+                   "seq_lens": seqs, "logits_indices": seqs}
+        if kind == PREFILL:
+            lengths["query_start_loc"] = (seqs + 2) // 2  # seqs + 1 int32
+        fields, offset = {}, 0
+        for name, n in lengths.items():
+            fields[name] = (offset, n)
+            offset += n
+        return cls(tokens, seqs, fields, offset)
+
+    def staging_size(self, max_blocks: int) -> int:
+        return self.tables + self.seqs * max_blocks
+
+
 class CUDAGraphRunner:
-    """Runs decode-only steps of ``model`` on padded static buffers, from captured graphs.
+    """Runs decode-only and prefill-only steps of ``model`` on padded static buffers, from
+    captured graphs.
 
     ``kv_cache``: the engine's ``[num_layers, 2, num_blocks, block_size, kv_heads,
-    head_dim]`` tensor; ``max_blocks``: block-table columns of the longest sequence.
+    head_dim]`` tensor; ``max_blocks``: block-table columns of the longest sequence;
+    ``max_prefill_tokens``: the most tokens of a prefill step (``max_num_batched_tokens``,
+    at most ``max_blocks`` blocks of tokens; 0: no prefill graphs).
 
     The buffers are one flat int64 device tensor: a staging area, then the block tables
-    (``[max_num_seqs, max_blocks]``). The graph of batch size ``s`` reads its input ids,
-    positions, slot mapping, sequence lengths and rows to sample (``[s]`` each) from the
-    staging area's first ``5 * s`` entries, and its block tables from the first ``s`` rows.
-    ``stage`` fills them with one host-to-device copy of a pinned buffer into the staging area
-    (the block tables at the step's width, after the other inputs) and one device copy that
-    spreads the block tables into their rows; the step's input ids come from the device where
-    they are the step before's samples. Before, a step copied each input into its own buffer,
-    and its padding apart: ~10 copies and ~30 tensor views, each a host call of microseconds
-    (with async scheduling the host's time is what bounds a step at batch 64 on an H100).
+    (``[max_seqs, max_blocks]``). Each graph reads its fields from the staging area
+    (``_Layout``) and its block tables from the first rows of the table area. ``stage`` fills
+    them with one host-to-device copy of a pinned buffer into the staging area (the block
+    tables at the step's width, after the other inputs) and one device copy that spreads the
+    block tables into their rows; a decode step's input ids come from the device where they
+    are the step before's samples. Before, a step copied each input into its own buffer, and
+    its padding apart: ~10 copies and ~30 tensor views, each a host call of microseconds (with
+    async scheduling the host's time is what bounds a step at batch 64 on an H100).
     """
 
-    FIELDS = ("input_ids", "positions", "slot_mapping", "seq_lens", "logits_indices")
-
     def __init__(self, model, kv_cache: torch.Tensor, max_num_seqs: int, max_blocks: int,
-                 capture: bool = True) -> None:
+                 max_prefill_tokens: int = 0, capture: bool = True) -> None:
         self.model, self.kv_cache = model, kv_cache
+        self.max_blocks, self.max_num_seqs = max_blocks, max_num_seqs
+        block_size = kv_cache.shape[3]
         self.sizes = capture_sizes(max_num_seqs)
-        self.max_blocks = max_blocks
-        n, device = self.sizes[-1], kv_cache.device
-        self.staging_size = n * (len(self.FIELDS) + max_blocks)
-        self.buffer = torch.zeros(self.staging_size + n * max_blocks, dtype=torch.int64,
+        self.prefill_sizes = (prefill_capture_sizes(min(max_prefill_tokens, max_blocks * block_size))
+                              if max_prefill_tokens else [])
+        self.layouts: dict[GraphKey, _Layout] = {
+            (DECODE, s): _Layout.of(DECODE, s, s) for s in self.sizes}
+        self.layouts.update({(PREFILL, t): _Layout.of(PREFILL, t, min(t, max_num_seqs))
+                             for t in self.prefill_sizes})
+        device = kv_cache.device
+        self.staging_size = max(lay.staging_size(max_blocks) for lay in self.layouts.values())
+        max_seqs = max(lay.seqs for lay in self.layouts.values())
+        self.buffer = torch.zeros(self.staging_size + max_seqs * max_blocks, dtype=torch.int64,
                                   device=device)
-        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
-        self.views = {size: self._views(size) for size in self.sizes}
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.query_start_loc = torch.arange(max_num_seqs + 1, dtype=torch.int32, device=device)
+        self.views = {key: self._views(key) for key in self.layouts}
+        self.graphs: dict[GraphKey, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         if capture:
             self.capture()
 
-    def _views(self, size: int) -> dict[str, torch.Tensor]:
-        """The inputs of the graph of batch ``size``: views of ``buffer`` (the class
-        docstring's layout)."""
-        views = {name: self.buffer[i * size:(i + 1) * size] for i, name in enumerate(self.FIELDS)}
-        views["block_tables"] = self.buffer[self.staging_size:].view(-1, self.max_blocks)[:size]
+    def _views(self, key: GraphKey) -> dict[str, torch.Tensor]:
+        """The inputs of graph ``key``: views of ``buffer`` (``_Layout``)."""
+        lay = self.layouts[key]
+        views = {name: self.buffer[a:a + n] for name, (a, n) in lay.fields.items()}
+        if key[0] == PREFILL:
+            views["query_start_loc"] = views["query_start_loc"].view(torch.int32)[:lay.seqs + 1]
+        else:
+            views["query_start_loc"] = self.query_start_loc[:lay.seqs + 1]
+        views["block_tables"] = self.buffer[self.staging_size:].view(-1, self.max_blocks)[:lay.seqs]
         return views
 
-    def _forward(self, size: int) -> torch.Tensor:
-        """The model on the buffers of batch ``size`` (all decode rows)."""
-        v = self.views[size]
-        meta = AttentionMetadata(v["slot_mapping"], v["block_tables"], v["seq_lens"],
-                                 list(range(size + 1)), size)
-        meta.set_query_start_loc_tensor(self.query_start_loc[:size + 1])
+    def _forward(self, key: GraphKey, query_start_loc: list[int] | None = None) -> torch.Tensor:
+        """The model on the buffers of graph ``key``. ``query_start_loc``: the sequences' row
+        offsets on the host (a prefill graph's, padded; only the CPU's attention reads them:
+        the graph's kernels read the device copy, and its grid is the bucket's)."""
+        v, lay = self.views[key], self.layouts[key]
+        if key[0] == DECODE:
+            meta = AttentionMetadata(v["slot_mapping"], v["block_tables"], v["seq_lens"],
+                                     list(range(lay.seqs + 1)), lay.seqs)
+        else:
+            meta = AttentionMetadata(v["slot_mapping"], v["block_tables"], v["seq_lens"],
+                                     query_start_loc or [0] + [lay.tokens] * lay.seqs, 0)
+            meta.set_max_query_len(lay.tokens)
+        meta.set_query_start_loc_tensor(v["query_start_loc"])
         return self.model(v["input_ids"], v["positions"], self.kv_cache, meta)
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture a graph per size, largest first (the smaller ones reuse its memory pool),
-        each after two eager runs (Triton compiles, cuBLAS picks its kernels). The buffers
-        hold zeros meanwhile (sequence lengths 1): every run writes block 0's first slot,
-        which holds no request's KV before serving starts."""
+        """Capture a graph per bucket, the most tokens first (the smaller ones reuse its
+        memory pool), each after two eager runs (Triton compiles, cuBLAS picks its kernels).
+        Meanwhile a decode graph's buffers hold zeros (sequence lengths 1: every run writes
+        block 0's first slot, which holds no request's KV before serving starts) and a prefill
+        graph's one sequence of all its tokens, writing nothing (slot -1) and reading block 0."""
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            for size in reversed(self.sizes):
-                self.buffer.zero_()
-                self.views[size]["seq_lens"].fill_(1)
+            for key in sorted(self.layouts, key=lambda k: -self.layouts[k].tokens):
+                self._fill_for_capture(key)
                 for _ in range(2):
-                    self._forward(size)
+                    self._forward(key)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    out = self._forward(size)
-                self.graphs[size] = (graph, out)
+                    out = self._forward(key)
+                self.graphs[key] = (graph, out)
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
-        log.info("captured %d CUDA graphs of decode steps (batch sizes %s)", len(self.graphs),
-                 ",".join(map(str, self.sizes)))
+        log.info("captured %d CUDA graphs: decode steps of batch sizes %s, prefill steps of %s "
+                 "tokens", len(self.graphs), ",".join(map(str, self.sizes)),
+                 ",".join(map(str, self.prefill_sizes)) or "no")
+
+    def _fill_for_capture(self, key: GraphKey) -> None:
+        self.buffer.zero_()
+        v, lay = self.views[key], self.layouts[key]
+        if key[0] == DECODE:
+            v["seq_lens"].fill_(1)
+            return
+        v["positions"].copy_(torch.arange(lay.tokens))
+        v["slot_mapping"].fill_(-1)
+        v["seq_lens"][0] = lay.tokens
+        v["query_start_loc"][1:] = lay.tokens
 
     def bucket(self, num_seqs: int) -> int | None:
-        """The smallest capture size that holds ``num_seqs``, or None."""
+        """The smallest decode capture size that holds ``num_seqs``, or None."""
         return next((s for s in self.sizes if s >= num_seqs), None)
 
-    def stage(self, arrays: dict[str, np.ndarray], ahead_ids: torch.Tensor | None,
-              ) -> tuple[int, dict[str, torch.Tensor]] | None:
-        """Copy a decode-only step's inputs into the buffers of the smallest graph that holds
-        it; returns that batch size and the inputs as views of the buffers (what
-        ``InputBatch.prepare`` would have sent: ``[n]`` each, block tables ``[n, width]``,
-        ``query_start_loc`` ``[n + 1]`` int32), or None when no graph holds the batch.
+    def prefill_bucket(self, num_tokens: int) -> int | None:
+        """The smallest prefill capture size that holds ``num_tokens``, or None."""
+        return next((s for s in self.prefill_sizes if s >= num_tokens), None)
 
-        ``arrays`` (``InputBatch.prepare``'s, host): ``positions``, ``slot_mapping``,
-        ``seq_lens``, ``logits_indices`` (``[<= n]``), ``block_tables`` ``[n, width]`` and,
-        for the rows after the first ``len(ahead_ids)``, ``input_ids``; ``ahead_ids``: the
-        first rows' input ids on the device (``[k]`` int64; async scheduling). Rows past the
-        batch repeat its first row (module docstring). One pinned host buffer and one
-        asynchronous copy (the caching host allocator keeps the buffer until the copy ran),
-        one device copy for the block tables, one for ``ahead_ids`` (and one for their
-        padding)."""
-        n = arrays["seq_lens"].shape[0]
-        size = self.bucket(n)
+    def stage(self, arrays: dict[str, np.ndarray], ahead_ids: torch.Tensor | None,
+              ) -> tuple[GraphKey, dict[str, torch.Tensor]] | None:
+        """Copy a decode-only or prefill-only step's inputs into the buffers of the smallest
+        graph that holds it; returns that graph's key and the inputs as views of the buffers
+        (what ``InputBatch.prepare`` would have sent: ``[n]`` each per token or sequence,
+        block tables ``[m, width]``, ``query_start_loc`` ``[m + 1]`` int32), or None when no
+        graph holds the step.
+
+        ``arrays`` (``InputBatch.prepare``'s, host): ``positions``, ``slot_mapping``
+        (``[n]``), ``seq_lens`` (``[m]``), ``logits_indices`` (``[<= m]``), ``block_tables``
+        ``[m, width]``, ``query_start_loc`` (``[m + 1]``; a step of as many tokens as
+        sequences is decode-only, any other is given here only without decode rows) and, for
+        the rows after the first ``len(ahead_ids)``, ``input_ids``; ``ahead_ids``: a decode
+        step's first rows' input ids on the device (``[k]`` int64; async scheduling). Padding
+        as the module docstring says. One pinned host buffer and one asynchronous copy (the
+        caching host allocator keeps the buffer until the copy ran), one device copy for the
+        block tables, one for ``ahead_ids`` (and one for their padding)."""
+        n, m = arrays["positions"].shape[0], arrays["seq_lens"].shape[0]
+        decode = n == m
+        size = self.bucket(n) if decode else self.prefill_bucket(n)
         if size is None or n == 0:
             return None
+        key = (DECODE if decode else PREFILL, size)
+        lay = self.layouts[key]
         k = 0 if ahead_ids is None else ahead_ids.shape[0]
-        tables = arrays["block_tables"]
-        width, num_fields = tables.shape[1], len(self.FIELDS)
-        total = size * (num_fields + width)
+        tables, sampled = arrays["block_tables"], arrays["logits_indices"]
+        width = tables.shape[1]
+        rows = lay.seqs if decode else m  # block-table rows staged (decode: with padding)
+        total = lay.tables + rows * width
         host = torch.empty(total, dtype=torch.int64, pin_memory=self.buffer.is_cuda)
         h = host.numpy()
-        fields = h[:num_fields * size].reshape(num_fields, size)
-        if k < n:
-            fields[0, k:n] = arrays["input_ids"]
-        for i, name in enumerate(self.FIELDS[1:4], 1):
-            fields[i, :n] = arrays[name]
-        fields[:4, n:] = fields[:4, :1]  # padding: the first row (its input id too if known)
-        sampled = arrays["logits_indices"]
-        fields[4, :sampled.shape[0]] = sampled
-        staged_tables = h[num_fields * size:].reshape(size, width)
-        staged_tables[:n] = tables
-        staged_tables[n:] = tables[0]
+        staged_tables = h[lay.tables:total].reshape(rows, width)
+        staged_tables[:m] = tables
+        if decode:  # the fields are 5 rows of ``size``; padding: the first row
+            fields = h[:lay.tables].reshape(5, size)
+            if k < n:
+                fields[0, k:n] = arrays["input_ids"]
+            for i, name in enumerate(("positions", "slot_mapping", "seq_lens"), 1):
+                fields[i, :n] = arrays[name]
+            fields[:4, n:] = fields[:4, :1]  # its input id too if known
+            fields[4, :sampled.shape[0]] = sampled
+            staged_tables[m:] = tables[0]
+        else:
+            self._fill_prefill(h, lay, arrays, n, m)
         self.buffer[:total].copy_(host, non_blocking=True)
-        v = self.views[size]
+        v = self.views[key]
         # columns past ``width`` keep earlier steps' block ids, which no row reads (its
-        # sequence length bounds it)
-        v["block_tables"][:, :width].copy_(self.buffer[num_fields * size:total].view(size, width))
+        # sequence length bounds it); so do a prefill graph's rows past the step's
+        v["block_tables"][:rows, :width].copy_(self.buffer[lay.tables:total].view(rows, width))
         if k:
             v["input_ids"][:k].copy_(ahead_ids)
             if size > n:
                 v["input_ids"][n:].copy_(ahead_ids[:1].expand(size - n))
-        t = {name: v[name][:n] for name in self.FIELDS[:4]} if n < size else dict(v)
-        t["block_tables"] = v["block_tables"][:n, :width]
+        if n == size and m == lay.seqs:  # a decode step that fills its bucket
+            t = dict(v)
+        else:
+            t = {name: v[name][:n] for name in ("input_ids", "positions", "slot_mapping")}
+            t["seq_lens"], t["query_start_loc"] = v["seq_lens"][:m], v["query_start_loc"][:m + 1]
+        t["block_tables"] = v["block_tables"][:m, :width]
         t["logits_indices"] = v["logits_indices"][:sampled.shape[0]]
-        t["query_start_loc"] = self.query_start_loc[:n + 1]
-        return size, t
+        return key, t
+
+    @staticmethod
+    def _fill_prefill(h: np.ndarray, lay: _Layout, arrays: dict[str, np.ndarray], n: int,
+                      m: int) -> None:
+        """A prefill step's fields in the host buffer ``h``; padding: tokens of no sequence
+        writing nothing (slot -1), sequences of no token (offset ``n``, length 0)."""
+        def field(name: str) -> np.ndarray:
+            a, length = lay.fields[name]
+            return h[a:a + length]
+
+        for name, pad in (("input_ids", 0), ("positions", 0), ("slot_mapping", -1)):
+            field(name)[:n] = arrays[name]
+            field(name)[n:] = pad
+        field("seq_lens")[:m] = arrays["seq_lens"]
+        field("seq_lens")[m:] = 0
+        sampled = arrays["logits_indices"]
+        field("logits_indices")[:sampled.shape[0]] = sampled
+        qsl = field("query_start_loc").view(np.int32)[:lay.seqs + 1]
+        qsl[:m + 1] = arrays["query_start_loc"]
+        qsl[m + 1:] = n
 
     @torch.inference_mode()
     def run(self, inputs: ModelInputs) -> torch.Tensor | None:
         """The hidden states ``[n, hidden]`` of a step whose inputs ``stage`` put in the
-        buffers (``inputs.graph_size``), from its graph; None for any other step."""
-        size = inputs.graph_size
-        if size is None:
+        buffers (``inputs.graph``), from its graph; None for any other step."""
+        key = inputs.graph
+        if key is None:
             return None
         n = inputs.input_ids.shape[0]
-        if size in self.graphs:
-            graph, out = self.graphs[size]
+        if key in self.graphs:
+            graph, out = self.graphs[key]
             graph.replay()
             return out[:n]
-        return self._forward(size)[:n]
+        qsl = None
+        if key[0] == PREFILL:  # run eagerly (capture=False): the CPU's attention reads these
+            qsl = inputs.attn.query_start_loc
+            qsl = qsl + [qsl[-1]] * (self.layouts[key].seqs + 1 - len(qsl))
+        return self._forward(key, qsl)[:n]

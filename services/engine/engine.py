@@ -150,7 +150,8 @@ class LLMEngine:
         if self.kv_cache.is_cuda and not config.enforce_eager:
             self.runner.graphs = CUDAGraphRunner(
                 model, self.kv_cache, config.max_num_seqs,
-                self.block_manager.blocks_needed(self.scheduler.config.max_model_len))
+                self.block_manager.blocks_needed(self.scheduler.config.max_model_len),
+                max_prefill_tokens=config.max_num_batched_tokens)
         self.metrics = EngineMetrics(max_model_len=self.max_model_len)
         self._faults = EngineFaults() if fault_injection else None
         self._prompt_logprobs: dict[str, list] = {}  # request id -> prompt logprobs so far

@@ -54,12 +54,12 @@ class ModelInputs:
     sampled_rows: list[int]  # batch rows that sample, aligned with logits_indices
     rows: np.ndarray  # [num_seqs] int64: each batch row's row in the InputBatch
     prompt_logprobs: PromptLogprobsPlan | None = None
-    graph_size: int | None = None  # the CUDA graph whose buffers hold these inputs (staged)
+    graph: tuple[str, int] | None = None  # the CUDA graph whose buffers hold these inputs
 
 
-# CUDAGraphRunner.stage: (host arrays, input ids on the device) -> (batch size, device inputs)
+# CUDAGraphRunner.stage: (host arrays, input ids on the device) -> (graph key, device inputs)
 Stage = Callable[[dict[str, np.ndarray], "torch.Tensor | None"],
-                 "tuple[int, dict[str, torch.Tensor]] | None"]
+                 "tuple[tuple[str, int], dict[str, torch.Tensor]] | None"]
 
 
 def to_device(arrays: dict[str, np.ndarray], device: torch.device) -> dict[str, torch.Tensor]:
@@ -275,9 +275,10 @@ class InputBatch:
         """The model's inputs for ``out``, on the batch's device. Rows are added for requests
         seen for the first time (``add``: its errors propagate).
 
-        ``stage`` (with CUDA graphs: ``CUDAGraphRunner.stage``): where a decode-only step's
-        inputs go instead of ``to_device``, its arrays and ``ahead_ids`` given; it returns the
-        graph's batch size and the inputs on the device, or None (``to_device`` then).
+        ``stage`` (with CUDA graphs: ``CUDAGraphRunner.stage``): where a decode-only or a
+        prefill-only step's inputs go instead of ``to_device``, its arrays and ``ahead_ids``
+        given; it returns the graph's key and the inputs on the device, or None (``to_device``
+        then). Steps with both decode rows and prefill chunks are not offered.
 
         ``ahead_ids`` (async scheduling): ``out`` decodes one token per request, and its first
         ``len(ahead_ids)`` requests' previous step is still running: their input tokens are
@@ -319,20 +320,21 @@ class InputBatch:
         if num_ahead < n:
             arrays["input_ids"] = self.token_ids[token_rows[num_ahead:],
                                                  positions[num_ahead:]].astype(np.int64)
-        graph_size, t = self._send(arrays, ahead_ids, stage if decode_only else None)
+        num_decode = n if decode_only else int(np.count_nonzero(num_new == 1))
+        graph, t = self._send(arrays, ahead_ids, stage if num_decode in (0, n) else None)
         attn = AttentionMetadata(t["slot_mapping"], t["block_tables"], t["seq_lens"],
-                                 query_start_loc.tolist(), int(np.count_nonzero(num_new == 1)))
+                                 query_start_loc.tolist(), num_decode)
         attn.set_query_start_loc_tensor(t["query_start_loc"])
         plan = None
         if (self.prompt_logprobs[rows] >= 0).any():
             plan = self._prompt_logprobs_plan(rows, order, computed, num_new, starts)
         return ModelInputs(t["input_ids"], t["positions"], attn, order.tolist(),
-                           t["logits_indices"], sampled.tolist(), rows, plan, graph_size)
+                           t["logits_indices"], sampled.tolist(), rows, plan, graph)
 
     def _send(self, arrays: dict[str, np.ndarray], ahead_ids: torch.Tensor | None,
-              stage: Stage | None) -> tuple[int | None, dict[str, torch.Tensor]]:
+              stage: Stage | None) -> tuple[tuple[str, int] | None, dict[str, torch.Tensor]]:
         """A step's arrays on the device: in a CUDA graph's buffers where ``stage`` takes them
-        (and that graph's batch size), else ``to_device``'s (and None); ``ahead_ids`` are the
+        (and that graph's key), else ``to_device``'s (and None); ``ahead_ids`` are the
         first rows' input ids (one token per request: rows in ``out.scheduled`` order)."""
         staged = stage(arrays, ahead_ids) if stage is not None else None
         if staged is not None:

@@ -90,7 +90,7 @@ class ModelRunner:
         self.input_batch = InputBatch(max_model_len, block_size, model.config.vocab_size,
                                       kv_cache.device, matchers=matchers)
         self.num_host_reads = 0  # device-to-host copies of sampled tokens (one per step)
-        self.graphs: CUDAGraphRunner | None = None  # decode steps from CUDA graphs (engine sets)
+        self.graphs: CUDAGraphRunner | None = None  # steps from CUDA graphs (the engine sets it)
 
     @torch.inference_mode()
     def forward(self, inputs: ModelInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -98,7 +98,7 @@ class ModelRunner:
         (possibly 0 rows), and the hidden states ``[m, hidden]`` the step's prompt logprobs
         are computed from (None: nobody asked)."""
         hidden = self.graphs.run(inputs) if self.graphs is not None else None
-        if hidden is None:  # not a decode step that a graph holds: eager
+        if hidden is None:  # not a step that a graph holds: eager
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.attn)
         plan = inputs.prompt_logprobs
         # every token samples (a decode step): the indices are 0..n-1, and gathering costs

@@ -103,3 +103,59 @@ def test_every_architecture_on_the_triton_path(arch, monkeypatch, tmp_path):
         assert (g - w).abs().max() <= 1e-4 * w.abs().max(), (g - w).abs().max()
     assert torch.equal(kv_got == 0, kv_want == 0)
     assert (kv_got - kv_want).abs().max() <= 1e-4 * kv_want.abs().max()
+
+
+PREFILL_STEPS = [  # (token ids, positions, slot mapping, block tables, seq lens, query start loc)
+    STEPS[0][:6],
+    # A's next 5 tokens after its 7 cached (block 6 joins its table), B's 3 after its 5
+    ([15, 16, 17, 18, 19, 21, 22, 23], [7, 8, 9, 10, 11, 5, 6, 7], [23, 24, 25, 26, 27, 5, 6, 7],
+     [[3, 5, 6], [0, 1, 0]], [12, 8], [0, 5, 8]),
+]
+
+
+def test_prefill_steps_through_a_cuda_graph_s_buffers_on_the_triton_path(monkeypatch):
+    """Two prefill steps (the second over both sequences' cached blocks) staged into a CUDA
+    graph's buffers (services/engine/cuda_graphs.py, run as a replay would but eagerly): the
+    bucket of 16 tokens, 4 and 8 padding rows, 2 padding sequences; the query offsets read as
+    int32 from the int64 buffer and the grid bounded by the bucket. The same hidden states as
+    the unpadded steps on the Triton path (to the matmuls' rounding, whose rows a CPU rounds
+    by the row count) and the same KV slots written: the padding rows write none."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from services.engine.cuda_graphs import PREFILL, CUDAGraphRunner
+
+    model = tiny_model()
+    monkeypatch.setattr(layer_ops, "_ops", lambda t: layer_ops._triton_layer_ops())
+    monkeypatch.setattr(model_module, "paged_attention", triton_attention)
+    results = []
+    for padded in (False, True):
+        kv = torch.zeros(2, 2, 16, 4, 2, 16, device=DEVICE)
+        graphs = CUDAGraphRunner(model, kv, max_num_seqs=4, max_blocks=4, max_prefill_tokens=16,
+                                 capture=False)
+        hidden = []
+        with torch.inference_mode():
+            for ids, pos, slots, tables, lens, qsl in PREFILL_STEPS:
+                if not padded:
+                    meta = AttentionMetadata(*(torch.tensor(x, device=DEVICE)
+                                               for x in (slots, tables, lens)), qsl, 0)
+                    hidden.append(model(torch.tensor(ids, device=DEVICE),
+                                        torch.tensor(pos, device=DEVICE), kv, meta).cpu())
+                    continue
+                arrays = {"input_ids": np.array(ids), "positions": np.array(pos),
+                          "slot_mapping": np.array(slots), "seq_lens": np.array(lens),
+                          "block_tables": np.array(tables),
+                          "logits_indices": np.array(qsl[1:]) - 1,
+                          "query_start_loc": np.array(qsl, np.int32)}
+                key, t = graphs.stage(arrays, None)
+                assert key == (PREFILL, 16)
+                step = SimpleNamespace(graph=key, input_ids=t["input_ids"],
+                                       attn=SimpleNamespace(query_start_loc=qsl))
+                hidden.append(graphs.run(step).cpu())
+        results.append((hidden, kv.cpu()))
+    (want, kv_want), (got, kv_got) = results
+    for w, g in zip(want, got):
+        assert g.shape == w.shape and (g - w).abs().max() <= 1e-5 * w.abs().max()
+    assert torch.equal(kv_got == 0, kv_want == 0)
+    assert (kv_got - kv_want).abs().max() <= 1e-5 * kv_want.abs().max()

@@ -99,3 +99,31 @@ def test_prefill_grid_covers_unaligned_offsets():
                             batch.seq_lens[7:], batch.query_start_loc_tensor()[7:], 1,
                             batch.scale, out=out, block_n=BLOCK_N)
     torch.testing.assert_close(out[7:], expected_prefill(batch)[7:], atol=ATOL[torch.float32], rtol=0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("window", [None, 7])
+def test_a_cuda_graph_s_padded_prefill_gives_the_same_bits(window, dtype):
+    """A prefill step as a CUDA graph's bucket runs it (services/engine/cuda_graphs.py):
+    padding rows after the step's tokens, padding sequences with no token and length 0, and
+    the grid bounded by the bucket (``max_query_len`` = its tokens: query tiles of 16 tokens
+    here where the step's own call, its longest chunk 8 tokens, takes 8). Each real row is
+    the same bits as the step's own call, and the padding rows are not written."""
+    chunks = [(0, 1), (5, 3), (16, 8), (31, 2), (9, 7)]
+    batch = make_paged_batch(chunks, 4, 2, HEAD_DIM, 16, dtype)
+    n, m = batch.q.shape[0], len(chunks)
+    tokens = 2 * n + 5
+    eager = paged_prefill_attention(batch.q, batch.k_cache, batch.v_cache, batch.block_tables,
+                                    batch.seq_lens, batch.query_start_loc_tensor(),
+                                    batch.max_query_len, batch.scale, sliding_window=window,
+                                    block_m=32, block_n=BLOCK_N)
+    q = torch.cat([batch.q, torch.randn(tokens - n, *batch.q.shape[1:]).to(batch.q)])
+    tables = torch.cat([batch.block_tables, batch.block_tables[:3].flip(1)])
+    seq_lens = torch.cat([batch.seq_lens, batch.seq_lens.new_zeros(3)])
+    locs = torch.tensor(batch.query_start_loc + [n] * 3, dtype=torch.int32, device=q.device)
+    out = torch.full_like(q, 7.0)
+    paged_prefill_attention(q, batch.k_cache, batch.v_cache, tables, seq_lens, locs, tokens,
+                            batch.scale, sliding_window=window, out=out, block_m=32,
+                            block_n=BLOCK_N)
+    assert torch.equal(out[:n], eager)
+    assert (out[n:] == 7.0).all()
