@@ -8,6 +8,10 @@ real stack (`tandem up`'s ``Stack``: gateway, workers, a private Redis) loaded b
 Workload (issue 15's): random prompts of ``--input-len`` tokens, outputs of 16-256 tokens
 (``--output-len`` 136, range ratio 0.88) with ``ignore_eos``, greedy, all requests sent at once
 under a concurrency cap; the single-stream run (concurrency 1) sends ``--single-stream-prompts``.
+``--dataset long-mix`` (issue 37's long-prompt mix) sends the built-in chat prompts (up to
+``--output-len`` tokens out) with, at probability ``--long-fraction``, a random prompt of
+``--long-input-range`` tokens (8k by default) and ``--output-len`` tokens out in their place:
+the long prefills that stall a unified worker's decode steps.
 Options (``--options``, comma-separated names, or ``all``):
 
 - ``disagg-1t``: 1 prefill + 1 decode worker, 1 thread each (the old default);
@@ -122,13 +126,22 @@ def free_port() -> int:
     return ports.free_port("127.0.0.1")
 
 
+def dataset_argv(args) -> list[str]:
+    """``bench serve``'s dataset flags for ``--dataset``."""
+    if args.dataset == "long-mix":
+        return ["--dataset", "long-mix", "--chat-max-tokens", str(args.output_len),
+                "--long-fraction", str(args.long_fraction), "--long-input-range",
+                args.long_input_range, "--long-output-len", str(args.output_len)]
+    return ["--dataset", "random", "--random-input-len", str(args.input_len),
+            "--random-output-len", str(args.output_len), "--random-range-ratio",
+            str(args.output_range_ratio)]
+
+
 def serve_argv(args, address: str, concurrency: int, out: Path, name: str) -> list[str]:
     n = args.single_stream_prompts if concurrency == 1 else args.num_prompts
     return ["--target", f"grpc://{address}", "--request-rate", "inf",
             "--max-concurrency", str(concurrency), "--num-prompts", str(n),
-            "--dataset", "random", "--random-input-len", str(args.input_len),
-            "--random-output-len", str(args.output_len), "--random-range-ratio",
-            str(args.output_range_ratio), "--num-warmups", "2", "--seed", str(args.seed),
+            *dataset_argv(args), "--num-warmups", "2", "--seed", str(args.seed),
             "--percentiles", "50,90,99", "--time-limit", str(args.time_limit),
             "--disable-progress", "--result-dir", str(out), "--result-name", name,
             "--client-processes", str(min(args.client_processes, concurrency, n)),
@@ -183,6 +196,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--input-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=136)
     p.add_argument("--output-range-ratio", type=float, default=0.88, help="136 +- 88%%: 16-256")
+    p.add_argument("--dataset", choices=("random", "long-mix"), default="random")
+    p.add_argument("--long-fraction", type=float, default=0.1,
+                   help="long-mix: share of requests that are long random prompts")
+    p.add_argument("--long-input-range", default="7936:8064", help="long-mix: LO:HI tokens")
     p.add_argument("--engine-args", default="--quantization auto",
                    help="worker flags of every option (the quantized default model by default)")
     p.add_argument("--time-limit", type=float, default=900.0, help="seconds per bench serve run")
@@ -215,6 +232,8 @@ def main(argv: list[str] | None = None) -> int:
     print_table(results, args.concurrency)
     summary = {"usable_cores": cores, "auto_layout": auto.describe(), "auto_reason": auto.reason,
                "engine_args": args.engine_args, "workload": {
+                   "dataset": args.dataset, "long_fraction": args.long_fraction,
+                   "long_input_range": args.long_input_range,
                    "input_len": args.input_len, "output_len": args.output_len,
                    "output_range_ratio": args.output_range_ratio, "num_prompts": args.num_prompts,
                    "single_stream_prompts": args.single_stream_prompts},

@@ -13,7 +13,8 @@
 #            the prefill kernel's tuning), the CUDA IPC handoff tests and the handoff benchmark
 #            (none needs the model).
 #   stage stack: carries .whl and .gpu/stack (see there): the served stack, unified against P/D,
-#            and (step gateways, a call of its own) one gateway process against four.
+#            and (steps gateways and long_mix, each a call of its own) one gateway process
+#            against four, and unified against P/D on issue 37's long-prompt mix.
 # STEPS="name ..." runs only the named steps of a stage (the names below), so a short lease spends
 # its minutes on what changed. `scripts/gpu_checks.sh b; scripts/gpu_checks.sh c` in one call.
 # .whl: cp312 manylinux wheels of the packages the GPU image lacks or has too old: pydantic(-core,
@@ -163,6 +164,14 @@ shutil.copy("/tmp/config.json", "/tmp/smol/config.json")' || exit 1
         --grpc-channels 4 --result-dir /tmp/gateways
     cp /tmp/gateways/layout.json "$OUT/gateways.json" 2>/dev/null
     ran gateways && { grep -E "^(option|unified|disagg|auto)|Error|error" "$OUT/gateways.log" | tail -20; }
+    # issue 37's long-prompt mix: chats with 8k-token random prompts among them (a tenth),
+    # unified against P/D. Only when named, in a call of its own: `STEPS=long_mix
+    # scripts/gpu_checks.sh stack`
+    [[ " ${STEPS:-} " == *" long_mix "* ]] && step long_mix 400 python3 -m scripts.bench_layout --options unified,disagg-1t \
+        --dataset long-mix --concurrency 1,16,64 --num-prompts 128 --single-stream-prompts 8 \
+        --output-len 128 --engine-args "" --time-limit 60 --result-dir /tmp/long_mix
+    cp /tmp/long_mix/layout.json "$OUT/long_mix.json" 2>/dev/null
+    ran long_mix && { grep -E "^(option|unified|disagg|auto)|Error|error" "$OUT/long_mix.log" | tail -20; }
 else  # c: (carries .whl and .gpu/stack; stage b's joined GGUF must still be there)
     stack_deps
     step gpu_stack 240 python3 -m pytest -q -p no:cacheprovider tests/integration/test_gpu_stack.py
