@@ -241,14 +241,8 @@ class CUDAGraphRunner:
         h = host.numpy()
         staged_tables = h[lay.tables:total].reshape(rows, width)
         staged_tables[:m] = tables
-        if decode:  # the fields are 5 rows of ``size``; padding: the first row
-            fields = h[:lay.tables].reshape(5, size)
-            if k < n:
-                fields[0, k:n] = arrays["input_ids"]
-            for i, name in enumerate(("positions", "slot_mapping", "seq_lens"), 1):
-                fields[i, :n] = arrays[name]
-            fields[:4, n:] = fields[:4, :1]  # its input id too if known
-            fields[4, :sampled.shape[0]] = sampled
+        if decode:
+            self._fill_decode(h[:lay.tables].reshape(5, size), arrays, n, k)
             staged_tables[m:] = tables[0]
         else:
             self._fill_prefill(h, lay, arrays, n, m)
@@ -269,6 +263,19 @@ class CUDAGraphRunner:
         t["block_tables"] = v["block_tables"][:m, :width]
         t["logits_indices"] = v["logits_indices"][:sampled.shape[0]]
         return key, t
+
+    @staticmethod
+    def _fill_decode(fields: np.ndarray, arrays: dict[str, np.ndarray], n: int, k: int) -> None:
+        """A decode step's fields (``fields``: the host buffer's 5 rows of the bucket's size,
+        in ``_Layout``'s order) but the first ``k`` input ids (on the device); padding: the
+        first row (its input id too if known)."""
+        if k < n:
+            fields[0, k:n] = arrays["input_ids"]
+        for i, name in enumerate(("positions", "slot_mapping", "seq_lens"), 1):
+            fields[i, :n] = arrays[name]
+        fields[:4, n:] = fields[:4, :1]
+        sampled = arrays["logits_indices"]
+        fields[4, :sampled.shape[0]] = sampled
 
     @staticmethod
     def _fill_prefill(h: np.ndarray, lay: _Layout, arrays: dict[str, np.ndarray], n: int,
