@@ -34,7 +34,7 @@ import logging
 import time
 from contextlib import aclosing
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -96,6 +96,7 @@ class _Attempt:
     prefill: asyncio.Task | None = None
     maybe_written: bool = False  # some prefill worker may write into the reservation
     ticket: Ticket | None = None  # the decode worker's load from this request (Router)
+    prefill_workers: list[WorkerInfo] = field(default_factory=list)  # live when routed
 
 
 class Dispatcher:
@@ -182,8 +183,8 @@ class Dispatcher:
         the prompt, its tokens to come through the worker's follower: a decode worker's first
         message is its reservation, unless it computes the prompt itself (unified, or
         conditional disaggregation): then an empty one (admitted). Returns the route taken."""
-        workers = await self.pool.live_any(("decode", "unified"))
-        routes = self.router.rank_decode(prompt, workers, await self._live_prefill(workers))
+        workers, att.prefill_workers = await self._live_workers()
+        routes = self.router.rank_decode(prompt, workers, att.prefill_workers)
         lost = 0
         for i, route in enumerate(routes):
             w, local = route.worker, route.local_prefill or route.worker.role == "unified"
@@ -237,20 +238,28 @@ class Dispatcher:
         self.pool.lost(worker, why)
         self.router.lost(worker.worker_id, self.pool.suspect_s)
 
-    async def _live_prefill(self, decode: list[WorkerInfo]) -> list[WorkerInfo]:
-        """The live prefill workers ([] when there is none, or only unified workers serve)."""
-        if all(w.role == "unified" for w in decode):
-            return []
-        try:
-            return await self.pool.live("prefill")
-        except Unavailable:
-            return []
+    async def _live_workers(self) -> tuple[list[WorkerInfo], list[WorkerInfo]]:
+        """The live decode or unified workers, and the live prefill workers ([] when there is
+        none, or only unified workers serve), read from the registry concurrently: each role's
+        listing is two Redis round trips, and one after another they were most of the time a
+        request spent in the gateway before its prefill started. Raises Unavailable (no
+        decode or unified worker)."""
+        async def prefill() -> list[WorkerInfo]:
+            try:
+                return await self.pool.live("prefill")
+            except Unavailable:
+                return []
+
+        workers, prefill_workers = await asyncio.gather(
+            self.pool.live_any(("decode", "unified")), prefill())
+        return workers, ([] if all(w.role == "unified" for w in workers) else prefill_workers)
 
     async def _prefill(self, job: Job, att: _Attempt, prompt: list[int],
                        params: worker_pb2.SamplingParams, resumed: bool) -> worker_pb2.PrefillResponse:
         """Send the prompt to the best prefill worker (``Router``: its own cache and load)
         whose queue has room; its answer."""
-        workers = await self.pool.live("prefill")
+        # the listing the reservation was routed with, a moment ago
+        workers = att.prefill_workers or await self.pool.live("prefill")
         for i, route in enumerate(self.router.rank_prefill(prompt, workers)):
             w = route.worker
             lease_left = att.reservation.lease_s - (time.monotonic() - att.reserved_at)

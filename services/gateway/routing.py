@@ -45,7 +45,8 @@ class WorkerPool:
     async def live_any(self, roles: tuple[str, ...]) -> list[WorkerInfo]:
         """Usable workers of any of ``roles`` in random order (spreads ties). Raises
         Unavailable when none is registered, or Redis is unreachable before any listing."""
-        workers = [w for role in roles for w in await self._listing(role)]
+        listings = await asyncio.gather(*(self._listing(role) for role in roles))
+        workers = [w for listing in listings for w in listing]
         now = time.monotonic()
         workers = [w for w in workers if self._suspects.get(w.worker_id, 0.0) <= now]
         if not workers:
