@@ -13,7 +13,7 @@ def paged_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, max_query_len: int,
     num_decode_seqs: int, scale: float, *, sliding_window: int | None = None,
-    softcap: float | None = None,
+    softcap: float | None = None, out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of ``q`` (``[num_tokens, num_heads, head_dim]``) over each sequence's
     paged K/V (this step's K/V already written).
@@ -22,10 +22,10 @@ def paged_attention(
     query_start_loc: ``[num_seqs + 1]`` int32 row offsets, all on q's device; max_query_len:
     the longest query chunk (tokens); the first ``num_decode_seqs`` sequences have exactly one
     query token (rows ``0 .. num_decode_seqs - 1``); sliding_window and softcap as in
-    ``kernels.reference.paged_attention``. Returns ``[num_tokens, num_heads, head_dim]``, q's
-    dtype.
+    ``kernels.reference.paged_attention``. Returns ``out`` (a new tensor when None): ``[num_tokens,
+    num_heads, head_dim]``, q's dtype; rows outside every sequence are not written.
     """
-    out = torch.empty_like(q)
+    out = torch.empty_like(q) if out is None else out
     nd = num_decode_seqs
     if nd:
         paged_decode_attention(q[:nd], k_cache, v_cache, block_tables[:nd], seq_lens[:nd], scale,

@@ -69,7 +69,8 @@ ENGINE_HELP = {
                    "prompts are prefilled (unset: no budget; for machines whose decode step is "
                    "well under it, e.g. GPUs)",
     "enforce_eager": "on a GPU, launch every step's kernels from Python instead of replaying "
-                     "decode and prefill steps from CUDA graphs (vLLM's --enforce-eager)",
+                     "steps from CUDA graphs (decode and prefill steps whole, mixed steps in "
+                     "pieces between attention calls; vLLM's --enforce-eager)",
     "async_scheduling": "launch each decode step before the previous one's tokens reach the "
                         "host, so the host's work overlaps the device's (vLLM's "
                         "--async-scheduling; unset: on where the KV cache is on a GPU)",

@@ -76,12 +76,14 @@ def write_kv_cache(
 def paged_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
     scale: float, sliding_window: int | None = None, softcap: float | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of ``q`` (``[num_tokens, num_heads, head_dim]``) over each sequence's
     cached K/V (this step's K/V already written). Grouped-query heads: query head ``h`` reads
     KV head ``h // (num_heads // num_kv_heads)``. ``sliding_window`` (tokens a query sees,
     itself included) and ``softcap`` (scores capped by ``c * tanh(s / c)``) as in
-    ``kernels.reference.paged_attention``. Returns ``[num_tokens, num_heads, head_dim]``.
+    ``kernels.reference.paged_attention``. Returns ``out`` (a new tensor when None): ``[num_tokens,
+    num_heads, head_dim]``; rows outside every sequence are not written.
     Triton on CUDA (metadata tensors must be on q's device); on CPU the C decode kernel for
     the decode rows (the torch reference for a softcap, which it does not take) and the torch
     reference for prefill chunks.
@@ -90,8 +92,9 @@ def paged_attention(
         return _triton_attention().paged_attention(
             q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
             meta.query_start_loc_tensor(q.device), meta.max_query_len, meta.num_decode_seqs,
-            scale, sliding_window=sliding_window, softcap=softcap)
-    out, nd = torch.empty_like(q), meta.num_decode_seqs
+            scale, sliding_window=sliding_window, softcap=softcap, out=out)
+    out = torch.empty_like(q) if out is None else out
+    nd = meta.num_decode_seqs
     if softcap is None:
         cpu_attention.paged_decode_attention(q[:nd], k_cache, v_cache, meta.block_tables[:nd],
                                              meta.seq_lens[:nd], scale, out=out[:nd],

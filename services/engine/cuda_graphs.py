@@ -23,8 +23,18 @@ write skips) and belong to no sequence; sequences past the step's have no query 
 start offset is the step's token count), so the attention kernel gives them no work. The
 attention grid is the bucket's (``max_query_len`` = T, every sequence slot); a sequence's
 result does not depend on it (the same key tiles in the same order; a tile past a query's
-position adds exact zeros). Steps with decode rows and prefill chunks together (a unified
-worker's mixed steps), and prefill steps of more tokens than the largest bucket, run eagerly.
+position adds exact zeros). Prefill steps of more tokens than the largest bucket run eagerly.
+
+Mixed steps (decode rows and prompt chunks together, a unified worker's steps under load) are
+staged as prefill steps into the same buffers and replayed piecewise, as vLLM's piecewise CUDA
+graphs do: per token bucket, the forward pass is captured as the graphs between its attention
+calls (embedding to the first layer's rotary, then each layer's output projection, MLP and the
+next layer's norms, projection and rotary, then the last layer's rest and the final norm), and
+a replay runs each layer's attention eagerly between them, with the step's own metadata: the
+decode kernel on the decode rows and the prefill kernel on the chunks, as an eager step runs
+them. A layer's queries leave its graph in a static buffer and its attention output enters the
+next one from another. So a mixed step costs a replay and one attention call per layer of host
+launches instead of the whole forward's.
 
 ``capture=False`` runs the same padded buffers eagerly: the same code path without a GPU, for
 tests.
@@ -37,7 +47,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .attention import AttentionMetadata
+from . import model as model_module
+from .attention import AttentionMetadata, paged_attention
 from .input_batch import ModelInputs
 
 log = logging.getLogger(__name__)
@@ -95,9 +106,23 @@ class _Layout:
         return self.tables + self.seqs * max_blocks
 
 
+@dataclass
+class _Pieces:
+    """A mixed step's forward pass over one token bucket as graphs between attention calls:
+    replay ``graphs[i]``, then layer ``i``'s attention (``layers[i]``: its K and V caches,
+    scale, window, softcap) from ``q`` into ``o``; the last graph leaves the hidden states in
+    ``out`` (``[tokens, hidden]``)."""
+
+    graphs: list
+    layers: list[tuple[torch.Tensor, torch.Tensor, float, int | None, float | None]]
+    q: torch.Tensor  # [tokens, num_heads, head_dim]: each graph's last write
+    o: torch.Tensor  # [tokens, num_heads, head_dim]: the next graph's first read
+    out: torch.Tensor
+
+
 class CUDAGraphRunner:
-    """Runs decode-only and prefill-only steps of ``model`` on padded static buffers, from
-    captured graphs.
+    """Runs the steps of ``model`` on padded static buffers, from captured graphs (mixed steps
+    in pieces).
 
     ``kv_cache``: the engine's ``[num_layers, 2, num_blocks, block_size, kv_heads,
     head_dim]`` tensor; ``max_blocks``: block-table columns of the longest sequence;
@@ -135,6 +160,8 @@ class CUDAGraphRunner:
         self.query_start_loc = torch.arange(max_num_seqs + 1, dtype=torch.int32, device=device)
         self.views = {key: self._views(key) for key in self.layouts}
         self.graphs: dict[GraphKey, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.pieces: dict[int, _Pieces] = {}  # token bucket -> a mixed step's graphs
+        self.captured = capture
         if capture:
             self.capture()
 
@@ -149,17 +176,20 @@ class CUDAGraphRunner:
         views["block_tables"] = self.buffer[self.staging_size:].view(-1, self.max_blocks)[:lay.seqs]
         return views
 
-    def _forward(self, key: GraphKey, query_start_loc: list[int] | None = None) -> torch.Tensor:
+    def _forward(self, key: GraphKey, query_start_loc: list[int] | None = None,
+                 num_decode: int = 0) -> torch.Tensor:
         """The model on the buffers of graph ``key``. ``query_start_loc``: the sequences' row
         offsets on the host (a prefill graph's, padded; only the CPU's attention reads them:
-        the graph's kernels read the device copy, and its grid is the bucket's)."""
+        the graph's kernels read the device copy, and its grid is the bucket's);
+        ``num_decode``: its first sequences that are decode rows (a mixed step, run eagerly)."""
         v, lay = self.views[key], self.layouts[key]
         if key[0] == DECODE:
             meta = AttentionMetadata(v["slot_mapping"], v["block_tables"], v["seq_lens"],
                                      list(range(lay.seqs + 1)), lay.seqs)
         else:
             meta = AttentionMetadata(v["slot_mapping"], v["block_tables"], v["seq_lens"],
-                                     query_start_loc or [0] + [lay.tokens] * lay.seqs, 0)
+                                     query_start_loc or [0] + [lay.tokens] * lay.seqs,
+                                     num_decode)
             meta.set_max_query_len(lay.tokens)
         meta.set_query_start_loc_tensor(v["query_start_loc"])
         return self.model(v["input_ids"], v["positions"], self.kv_cache, meta)
@@ -170,7 +200,8 @@ class CUDAGraphRunner:
         memory pool), each after two eager runs (Triton compiles, cuBLAS picks its kernels).
         Meanwhile a decode graph's buffers hold zeros (sequence lengths 1: every run writes
         block 0's first slot, which holds no request's KV before serving starts) and a prefill
-        graph's one sequence of all its tokens, writing nothing (slot -1) and reading block 0."""
+        graph's one sequence of all its tokens, writing nothing (slot -1) and reading block 0.
+        After each prefill graph, the same bucket's pieces for mixed steps."""
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -183,11 +214,61 @@ class CUDAGraphRunner:
                 with torch.cuda.graph(graph, pool=pool, stream=stream):
                     out = self._forward(key)
                 self.graphs[key] = (graph, out)
+                if key[0] == PREFILL:
+                    self._capture_pieces(key, pool)
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
         log.info("captured %d CUDA graphs: decode steps of batch sizes %s, prefill steps of %s "
-                 "tokens", len(self.graphs), ",".join(map(str, self.sizes)),
-                 ",".join(map(str, self.prefill_sizes)) or "no")
+                 "tokens, and mixed steps of %s tokens in pieces", len(self.graphs),
+                 ",".join(map(str, self.sizes)), ",".join(map(str, self.prefill_sizes)) or "no",
+                 ",".join(map(str, self.pieces)) or "no")
+
+    def _capture_pieces(self, key: GraphKey, pool) -> None:
+        """Capture bucket ``key``'s forward pass as graphs between its attention calls
+        (``_Pieces``): each attention call of the model ends the graph being captured (after
+        copying its queries into the static ``q``) and begins the next, which reads the
+        attention output from the static ``o``. NOTE: a failure is logged and leaves mixed
+        steps eager (``--enforce-eager`` is the other way out): they were eager before."""
+        cfg, tokens = self.model.config, key[1]
+        if not self.pieces:  # the largest bucket comes first; the others use views
+            shape = (tokens, cfg.num_attention_heads, cfg.head_dim)
+            dtype = self.model.model.embed_tokens.weight.dtype
+            self._q = torch.empty(shape, dtype=dtype, device=self.kv_cache.device)
+            self._o = torch.zeros(shape, dtype=dtype, device=self.kv_cache.device)
+        q, o = self._q[:tokens], self._o[:tokens]
+        graphs, layers = [torch.cuda.CUDAGraph()], []
+
+        def attention_break(q_layer, k_cache, v_cache, meta, scale, sliding_window=None,
+                            softcap=None):
+            q.copy_(q_layer)
+            graphs[-1].capture_end()
+            layers.append((k_cache, v_cache, scale, sliding_window, softcap))
+            graphs.append(torch.cuda.CUDAGraph())
+            graphs[-1].capture_begin(pool=pool)
+            return o
+
+        model_module.paged_attention = attention_break
+        try:
+            graphs[0].capture_begin(pool=pool)
+            try:
+                out = self._forward(key)
+            finally:
+                graphs[-1].capture_end()
+            self.pieces[tokens] = _Pieces(graphs, layers, q, o, out)
+        except Exception:  # noqa: BLE001 - mixed steps stay eager, loudly
+            log.exception("capturing mixed steps of %d tokens in pieces failed: they run eagerly",
+                          tokens)
+        finally:
+            model_module.paged_attention = paged_attention
+
+    def _replay_pieces(self, pieces: _Pieces, meta: AttentionMetadata) -> torch.Tensor:
+        """A mixed step from its bucket's pieces, each layer's attention launched between them
+        with the step's metadata ``meta``; the hidden states ``[tokens, hidden]``."""
+        for graph, (k_cache, v_cache, scale, window, softcap) in zip(pieces.graphs, pieces.layers):
+            graph.replay()
+            paged_attention(pieces.q, k_cache, v_cache, meta, scale, window, softcap, out=pieces.o)
+        pieces.graphs[-1].replay()
+        return pieces.out
 
     def _fill_for_capture(self, key: GraphKey) -> None:
         self.buffer.zero_()
@@ -210,8 +291,9 @@ class CUDAGraphRunner:
 
     def stage(self, arrays: dict[str, np.ndarray], ahead_ids: torch.Tensor | None,
               ) -> tuple[GraphKey, dict[str, torch.Tensor]] | None:
-        """Copy a decode-only or prefill-only step's inputs into the buffers of the smallest
-        graph that holds it; returns that graph's key and the inputs as views of the buffers
+        """Copy a step's inputs into the buffers of the smallest graph that holds it (a mixed
+        step: a prefill graph's, replayed in pieces); returns that graph's key and the inputs
+        as views of the buffers
         (what ``InputBatch.prepare`` would have sent: ``[n]`` each per token or sequence,
         block tables ``[m, width]``, ``query_start_loc`` ``[m + 1]`` int32), or None when no
         graph holds the step.
@@ -219,7 +301,7 @@ class CUDAGraphRunner:
         ``arrays`` (``InputBatch.prepare``'s, host): ``positions``, ``slot_mapping``
         (``[n]``), ``seq_lens`` (``[m]``), ``logits_indices`` (``[<= m]``), ``block_tables``
         ``[m, width]``, ``query_start_loc`` (``[m + 1]``; a step of as many tokens as
-        sequences is decode-only, any other is given here only without decode rows) and, for
+        sequences is decode-only, any other a prefill or mixed step) and, for
         the rows after the first ``len(ahead_ids)``, ``input_ids``; ``ahead_ids``: a decode
         step's first rows' input ids on the device (``[k]`` int64; async scheduling). Padding
         as the module docstring says. One pinned host buffer and one asynchronous copy (the
@@ -304,8 +386,14 @@ class CUDAGraphRunner:
         key = inputs.graph
         if key is None:
             return None
-        n = inputs.input_ids.shape[0]
-        if key in self.graphs:
+        n, num_decode = inputs.input_ids.shape[0], inputs.attn.num_decode_seqs
+        if key[0] == PREFILL and num_decode:  # a mixed step
+            pieces = self.pieces.get(key[1])
+            if pieces is not None:
+                return self._replay_pieces(pieces, inputs.attn)[:n]
+            if self.captured:
+                return None  # not captured (logged): eager, on the buffers' views
+        elif key in self.graphs:
             graph, out = self.graphs[key]
             graph.replay()
             return out[:n]
@@ -313,4 +401,4 @@ class CUDAGraphRunner:
         if key[0] == PREFILL:  # run eagerly (capture=False): the CPU's attention reads these
             qsl = inputs.attn.query_start_loc
             qsl = qsl + [qsl[-1]] * (self.layouts[key].seqs + 1 - len(qsl))
-        return self._forward(key, qsl)[:n]
+        return self._forward(key, qsl, num_decode)[:n]

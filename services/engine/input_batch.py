@@ -275,10 +275,9 @@ class InputBatch:
         """The model's inputs for ``out``, on the batch's device. Rows are added for requests
         seen for the first time (``add``: its errors propagate).
 
-        ``stage`` (with CUDA graphs: ``CUDAGraphRunner.stage``): where a decode-only or a
-        prefill-only step's inputs go instead of ``to_device``, its arrays and ``ahead_ids``
-        given; it returns the graph's key and the inputs on the device, or None (``to_device``
-        then). Steps with both decode rows and prefill chunks are not offered.
+        ``stage`` (with CUDA graphs: ``CUDAGraphRunner.stage``): where a step's inputs go
+        instead of ``to_device``, its arrays and ``ahead_ids`` given; it returns the graph's
+        key and the inputs on the device, or None (``to_device`` then).
 
         ``ahead_ids`` (async scheduling): ``out`` decodes one token per request, and its first
         ``len(ahead_ids)`` requests' previous step is still running: their input tokens are
@@ -321,7 +320,7 @@ class InputBatch:
             arrays["input_ids"] = self.token_ids[token_rows[num_ahead:],
                                                  positions[num_ahead:]].astype(np.int64)
         num_decode = n if decode_only else int(np.count_nonzero(num_new == 1))
-        graph, t = self._send(arrays, ahead_ids, stage if num_decode in (0, n) else None)
+        graph, t = self._send(arrays, ahead_ids, stage)
         attn = AttentionMetadata(t["slot_mapping"], t["block_tables"], t["seq_lens"],
                                  query_start_loc.tolist(), num_decode)
         attn.set_query_start_loc_tensor(t["query_start_loc"])

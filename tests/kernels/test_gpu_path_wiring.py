@@ -105,21 +105,25 @@ def test_every_architecture_on_the_triton_path(arch, monkeypatch, tmp_path):
     assert (kv_got - kv_want).abs().max() <= 1e-4 * kv_want.abs().max()
 
 
-PREFILL_STEPS = [  # (token ids, positions, slot mapping, block tables, seq lens, query start loc)
-    STEPS[0][:6],
+PREFILL_STEPS = [  # as STEPS
+    STEPS[0],
     # A's next 5 tokens after its 7 cached (block 6 joins its table), B's 3 after its 5
     ([15, 16, 17, 18, 19, 21, 22, 23], [7, 8, 9, 10, 11, 5, 6, 7], [23, 24, 25, 26, 27, 5, 6, 7],
-     [[3, 5, 6], [0, 1, 0]], [12, 8], [0, 5, 8]),
+     [[3, 5, 6], [0, 1, 0]], [12, 8], [0, 5, 8], 0),
+    # mixed: A decodes (block 7 joins), B's 3 more tokens (block 2 joins)
+    ([30, 24, 25, 26], [12, 8, 9, 10], [28, 8, 9, 10], [[3, 5, 6, 7], [0, 1, 2, 0]], [13, 11],
+     [0, 1, 4], 1),
 ]
 
 
 def test_prefill_steps_through_a_cuda_graph_s_buffers_on_the_triton_path(monkeypatch):
-    """Two prefill steps (the second over both sequences' cached blocks) staged into a CUDA
-    graph's buffers (services/engine/cuda_graphs.py, run as a replay would but eagerly): the
-    bucket of 16 tokens, 4 and 8 padding rows, 2 padding sequences; the query offsets read as
-    int32 from the int64 buffer and the grid bounded by the bucket. The same hidden states as
-    the unpadded steps on the Triton path (to the matmuls' rounding, whose rows a CPU rounds
-    by the row count) and the same KV slots written: the padding rows write none."""
+    """Two prefill steps (the second over both sequences' cached blocks) and a mixed one (a
+    decode row first) staged into a CUDA graph's buffers (services/engine/cuda_graphs.py, run
+    as a replay would but eagerly): the bucket of 16 tokens, 4, 8 and 12 padding rows, 2
+    padding sequences; the query offsets read as int32 from the int64 buffer and the grid
+    bounded by the bucket. The same hidden states as the unpadded steps on the Triton path
+    (to the matmuls' rounding, whose rows a CPU rounds by the row count) and the same KV slots
+    written: the padding rows write none."""
     from types import SimpleNamespace
 
     import numpy as np
@@ -136,10 +140,10 @@ def test_prefill_steps_through_a_cuda_graph_s_buffers_on_the_triton_path(monkeyp
                                  capture=False)
         hidden = []
         with torch.inference_mode():
-            for ids, pos, slots, tables, lens, qsl in PREFILL_STEPS:
+            for ids, pos, slots, tables, lens, qsl, nd in PREFILL_STEPS:
                 if not padded:
                     meta = AttentionMetadata(*(torch.tensor(x, device=DEVICE)
-                                               for x in (slots, tables, lens)), qsl, 0)
+                                               for x in (slots, tables, lens)), qsl, nd)
                     hidden.append(model(torch.tensor(ids, device=DEVICE),
                                         torch.tensor(pos, device=DEVICE), kv, meta).cpu())
                     continue
@@ -150,8 +154,8 @@ def test_prefill_steps_through_a_cuda_graph_s_buffers_on_the_triton_path(monkeyp
                           "query_start_loc": np.array(qsl, np.int32)}
                 key, t = graphs.stage(arrays, None)
                 assert key == (PREFILL, 16)
-                step = SimpleNamespace(graph=key, input_ids=t["input_ids"],
-                                       attn=SimpleNamespace(query_start_loc=qsl))
+                step = SimpleNamespace(graph=key, input_ids=t["input_ids"], attn=SimpleNamespace(
+                    query_start_loc=qsl, num_decode_seqs=nd))
                 hidden.append(graphs.run(step).cpu())
         results.append((hidden, kv.cpu()))
     (want, kv_want), (got, kv_got) = results

@@ -1,8 +1,10 @@
-"""Decode and prefill steps from padded static buffers (services/engine/cuda_graphs.py): the
-capture sizes, the bucket a step takes, and, run eagerly on CPU (``capture=False``, the same
+"""Decode, prefill and mixed steps from padded static buffers (services/engine/cuda_graphs.py):
+the capture sizes, the bucket a step takes, the capture of a mixed step's pieces (with a stand-in
+for torch's graphs), and, run eagerly on CPU (``capture=False``, the same
 buffers and padding as a replay), the same greedy tokens as transformers with the padding rows
 and sequences changing nothing. The replay itself needs a GPU:
-``test_replay_equals_eager_on_a_gpu`` and ``test_prefill_replay_equals_eager_on_a_gpu``."""
+``test_replay_equals_eager_on_a_gpu``, ``test_prefill_replay_equals_eager_on_a_gpu`` and
+``test_mixed_steps_replayed_in_pieces_give_transformers_tokens_on_a_gpu``."""
 from __future__ import annotations
 
 import numpy as np
@@ -60,8 +62,7 @@ def test_padded_prefill_steps_give_transformers_tokens(monkeypatch):
     """Prompts prefilled together in one padded step: without the prefix cache (which would
     hold the others back to share the first's system prompt), 5 prompts of 194 tokens in the
     bucket of 256 tokens and 16 sequences, its last rows and sequences padding. Transformers'
-    tokens, no block left in use; the steps with decode rows and a prompt's rest together
-    ran eagerly."""
+    tokens, no block left in use."""
     from tests.reference import chat_prompt_ids
 
     prompts = [chat_prompt_ids(p) for p in CHAT_PROMPTS[:5]]
@@ -71,6 +72,20 @@ def test_padded_prefill_steps_give_transformers_tokens(monkeypatch):
     assert engine.block_manager.num_free_blocks == 256
     assert steps[0] == ((PREFILL, 256), 194, 0)
     assert all(key == (DECODE, 8) for key, n, _ in steps[1:] if n == 5)
+
+
+def test_mixed_steps_in_padded_buffers_give_transformers_tokens(monkeypatch):
+    """With the prefix cache the first prompt goes alone (the bucket of 48) and the others
+    after it, beside its decode row: a mixed step staged into a prefill bucket's buffers (as
+    a replay in pieces reads them), its decode row first. Transformers' tokens."""
+    from tests.reference import chat_prompt_ids
+
+    prompts = [chat_prompt_ids(p) for p in CHAT_PROMPTS[:5]]
+    engine = padded_engine(max_num_seqs=16)
+    steps = record_steps(engine, monkeypatch)
+    assert generate_all(engine, prompts) == [list(r) for r in hf_greedy_outputs()[:5]]
+    assert engine.block_manager.num_free_blocks == 256
+    assert steps[:2] == [((PREFILL, 48), 37, 0), ((PREFILL, 96), 94, 1)]
 
 
 def test_chunks_of_a_prompt_in_padded_steps_equal_eager_steps(monkeypatch):
@@ -169,6 +184,31 @@ def test_prefill_replay_equals_eager_on_a_gpu():
     assert outs[0] == outs[1]
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_mixed_steps_replayed_in_pieces_give_transformers_tokens_on_a_gpu(monkeypatch):
+    """float32 on the GPU (full-precision GEMMs; token-exact against transformers in the
+    precision checks): the first chat prompt alone, the others beside its decode row (the
+    prefix cache holds them back a step), so mixed steps replay in pieces, each layer's
+    attention launched between them. Transformers' tokens, no block left in use; every
+    prefill bucket has its pieces, one graph more than the model has layers."""
+    from services.engine.engine import EngineConfig, LLMEngine
+    from tests.reference import chat_prompt_ids
+
+    engine = LLMEngine(EngineConfig(device="cuda", dtype="float32", num_kv_blocks=512,
+                                    max_num_seqs=16))
+    graphs = engine.runner.graphs
+    assert sorted(graphs.pieces) == graphs.prefill_sizes
+    layers = engine.model_config.num_hidden_layers
+    assert all(len(p.graphs) == layers + 1 == len(p.layers) + 1 for p in graphs.pieces.values())
+    replayed, replay = [], graphs._replay_pieces
+    monkeypatch.setattr(graphs, "_replay_pieces", lambda pieces, meta: replayed.append(
+        meta.num_decode_seqs) or replay(pieces, meta))
+    prompts = [chat_prompt_ids(p) for p in CHAT_PROMPTS[:5]]
+    assert generate_all(engine, prompts) == [list(r) for r in hf_greedy_outputs()[:5]]
+    assert replayed and all(replayed)
+    assert engine.block_manager.num_free_blocks == 512
+
+
 def test_stage_fills_the_graph_buffers_in_one_copy_with_padding_from_the_first_row():
     """``stage`` (run on CPU: the same layout and copies as on a GPU): a batch of 3 takes the
     bucket of 4; the first 2 rows' input ids come from the device (async scheduling), the
@@ -235,3 +275,49 @@ def test_stage_pads_a_prefill_step_with_tokens_and_sequences_of_nothing():
               "seq_lens": np.array([25]), "slot_mapping": np.arange(25), "input_ids": np.arange(25),
               "logits_indices": np.array([24]), "block_tables": np.array([[0, 1, 2, 3, 4, 5, 6]])}
     assert graphs.stage(longer, None) is None
+
+
+class _FakeGraph:
+    """Stands in for ``torch.cuda.CUDAGraph`` on a CPU: records its capture calls."""
+
+    events: list = []
+
+    def capture_begin(self, pool=None) -> None:
+        self.events.append(("begin", pool))
+
+    def capture_end(self) -> None:
+        self.events.append(("end",))
+
+
+def test_capturing_a_mixed_step_s_pieces_breaks_the_forward_at_each_attention(monkeypatch):
+    """The capture's control flow on a CPU, graphs stood in for: each attention call of the
+    model ends one graph and begins the next in the same pool (one more graph than layers,
+    each begun and ended once, in order), each layer's K/V caches and settings are kept for
+    the replay, and the model's attention is itself again afterwards. A failure in the middle
+    ends the open capture, leaves no pieces (mixed steps eager) and restores the attention."""
+    from services.engine import attention, model as model_module
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", _FakeGraph)
+    monkeypatch.setattr(_FakeGraph, "events", [])
+    engine = make_engine()
+    runner, layers = engine.runner, engine.model_config.num_hidden_layers
+    graphs = CUDAGraphRunner(runner.model, runner.kv_cache, 4, 8, max_prefill_tokens=32,
+                             capture=False)
+    graphs._capture_pieces((PREFILL, 32), pool="pool")
+    pieces = graphs.pieces[32]
+    assert _FakeGraph.events == [("begin", "pool"), ("end",)] * (layers + 1)
+    assert len(pieces.graphs) == layers + 1 and len(pieces.layers) == layers
+    for i, (k_cache, v_cache, scale, window, softcap) in enumerate(pieces.layers):
+        assert k_cache.data_ptr() == runner.kv_cache[i][0].data_ptr()
+        assert v_cache.data_ptr() == runner.kv_cache[i][1].data_ptr()
+        assert (scale, window, softcap) == (64 ** -0.5, None, None)
+    assert pieces.q.shape == pieces.o.shape == (32, 9, 64) and pieces.out.shape == (32, 576)
+    assert model_module.paged_attention is attention.paged_attention
+
+    _FakeGraph.events.clear()
+    mlp = runner.model.model.layers[3].mlp
+    monkeypatch.setattr(mlp, "forward", lambda x: 1 / 0)
+    graphs._capture_pieces((PREFILL, 16), pool="pool")
+    assert 16 not in graphs.pieces and _FakeGraph.events[-1] == ("end",)
+    assert _FakeGraph.events == [("begin", "pool"), ("end",)] * 5  # layers 0-3 broke, then 3 failed
+    assert model_module.paged_attention is attention.paged_attention
