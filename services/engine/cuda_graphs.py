@@ -1,6 +1,7 @@
 """Steps replayed from CUDA graphs: decode steps, one graph per batch-size bucket (vLLM's
-cudagraph capture sizes: 1, 2, 4, then every multiple of 8 up to ``max_num_seqs``), and
-prefill steps, one graph per token-count bucket (16, 32, 48, 64, 96, 128, ... up to 2,048).
+cudagraph capture sizes: 1, 2, 4, then every multiple of 8 up to ``max_num_seqs``); prefill
+steps, one graph per token-count bucket (16, 32, 48, 64, 96, 128, ... up to 2,048); and mixed
+steps, in pieces between their attention calls, per token-count bucket.
 
 A forward pass of the built-in model is ~300 kernel launches; launching them from Python costs
 more CPU time than the GPU spends running them, at small batches and on prompts of up to a
