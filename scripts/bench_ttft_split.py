@@ -110,8 +110,8 @@ def main() -> None:
         print(f"{n:>7} {m['ttft']:>9.1f} " + " ".join(f"{m[k]:>15.1f}" for k in PARTS))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"machine": platform.machine(), "tokens": args.tokens,
-                                    "engine_args": args.engine_args, "repeats": args.repeats, "medians": medians, "rows": rows},
-                                   indent=2) + "\n")
+                                    "engine_args": args.engine_args, "repeats": args.repeats,
+                                    "medians": medians, "rows": rows}, indent=2) + "\n")
     print(f"wrote {args.out}")
 
 
