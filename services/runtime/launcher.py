@@ -97,6 +97,23 @@ class RedisUnit:
         self.server.restart()
 
 
+PORT_FLAGS = ("--port", "--http-port", "--metrics-port", "--gateway-metrics-port", "--worker-port",
+              "--kv-port")
+
+
+def flag_ports(args: list[str]) -> set[int]:
+    """The ports that ``args`` (command-line flags of children) name with ``PORT_FLAGS``, as
+    ``--flag N`` or ``--flag=N``."""
+    ports = set()
+    for i, arg in enumerate(args):
+        name, eq, value = arg.partition("=")
+        if name in PORT_FLAGS:
+            value = value if eq else (args[i + 1] if i + 1 < len(args) else "")
+            if value.isdigit():
+                ports.add(int(value))
+    return ports
+
+
 class Stack:
     """The running child processes; ``stop()`` ends them (SIGTERM, then SIGKILL)."""
 
@@ -230,9 +247,11 @@ class Stack:
                              "processes of this stack; use 0 (a free port each)")
         port = configured
         # ports a child started earlier may not have bound yet: the other children's /metrics,
-        # the gateways' gRPC ports and the first gateway's HTTP port (a free port drawn at random
-        # once matched the gRPC port the caller gave the gateway)
-        unbound = taken | self.gateway_ports | {self.settings.gateway.http_port}
+        # the gateways' gRPC ports, the first gateway's HTTP port (a free port drawn at random
+        # once matched the gRPC port the caller gave the gateway) and any port the caller's
+        # child flags name (a test's --http-port was once drawn for a worker's /metrics)
+        unbound = (taken | self.gateway_ports | {self.settings.gateway.http_port}
+                   | flag_ports([*self.opts.gateway_args, *self.opts.worker_args]))
         while not port or port in unbound:
             port = free_port(self.opts.host)
         self.metrics_targets[name] = f"{self.opts.host}:{port}"

@@ -160,6 +160,24 @@ def test_a_free_metrics_port_is_drawn_again_when_an_earlier_child_holds_it(monke
         stack.stop()
 
 
+def test_no_port_a_child_s_flags_name_is_drawn_for_metrics(monkeypatch):
+    """The caller's child flags may name ports (a test's ``--http-port``): the gateway binds
+    them only once it runs, so a free port drawn for a worker's /metrics must not be one of
+    them (a CI run's gateway once found its HTTP port taken)."""
+    from services.runtime import launcher
+
+    assert launcher.flag_ports(["--http-port", "8123", "--heartbeat-s", "0.5",
+                                "--metrics-port=9200", "--port", "x", "--http-port"]) == {8123, 9200}
+    stack = make_stack(monkeypatch, gateway_args=["--http-port", "8123"],
+                       worker_args=["--gateway-metrics-port=8124"])
+    try:
+        draws = iter([8123, 8124, 9100])
+        monkeypatch.setattr(launcher, "free_port", lambda host: next(draws))
+        assert stack._metrics_port("decode-0", 0, "worker.metrics_port") == 9100
+    finally:
+        stack.stop()
+
+
 def test_gateways_sharing_a_port_need_a_fixed_one():
     with pytest.raises(ValueError, match="up.num_gateways"):
         UpOptions(host="127.0.0.1", port=0, num_prefill=1, num_decode=1, redis_url=None,
