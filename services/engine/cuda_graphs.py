@@ -162,7 +162,6 @@ class CUDAGraphRunner:
         self.views = {key: self._views(key) for key in self.layouts}
         self.graphs: dict[GraphKey, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pieces: dict[int, _Pieces] = {}  # token bucket -> a mixed step's graphs
-        self.captured = capture
         if capture:
             self.capture()
 
@@ -392,8 +391,8 @@ class CUDAGraphRunner:
             pieces = self.pieces.get(key[1])
             if pieces is not None:
                 return self._replay_pieces(pieces, inputs.attn)[:n]
-            if self.captured:
-                return None  # not captured (logged): eager, on the buffers' views
+            if self.graphs:  # captured, but not this bucket's pieces (logged): eager, on
+                return None  # the buffers' views
         elif key in self.graphs:
             graph, out = self.graphs[key]
             graph.replay()
