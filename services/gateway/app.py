@@ -150,6 +150,16 @@ def reuse_port_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+async def _serve_http(server, sockets: list[socket.socket] | None, host: str, port: int) -> None:
+    """``server.serve(sockets)``, with uvicorn's start-up failure as an OSError naming the
+    address. uvicorn logs a failed bind and calls ``sys.exit(3)``; raised in a task, that
+    SystemExit would end the process from inside the event loop, with no error of ours."""
+    try:
+        await server.serve(sockets)
+    except SystemExit:
+        raise OSError(f"cannot serve HTTP on {host}:{port} (uvicorn's error above says why)") from None
+
+
 async def _start_http(opts: GatewayOptions, core: GatewayCore, readiness: ReadinessMonitor):
     """(uvicorn server, bound port, serving task, certificate poll task or None) of the HTTP
     front end, or None when off. Raises OSError when the port cannot be bound."""
@@ -168,9 +178,10 @@ async def _start_http(opts: GatewayOptions, core: GatewayCore, readiness: Readin
         # after the drain: streams still open are cut, bounded
         timeout_graceful_shutdown=STOP_GRACE_S,
         log_config=None))  # NOTE: uvicorn logs via ours (json too)
-    task = asyncio.ensure_future(server.serve(sockets))
+    task = asyncio.ensure_future(_serve_http(server, sockets, opts.host, opts.http_port))
     while not server.started:
-        if task.done():  # bind failed: uvicorn logged it and returned
+        if task.done():
+            task.result()  # raises the bind's OSError
             raise OSError(f"cannot serve HTTP on {opts.host}:{opts.http_port}")
         await asyncio.sleep(0.05)
     port = server.servers[0].sockets[0].getsockname()[1]

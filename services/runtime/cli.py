@@ -129,7 +129,7 @@ def _run(name: str, command, *args) -> int:
     except grpc.RpcError as exc:
         print(f"{name}: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return 1
-    except (RuntimeError, ValueError, ConnectionError, FileNotFoundError, TimeoutError) as exc:
+    except (RuntimeError, ValueError, OSError) as exc:  # OSError: a port taken, a file missing, a timeout
         print(f"{name}: error: {exc}", file=sys.stderr)
         return 1
 

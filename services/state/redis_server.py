@@ -25,7 +25,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
-from services.ports import free_port
+from services.ports import listen_port
 from services.runtime.process import die_with_parent
 
 REDIS_BINARY = "redis-server"
@@ -127,7 +127,7 @@ def start_redis_server(host: str = "127.0.0.1", port: int = 0, *,
         raise RuntimeError(f"`{REDIS_BINARY}` was not found on PATH; {INSTALL_HINT}")
     attempts = _PORT_ATTEMPTS if port == 0 else 1
     for attempt in range(attempts):
-        chosen = port or free_port(host)
+        chosen = port or listen_port(host)
         server = _spawn(binary, host, chosen, password)
         try:
             _wait_until_ready(server, startup_timeout_s)

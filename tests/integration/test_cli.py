@@ -119,3 +119,20 @@ def test_a_gateway_whose_metrics_port_is_taken_exits_naming_it(redis_url):
     assert proc.returncode != 0
     assert f"metrics port: cannot listen on 127.0.0.1:{busy}" in proc.stderr, proc.stderr[-2000:]
     assert "gateway listening" not in proc.stderr
+
+
+def test_a_gateway_whose_http_port_is_taken_exits_with_one_line_naming_it(redis_url):
+    """A taken HTTP port is an error exit (1) whose last line names the address, with
+    uvicorn's own error above it and no traceback: uvicorn ends a failed start with
+    ``sys.exit(3)``, which, raised in the gateway's event loop, used to end the process
+    with nothing of ours said."""
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        busy = taken.getsockname()[1]
+        proc = subprocess.run(
+            [*TANDEM, "serve", "gateway", "--port", str(free_port()), "--http-port", str(busy)],
+            capture_output=True, text=True, timeout=120, env={**os.environ, "REDIS_URL": redis_url})
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"tandem serve: error: cannot serve HTTP on 127.0.0.1:{busy}"), last
+    assert "address already in use" in proc.stderr.lower() and "Traceback" not in proc.stderr
+    assert "gateway listening" not in proc.stderr
