@@ -19,16 +19,10 @@
 #            against four, and unified against P/D on issue 37's long-prompt mix.
 # STEPS="name ..." runs only the named steps of a stage (the names below), so a short lease spends
 # its minutes on what changed. `scripts/gpu_checks.sh b; scripts/gpu_checks.sh c` in one call.
-# .whl: cp312 manylinux wheels of the packages the GPU image lacks or has too old: pydantic(-core,
-# -settings) and their needs, gguf, grpcio 1.85 and its health/reflection, protobuf, redis,
-# fastapi, starlette, uvicorn, opentelemetry (api, sdk, OTLP exporters and their needs),
-# llguidance (`pip download --no-deps --only-binary=:all: --python-version 3.12 ...`, the device
-# README's flags; ~15 MB). .gpu/stack: debs/ (`apt-get download redis-server redis-tools
-# libjemalloc2 liblzf1`) and, for stage stack, hf/ (the built-in model's config.json,
-# tokenizer.json and tokenizer_config.json, from the GGUF).
-# The GGUF's parts:
-#   f=$(.venv/bin/python -c 'from services.engine.model_files import default_model_path as p; print(p())')
-#   mkdir -p .gpu/a .gpu/b; head -c 60000000 $f >.gpu/a/part1; tail -c +60000001 $f >.gpu/b/part2
+# What the stages carry (.whl: the wheels of the packages the GPU image lacks or has too old,
+# ~15 MB; .gpu/a/part1 and .gpu/b/part2: the built-in GGUF in two parts; .gpu/stack: debs/,
+# Debian's redis-server, and hf/, the built-in model's config.json and tokenizer) is built on
+# the CPU machine by `scripts/gpu_prepare.sh`, in about a minute, before the first call.
 # NOTE: the machine stays warm only 30 s after a call and /tmp goes with it: issue stage b at
 # once after stage a returns, or b finds no first part.
 # Logs and JSON land in $OUT (default ./gpu-out), packed at the end as $OUT/logs-STAGE.tgz.
