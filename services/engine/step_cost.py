@@ -1,7 +1,7 @@
 """What a step costs, learned from the steps an engine runs: ``seconds ~ base + per_token * tokens``
 with ``tokens`` the step's scheduled tokens (decode rows and prompt tokens alike).
 
-Two uses:
+Three uses:
 - time-budgeted steps (``engine.max_step_ms``): a step that carries running streams (decode
   rows) computes at most as many prompt tokens as fit the budget, so a stream's inter-token gap
   stays under it while prompts are prefilled beside it (Sarathi-Serve, Agrawal et al., OSDI
@@ -9,12 +9,14 @@ Two uses:
   offline, we fit online);
 - conditional disaggregation: a worker reports ``per_token`` (seconds per prompt token) in its
   heartbeat, and the gateway compares the prefill queue's wait with computing a prompt on the
-  decode worker itself.
+  decode worker itself;
+- the KV handoff: the gateway fits each (prefill, decode) pair's handoff seconds to the blocks
+  handed over (``tokens`` are blocks there), for the same comparison.
 
 The fit is least squares over the steps seen, each older step's weight multiplied by
 ``FORGET`` at every new one (about the last 200 steps count), so the model follows a machine
 whose load changes (shared cores). Until it has seen steps of different sizes it knows
-nothing and caps nothing. Engine thread only.
+nothing and caps nothing. One thread only (the engine's, or the gateway's event loop).
 """
 from __future__ import annotations
 
@@ -50,6 +52,14 @@ class StepCostModel:
         if per_token <= 0.0:
             return None
         return max(0.0, self._y / self._w - per_token * mean_x), per_token
+
+    def expected_seconds(self, num_tokens: int) -> float:
+        """What ``num_tokens`` would take: ``base + per_token * num_tokens`` once fitted; before,
+        the (weighted) mean of the times seen, whatever their sizes (0.0 when none was)."""
+        fit = self.fit()
+        if fit is not None:
+            return fit[0] + fit[1] * num_tokens
+        return self._y / self._w if self._w else 0.0
 
     @property
     def seconds_per_token(self) -> float:

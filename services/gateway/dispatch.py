@@ -275,6 +275,7 @@ class Dispatcher:
                                   "tandem.routing.prefill_reason": route.reason,
                                   "tandem.routing.prefill_overlap_blocks": route.overlap_blocks})
             stub = worker_pb2_grpc.PrefillWorkerStub(self.pool.channel(w.endpoint))
+            sent = time.monotonic()
             try:
                 result = await stub.Prefill(worker_pb2.PrefillRequest(
                     request_id=att.worker_request_id, prompt_token_ids=prompt,
@@ -293,6 +294,9 @@ class Dispatcher:
                 raise _status_error(w, exc) from exc
             finally:
                 ticket.ended()
+            self.router.observe_handoff(
+                w.worker_id, att.decode.worker_id, len(dest.block_ids),
+                time.monotonic() - sent - result.queue_time_s - result.compute_time_s)
             job.on_prefilled(result)
             return result
         raise ResourceExhausted("every prefill worker's queue is full; retry later")

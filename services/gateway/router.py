@@ -10,7 +10,8 @@ decides conditional disaggregation, and keeps the prefix index that kv routing r
 
 Disaggregated stacks choose a pair: the decode worker by its cache and load (the blocks it
 holds are pinned, not transferred), the prefill worker by its own cache and load; and whether
-the decode worker prefills the prompt itself (``scoring.local_prefill_reason``). Load comes
+the decode worker prefills the prompt itself (``scoring.local_prefill_reason``, with the KV
+handoff's cost that this gateway measures per pair: ``observe_handoff``). Load comes
 from the registry's heartbeats, plus the requests this gateway sent a worker since its last
 heartbeat (so a burst does not all land on the worker that looked idle a second ago).
 """
@@ -25,6 +26,7 @@ from dataclasses import dataclass, field
 import redis
 
 from services.engine.kv_events import HASH_SCHEME, prompt_block_hashes
+from services.engine.step_cost import StepCostModel
 from services.gateway import scoring
 from services.gateway.kv_index import EVENTS, PrefixIndex
 from services.state.kv_events import KVEventReader
@@ -114,6 +116,8 @@ class Router:
         self._stopping = False
         self._ignored: set[str] = set()  # workers whose streams name another model or hash
         self._suspects: dict[str, float] = {}  # worker id -> monotonic time it is trusted again
+        # (prefill worker, decode worker) -> handoff seconds against blocks handed over
+        self._handoffs: dict[tuple[str, str], StepCostModel] = {}
         self.num_events = 0  # event batches applied
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -159,11 +163,36 @@ class Router:
                 continue
             if self.options.mode == "random":
                 continue
-            why = scoring.local_prefill_reason(len(prompt), self._candidate(r.worker, r.overlap_blocks),
-                                               p, self.options.pd_threshold_tokens)
+            d = self._candidate(r.worker, r.overlap_blocks)
+            handoff = self._handoff_seconds(p, d, len(prompt)) if p is not None else 0.0
+            why = scoring.local_prefill_reason(len(prompt), d, p, self.options.pd_threshold_tokens,
+                                               handoff)
             if why is not None:
                 r.local_prefill, r.reason = True, why
         return routes
+
+    def observe_handoff(self, prefill_id: str, decode_id: str, num_blocks: int,
+                        seconds: float) -> None:
+        """A Prefill call of worker ``prefill_id`` into a reservation of ``decode_id`` took
+        ``seconds`` beyond the prefill worker's queue and compute, handing over ``num_blocks``
+        KV blocks: the transfer, its acknowledgement and the call's round trip, which the
+        remote path costs a prompt and the local one does not. Fitted per pair
+        (``StepCostModel``: base + per block) and counted (``kv_handoff_seconds``)."""
+        seconds = max(seconds, 0.0)
+        model = self._handoffs.setdefault((prefill_id, decode_id), StepCostModel())
+        model.observe(num_blocks, seconds)
+        if self.metrics is not None:
+            self.metrics.kv_handoff_seconds.observe(seconds)
+
+    def _handoff_seconds(self, prefill: scoring.Candidate, decode: scoring.Candidate,
+                         num_prompt_tokens: int) -> float:
+        """The expected handoff of the blocks ``decode`` lacks of the prompt, from ``prefill``
+        (0.0 before this gateway has seen one between them)."""
+        model = self._handoffs.get((prefill.worker_id, decode.worker_id))
+        if model is None:
+            return 0.0
+        uncached = max(num_prompt_tokens - decode.overlap_blocks * decode.block_size, 0)
+        return model.expected_seconds(-(-uncached // decode.block_size))
 
     def rank_prefill(self, prompt: list[int], prefill: list[WorkerInfo]) -> list[Route]:
         """Prefill workers for ``prompt``, best first (by their own caches and load)."""

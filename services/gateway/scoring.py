@@ -20,9 +20,14 @@ preempt), whatever its cost.
 
 Conditional disaggregation (``local_prefill_reason``): the decode worker computes the prompt
 itself when its uncached part is at most ``threshold_tokens`` (llm-d's P/D threshold), or when
-the prompt would wait longer in the prefill worker's queue than the decode worker takes to
-compute it (Dynamo's conditional disaggregation weighs the prefill queue too), from the seconds
-per token each worker measures.
+computing it there costs less than the remote path's overhead: the wait in the prefill worker's
+queue plus the KV handoff (Dynamo's conditional disaggregation weighs the prefill queue too).
+Computing it there costs its own time and as much again for each stream the decode worker is
+running, whose steps carry the prompt's chunks meanwhile (Sarathi-Serve, Agrawal et al., OSDI
+2024, section 3: prefill chunks stall a batch's decodes); the remote prefill's own compute runs
+beside the decode worker's streams, on the prefill worker, so it is the margin by which local
+must win. Times come from the seconds per token each worker measures and the handoff seconds
+the gateway measures per (prefill, decode) pair (``Router.observe_handoff``).
 """
 from __future__ import annotations
 
@@ -34,7 +39,8 @@ from dataclasses import dataclass
 KV_OVERLAP = "kv_overlap"  # it held the longest cached prefix and that decided it
 LOAD = "load"              # by load alone: no cached prefix anywhere, weight 0, or load won
 THRESHOLD = "threshold"    # prefilled on the decode worker: uncached part under the threshold
-QUEUE = "queue"            # prefilled on the decode worker: the prefill queue would take longer
+QUEUE = "queue"            # prefilled on the decode worker: the prefill queue and the KV
+                           # handoff would take longer
 FALLBACK = "fallback"      # the better-ranked workers refused or failed; a later one served
 RANDOM = "random"          # routing random
 REASONS = (KV_OVERLAP, LOAD, THRESHOLD, QUEUE, FALLBACK, RANDOM)
@@ -108,13 +114,15 @@ def reason(chosen: Candidate, candidates: list[Candidate], weight: float) -> str
 
 
 def local_prefill_reason(num_prompt_tokens: int, decode: Candidate, prefill: Candidate | None,
-                         threshold_tokens: int) -> str | None:
+                         threshold_tokens: int, handoff_s: float = 0.0) -> str | None:
     """Whether the decode worker should compute the prompt itself instead of a prefill worker
     (never with ``threshold_tokens`` 0: conditional disaggregation off):
     ``THRESHOLD`` when the part not in its cache is at most ``threshold_tokens``; ``QUEUE`` when
-    the prompt would wait longer in the queue of the best prefill worker ``prefill`` (its
-    queued tokens x its seconds per token) than the decode worker takes to compute it (its own
-    queued + the uncached tokens, x its seconds per token; both measured, else no); else None
+    computing it there, ``(queued + uncached x (1 + running)) x its seconds per token`` (its
+    queue, then the prompt, which each of its running streams waits out too), is less than the
+    remote path's overhead: the best prefill worker ``prefill``'s queue (its queued tokens x its
+    seconds per token) plus ``handoff_s``, what handing the prompt's KV from that worker to this
+    one is expected to take (seconds); both seconds per token measured, else no. Else None
     (``prefill`` None: no prefill worker to compare with)."""
     if threshold_tokens <= 0:
         return None
@@ -123,6 +131,7 @@ def local_prefill_reason(num_prompt_tokens: int, decode: Candidate, prefill: Can
         return THRESHOLD
     if prefill is None or decode.seconds_per_token <= 0 or prefill.seconds_per_token <= 0:
         return None
-    here = (decode.queued_prefill_tokens + uncached) * decode.seconds_per_token
-    wait_there = prefill.queued_prefill_tokens * prefill.seconds_per_token
-    return QUEUE if here < wait_there else None
+    here = (decode.queued_prefill_tokens + uncached * (1 + decode.num_running)) \
+        * decode.seconds_per_token
+    there = prefill.queued_prefill_tokens * prefill.seconds_per_token + handoff_s
+    return QUEUE if here < there else None

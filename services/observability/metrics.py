@@ -206,6 +206,11 @@ class GatewayMetrics:
                         "events (read from their KV event stream) or approximate (predicted "
                         "from routing).", labelnames=(*LABELS, "mode"), registry=self.registry)
         self.kv_index_workers = {m: workers.labels(*self.labels, m) for m in INDEX_MODES}
+        self.kv_handoff_seconds = histogram(
+            "kv_handoff_seconds", "A Prefill call's time beyond the prefill worker's queue and "
+            "compute: the prompt's KV handoff to the decode worker as the gateway sees it "
+            "(transfer, acknowledgement, round trip), which conditional disaggregation weighs.",
+            KV_TRANSFER_BUCKETS_S)
         self.kv_event_lag = Histogram(
             PREFIX + "kv_event_lag_seconds", "Publisher's drain of a KV event batch to this "
             "gateway applying it (wall clocks of two processes).", buckets=KV_EVENT_LAG_BUCKETS_S,

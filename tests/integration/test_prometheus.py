@@ -146,6 +146,9 @@ def test_promql_counts_equal_what_the_client_saw(stack, prometheus):
     wait_for(prometheus, 'sum(tandem:inter_token_latency_seconds_count{role="decode"})', streamed - n)
     wait_for(prometheus, "sum(tandem:request_generation_tokens_sum)", streamed)
     wait_for(prometheus, "sum(tandem:kv_transfer_seconds_count)", n)
+    # the gateway's view of each handoff, which conditional disaggregation weighs
+    wait_for(prometheus, 'sum(tandem:kv_handoff_seconds_count{role="gateway"})', n)
+    assert prometheus.query('sum(tandem:kv_handoff_seconds_sum{role="gateway"})') > 0
     wait_for(prometheus, "sum(tandem:kv_transfer_failures_total)", 0)
     assert prometheus.query("sum(tandem:kv_transfer_bytes_sum)") > 0
     # nothing held once the streams have ended

@@ -102,6 +102,22 @@ def test_local_prefill_under_the_threshold_or_when_the_prefill_queue_is_longer()
     assert scoring.local_prefill_reason(2000, cand("d"), busy_p, 100) is None  # D's cost unknown
 
 
+def test_local_prefill_counts_the_running_streams_it_stalls_and_the_handoff_it_saves():
+    idle_p = cand("p", spt=0.001)
+    busy_p = cand("p", queued=8000, spt=0.001)
+    # 2,000 tokens here: 2 s, and 2 s more for each running stream (its steps carry the chunks)
+    assert scoring.local_prefill_reason(2000, cand("d", running=2, spt=0.001), busy_p, 100) \
+        == scoring.QUEUE  # 6 s < 8 s of queue
+    assert scoring.local_prefill_reason(2000, cand("d", running=3, spt=0.001), busy_p, 100) \
+        is None  # 8 s: not less
+    # the handoff is what the remote path adds beside the queue
+    d = cand("d", spt=0.001)
+    assert scoring.local_prefill_reason(2000, d, idle_p, 100, handoff_s=1.9) is None
+    assert scoring.local_prefill_reason(2000, d, idle_p, 100, handoff_s=2.1) == scoring.QUEUE
+    assert scoring.local_prefill_reason(2000, d, busy_p, 100, handoff_s=0.5) == scoring.QUEUE
+    assert scoring.local_prefill_reason(50, d, idle_p, 100, handoff_s=0.0) == scoring.THRESHOLD
+
+
 # -- prefix index ----------------------------------------------------------------------------
 def chain(n: int, seed: int = 0) -> list[int]:
     return prompt_block_hashes([seed * 1000 + i for i in range(n * BS + 1)], BS)
@@ -253,6 +269,40 @@ def test_pd_queue_rule_prefills_on_the_decode_worker_when_the_prefill_queue_is_l
     assert not r.rank_decode(list(range(500)), d, p_idle)[0].local_prefill
     route = r.rank_decode(list(range(500)), d, p_busy)[0]
     assert route.local_prefill and route.reason == scoring.QUEUE
+
+
+def test_router_weighs_the_handoff_it_measured_for_that_pair():
+    r = router(pd_threshold_tokens=1)
+    d = [worker("d", "decode", prefill_seconds_per_token=0.001)]
+    p = [worker("p", "prefill", prefill_seconds_per_token=0.001)]
+    prompt = list(range(500))  # 32 blocks: 0.5 s here
+    assert not r.rank_decode(prompt, d, p)[0].local_prefill  # no queue, no handoff known
+    r.observe_handoff("p", "other-d", 32, 5.0)  # another pair's handoffs say nothing of this one
+    assert not r.rank_decode(prompt, d, p)[0].local_prefill
+    for blocks in (8, 16, 64, 128):  # base 0.4 s + 5 ms a block: 32 blocks 0.56 s
+        r.observe_handoff("p", "d", blocks, 0.4 + 0.005 * blocks)
+    route = r.rank_decode(prompt, d, p)[0]
+    assert route.local_prefill and route.reason == scoring.QUEUE
+    assert not r.rank_decode(list(range(1000)), d, p)[0].local_prefill  # 1 s > 0.4 + 63 x 0.005
+    # the handoff counted is of the blocks the decode worker lacks: it holds 31 of the 33
+    # blocks of this prompt, and 24 tokens x 1 ms here beat handing 2 over (0.41 s)
+    cached = list(range(500))
+    r.index.apply("d", "e", 0, [["cleared"], ["stored", prompt_block_hashes(cached, BS)]])
+    route = r.rank_decode(cached + list(range(20)), d, p)[0]
+    assert route.local_prefill and route.reason == scoring.QUEUE and route.overlap_blocks == 31
+
+
+def test_handoff_estimate_is_the_mean_until_sizes_differ_then_the_fit():
+    from services.engine.step_cost import StepCostModel
+
+    m = StepCostModel()
+    assert m.expected_seconds(10) == 0.0
+    m.observe(10, 0.2)
+    m.observe(10, 0.4)
+    assert m.expected_seconds(1000) == pytest.approx(0.3, rel=0.01)  # no slope from one size
+    for blocks in (1, 50, 100):
+        m.observe(blocks, 0.01 * blocks)
+    assert m.expected_seconds(200) > m.expected_seconds(20) > 0
 
 
 def test_prefill_workers_rank_by_their_own_cache():
