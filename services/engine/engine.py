@@ -54,7 +54,7 @@ from .request import Request, RequestStatus
 from .sampler import TokenLogprobs
 from .sampling_params import SamplingParams
 from .scheduler import SchedulerConfig, SchedulerOutput
-from .step_cost import StepCostModel
+from .step_cost import PromptCostModel, StepCostModel
 from .step_threads import StepThreads
 from .tokenizer import Tokenizer
 
@@ -140,7 +140,8 @@ class LLMEngine:
                             mixed_sliding_window=model_config.mixed_sliding_window),
             self.block_manager,
         )
-        self.step_cost = StepCostModel()  # seconds per step, learned (time budget, heartbeat)
+        self.step_cost = StepCostModel()  # seconds per step, learned (time budget, queue order)
+        self.prompt_cost = PromptCostModel()  # a prompt token's part of it (heartbeat)
         threads = StepThreads(config.step_threads if config.device == "cpu" else "all",
                               torch.get_num_threads())  # CPU threads matter on CPU only
         matchers = Matchers(lambda: Tokenizer.load(config.model).backend.to_str(),
@@ -197,6 +198,7 @@ class LLMEngine:
         s.num_preemptions, s.prefix_cache_queries, s.prefix_cache_hits = counters
         self.metrics = EngineMetrics(max_model_len=self.max_model_len)
         self.step_cost = StepCostModel()  # first calls cost more than serving steps do
+        self.prompt_cost = PromptCostModel()
         return time.perf_counter() - t0
 
     # -- requests ----------------------------------------------------------------------------
@@ -329,7 +331,10 @@ class LLMEngine:
         if self._ahead is not None:
             self._forget_finished()
         self.metrics.record_step(out, self.scheduler, outputs)
-        self.step_cost.observe(out.total_num_scheduled_tokens, time.perf_counter() - t0)
+        seconds, tokens = time.perf_counter() - t0, list(out.num_scheduled_tokens.values())
+        self.step_cost.observe(out.total_num_scheduled_tokens, seconds)
+        rows = tokens.count(1)  # decode rows (InputBatch's test too)
+        self.prompt_cost.observe(rows, sum(tokens) - rows, seconds)
         return failed + outputs
 
     def _forget_finished(self) -> None:
@@ -462,11 +467,11 @@ class LLMEngine:
     def load(self) -> dict[str, int | float]:
         """Load figures for the worker registry (plain reads: safe from another thread):
         KV blocks, requests running and waiting, uncomputed prompt tokens queued or
-        prefilling, the block size, and the measured seconds per scheduled token (0.0: not
-        known yet)."""
+        prefilling, the block size, and the measured seconds a prompt token adds to a step
+        (``PromptCostModel``; 0.0: not known yet)."""
         bm, s = self.block_manager, self.scheduler
         return {"free_kv_blocks": bm.num_free_blocks, "total_kv_blocks": bm.num_blocks,
                 "num_running": len(s.running), "num_waiting": s.num_waiting,
                 "num_prefill_tokens": s.num_prefill_tokens, "block_size": bm.block_size,
-                "prefill_seconds_per_token": self.step_cost.seconds_per_token}
+                "prefill_seconds_per_token": self.prompt_cost.seconds_per_prompt_token}
 

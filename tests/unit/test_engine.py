@@ -123,3 +123,15 @@ def test_bad_requests_raise_value_error_naming_the_field(ids, field):
     engine = make_engine()
     with pytest.raises(ValueError, match=f"^{field}"):
         engine.make_request("x", ids, GREEDY)
+
+
+def test_the_heartbeat_reports_a_prompt_token_s_cost_apart_from_decode_rows():
+    """``load()``'s ``prefill_seconds_per_token`` is the prompt fit's (decode rows apart),
+    unknown (0.0) until prompts of different lengths ran, and positive after."""
+    engine = make_engine()
+    assert engine.load()["prefill_seconds_per_token"] == 0.0
+    for n in (16, 100, 40, 120, 8, 64):  # one at a time: prompt steps of n tokens, then rows
+        generate_all(engine, [list(range(100, 100 + n))],
+                     SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    reported = engine.load()["prefill_seconds_per_token"]
+    assert reported > 0 and reported == engine.prompt_cost.seconds_per_prompt_token

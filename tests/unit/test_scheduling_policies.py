@@ -9,7 +9,7 @@ import pytest
 from services.engine.request import Request, RequestStatus
 from services.engine.sampling_params import SamplingParams
 from services.engine.scheduler import Scheduler
-from services.engine.step_cost import StepCostModel
+from services.engine.step_cost import PromptCostModel, StepCostModel
 from tests.unit.test_scheduler import create_scheduler, fake_sample, step
 
 BS = 4
@@ -86,6 +86,30 @@ def test_the_step_cost_model_learns_base_and_per_token_cost():
     for _ in range(10):
         flat.observe(8, 0.01)  # one size only: no slope
     assert flat.fit() is None
+
+
+def test_the_prompt_cost_model_fits_prompt_tokens_apart_from_decode_rows():
+    """A decode worker's steps: decode rows at 2 ms and, now and then, a short prompt at
+    0.5 ms a token. Fitted together, as the heartbeat did, the rows' cost leaks into the
+    prompt's (0.89 ms); fitted apart, 0.5 ms."""
+    steps = [(rows, prompt) for rows in (1, 4, 16, 32) for prompt in (0, 0, 0, 48)]
+    joint, together = PromptCostModel(), StepCostModel()
+    for rows, prompt in steps * 3:
+        seconds = 0.010 + 0.002 * rows + 0.0005 * prompt
+        joint.observe(rows, prompt, seconds)
+        together.observe(rows + prompt, seconds)
+    assert joint.seconds_per_prompt_token == pytest.approx(0.0005, rel=1e-6)
+    assert together.seconds_per_token == pytest.approx(0.00089, rel=0.01)
+    prefill = PromptCostModel()  # no decode rows: prompt tokens alone
+    for prompt in (16, 512, 2048, 100) * 2:
+        prefill.observe(0, prompt, 0.02 + 0.0001 * prompt)
+    assert prefill.seconds_per_prompt_token == pytest.approx(0.0001, rel=1e-6)
+    decode_only, tied = PromptCostModel(), PromptCostModel()
+    for rows in (1, 8, 64, 3) * 3:
+        decode_only.observe(rows, 0, 0.01 + 0.002 * rows)
+        tied.observe(rows, 8 * rows, 0.01 + 0.003 * rows)  # prompts only ever grow with rows
+    assert decode_only.seconds_per_prompt_token == 0.0 and tied.seconds_per_prompt_token == 0.0
+    assert PromptCostModel().seconds_per_prompt_token == 0.0
 
 
 def reserve(s: Scheduler, rid: str, prompt: list[int]) -> Request:
