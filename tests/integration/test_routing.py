@@ -8,7 +8,9 @@
 - 1 prefill + 1 decode worker: a prompt whose prefix the decode worker holds transfers only the
   blocks after it (bytes counted on the decode worker's side of the wire) and its greedy output
   equals transformers' in float32; a short prompt queued behind a long one is prefilled on the
-  decode worker (``pd_threshold_tokens``) and done before the long one's first token.
+  decode worker (``pd_threshold_tokens``) and done before the long one's first token; once the
+  gateway has measured slow KV handoffs for the pair, a prompt over the threshold is prefilled
+  on the idle decode worker.
 """
 from __future__ import annotations
 
@@ -26,8 +28,8 @@ from services.api import gateway_pb2, gateway_pb2_grpc
 from services.engine.kv_events import prompt_block_hashes
 from services.runtime.launcher import Stack, UpOptions
 from services.state.kv_events import stream_key
-from tests.integration.conftest import (WORKER_ARGS, assert_all_blocks_freed, free_port, running,
-                                        wait_until)
+from tests.integration.conftest import (WORKER_ARGS, assert_all_blocks_freed, free_port,
+                                        registered_workers, running, wait_until)
 from tests.integration.test_stack import chat_request, generate
 from tests.reference import CHAT_PROMPTS, chat_prompt_ids, hf_greedy_outputs, tokenizer
 
@@ -282,4 +284,46 @@ def test_a_short_prompt_behind_a_long_one_is_prefilled_on_the_decode_worker():
         await assert_all_blocks_freed(s, timeout_s=30)
 
     with running(s):
+        asyncio.run(run())
+
+
+def test_a_slow_kv_handoff_keeps_a_prompt_on_an_idle_decode_worker():
+    """Conditional disaggregation weighs the KV handoff the gateway measured for the pair: a
+    prompt well over the threshold goes to the prefill worker while no handoff is known, and
+    once two handoffs were slowed by 6 s (fault injection on the prefill worker's KV write)
+    the same length of prompt is prefilled on the idle decode worker instead, by the
+    ``queue`` rule: computing it there takes well under the handoff's expected seconds."""
+    s = Stack(UpOptions(host="127.0.0.1", port=free_port(), num_prefill=1, num_decode=1,
+                        redis_url=None,
+                        worker_args=["--num-threads", "1", "--kv-cache-gib", "1", "--heartbeat-s",
+                                     "0.5"],
+                        gateway_args=["--heartbeat-s", "0.5", "--pd-threshold-tokens", "64"],
+                        env={"TANDEM_TEST_FAULT_INJECTION": "1"}, ready_timeout_s=300))
+    gateway = None
+
+    async def known_costs() -> bool:
+        """Both workers' heartbeats carry a prompt token's measured cost."""
+        workers = await registered_workers(s.redis_url)
+        return len(workers) == 2 and all(w.prefill_seconds_per_token > 0 for w in workers)
+
+    async def run():
+        for i, words in enumerate((2, 50, 25)):  # under the threshold: on the decode worker
+            await serve_prompt(s.address, " ".join(["cat"] * words), f"short-{i}")
+        assert (await info_of(s.address, "short-1")).prefill_worker == "decode-0"
+        await serve_prompt(s.address, document(0, 100), "before")  # ~200 tokens, no handoff known
+        before = await info_of(s.address, "before")
+        assert before.prompt_tokens > 150 and before.prefill_worker == "prefill-0"
+        for i, words in enumerate((30, 70)):  # the prefill worker's cost, and two slow handoffs
+            await serve_prompt(s.address, document(i + 1, words), f"slow-{i}+kv_write_delay=6")
+        await wait_until(known_costs, 30, "both workers' prompt costs in their heartbeats")
+        assert metric(gateway, "tandem:routing_decisions_total", reason="queue") == 0
+        await serve_prompt(s.address, document(9, 100), "after")
+        after = await info_of(s.address, "after")
+        assert after.prompt_tokens > 150
+        assert after.prefill_worker == after.decode_worker == "decode-0"  # local prefill
+        assert metric(gateway, "tandem:routing_decisions_total", reason="queue") == 1
+        await assert_all_blocks_freed(s, timeout_s=30)
+
+    with running(s):
+        gateway = s.metrics_targets["gateway"]
         asyncio.run(run())
