@@ -468,10 +468,13 @@ class LLMEngine:
         """Load figures for the worker registry (plain reads: safe from another thread):
         KV blocks, requests running and waiting, uncomputed prompt tokens queued or
         prefilling, the block size, and the measured seconds a prompt token adds to a step
-        (``PromptCostModel``; 0.0: not known yet)."""
+        (``PromptCostModel``; until prompts of different lengths ran, the seconds per scheduled
+        token, decode rows and prompt tokens alike, an overestimate on a decode worker; 0.0:
+        neither known yet)."""
         bm, s = self.block_manager, self.scheduler
         return {"free_kv_blocks": bm.num_free_blocks, "total_kv_blocks": bm.num_blocks,
                 "num_running": len(s.running), "num_waiting": s.num_waiting,
                 "num_prefill_tokens": s.num_prefill_tokens, "block_size": bm.block_size,
-                "prefill_seconds_per_token": self.prompt_cost.seconds_per_prompt_token}
+                "prefill_seconds_per_token": (self.prompt_cost.seconds_per_prompt_token
+                                              or self.step_cost.seconds_per_token)}
 
