@@ -154,9 +154,9 @@ class GatewaySection(BaseModel):
     pd_threshold_tokens: int = setting(
         256, help="disaggregated: a prompt whose part not cached on the chosen decode worker is "
         "at most this many tokens, or whose wait in the prefill queue plus the KV handoff "
-        "(as measured) would take longer than computing it on the decode worker, counted once "
-        "more for each stream running there, is prefilled there (no prefill worker, no KV "
-        "transfer); 0: every prompt goes through a prefill worker", ge=0)
+        "(as measured) would take longer than computing it on the decode worker, is prefilled "
+        "there (no prefill worker, no KV transfer); 0: every prompt goes through a prefill "
+        "worker", ge=0)
     kv_failure_policy: KVFailurePolicy = setting(
         KVFailurePolicy.recompute, help="when a prompt's KV transfer fails or times out, the "
         "decode worker computes the prompt itself (recompute) or the request fails (fail)")

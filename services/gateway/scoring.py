@@ -20,14 +20,18 @@ preempt), whatever its cost.
 
 Conditional disaggregation (``local_prefill_reason``): the decode worker computes the prompt
 itself when its uncached part is at most ``threshold_tokens`` (llm-d's P/D threshold), or when
-computing it there costs less than the remote path's overhead: the wait in the prefill worker's
-queue plus the KV handoff (Dynamo's conditional disaggregation weighs the prefill queue too).
-Computing it there costs its own time and as much again for each stream the decode worker is
-running, whose steps carry the prompt's chunks meanwhile (Sarathi-Serve, Agrawal et al., OSDI
-2024, section 3: prefill chunks stall a batch's decodes); the remote prefill's own compute runs
-beside the decode worker's streams, on the prefill worker, so it is the margin by which local
-must win. Times come from the seconds per token each worker measures and the handoff seconds
-the gateway measures per (prefill, decode) pair (``Router.observe_handoff``).
+computing it there takes less time than the remote path spends before computing it and beside
+it: the wait in the prefill worker's queue plus the KV handoff (Dynamo's conditional
+disaggregation weighs the prefill queue too). The remote prefill's own compute is left out of
+the remote side: it runs beside the decode worker's streams, which a local prefill stalls
+(its chunks ride in their steps), so it is the margin local must win by. Times come from the
+seconds a prompt token adds to each worker's steps and the handoff seconds the gateway
+measures per (prefill, decode) pair (``Router.observe_handoff``).
+
+Not counted: how many streams the decode worker runs. Counting the prompt's time once more for
+each (the delay it adds to every stream) kept every 512-token prompt of a 16-client CPU run on
+the prefill worker: TPOT half and mean end-to-end latency 13% lower, but TTFT p50 6-7.6 s
+against 1.7 s (docs/benchmarks.md, "Conditional disaggregation and the KV handoff").
 """
 from __future__ import annotations
 
@@ -118,12 +122,11 @@ def local_prefill_reason(num_prompt_tokens: int, decode: Candidate, prefill: Can
     """Whether the decode worker should compute the prompt itself instead of a prefill worker
     (never with ``threshold_tokens`` 0: conditional disaggregation off):
     ``THRESHOLD`` when the part not in its cache is at most ``threshold_tokens``; ``QUEUE`` when
-    computing it there, ``(queued + uncached x (1 + running)) x its seconds per token`` (its
-    queue, then the prompt, which each of its running streams waits out too), is less than the
-    remote path's overhead: the best prefill worker ``prefill``'s queue (its queued tokens x its
-    seconds per token) plus ``handoff_s``, what handing the prompt's KV from that worker to this
-    one is expected to take (seconds); both seconds per token measured, else no. Else None
-    (``prefill`` None: no prefill worker to compare with)."""
+    computing it there (its queued + the uncached tokens, x its seconds per token) takes less
+    than the prompt would wait in the queue of the best prefill worker ``prefill`` (its queued
+    tokens x its seconds per token) plus ``handoff_s``, what handing the prompt's KV from that
+    worker to this one is expected to take (seconds); both seconds per token measured, else
+    no. Else None (``prefill`` None: no prefill worker to compare with)."""
     if threshold_tokens <= 0:
         return None
     uncached = num_prompt_tokens - decode.overlap_blocks * decode.block_size
@@ -131,7 +134,6 @@ def local_prefill_reason(num_prompt_tokens: int, decode: Candidate, prefill: Can
         return THRESHOLD
     if prefill is None or decode.seconds_per_token <= 0 or prefill.seconds_per_token <= 0:
         return None
-    here = (decode.queued_prefill_tokens + uncached * (1 + decode.num_running)) \
-        * decode.seconds_per_token
+    here = (decode.queued_prefill_tokens + uncached) * decode.seconds_per_token
     there = prefill.queued_prefill_tokens * prefill.seconds_per_token + handoff_s
     return QUEUE if here < there else None

@@ -102,20 +102,18 @@ def test_local_prefill_under_the_threshold_or_when_the_prefill_queue_is_longer()
     assert scoring.local_prefill_reason(2000, cand("d"), busy_p, 100) is None  # D's cost unknown
 
 
-def test_local_prefill_counts_the_running_streams_it_stalls_and_the_handoff_it_saves():
+def test_local_prefill_weighs_the_handoff_beside_the_prefill_queue():
     idle_p = cand("p", spt=0.001)
     busy_p = cand("p", queued=8000, spt=0.001)
-    # 2,000 tokens here: 2 s, and 2 s more for each running stream (its steps carry the chunks)
-    assert scoring.local_prefill_reason(2000, cand("d", running=2, spt=0.001), busy_p, 100) \
-        == scoring.QUEUE  # 6 s < 8 s of queue
-    assert scoring.local_prefill_reason(2000, cand("d", running=3, spt=0.001), busy_p, 100) \
-        is None  # 8 s: not less
-    # the handoff is what the remote path adds beside the queue
-    d = cand("d", spt=0.001)
+    d = cand("d", spt=0.001)  # 2,000 tokens here: 2 s
     assert scoring.local_prefill_reason(2000, d, idle_p, 100, handoff_s=1.9) is None
     assert scoring.local_prefill_reason(2000, d, idle_p, 100, handoff_s=2.1) == scoring.QUEUE
-    assert scoring.local_prefill_reason(2000, d, busy_p, 100, handoff_s=0.5) == scoring.QUEUE
+    assert scoring.local_prefill_reason(9000, d, busy_p, 100, handoff_s=0.5) is None  # 9 > 8.5
+    assert scoring.local_prefill_reason(9000, d, busy_p, 100, handoff_s=1.5) == scoring.QUEUE
     assert scoring.local_prefill_reason(50, d, idle_p, 100, handoff_s=0.0) == scoring.THRESHOLD
+    # the streams it runs do not count (scoring's docstring says why)
+    assert scoring.local_prefill_reason(2000, cand("d", running=60, spt=0.001), idle_p, 100,
+                                        handoff_s=2.1) == scoring.QUEUE
 
 
 # -- prefix index ----------------------------------------------------------------------------
