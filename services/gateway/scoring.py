@@ -30,7 +30,7 @@ measures per (prefill, decode) pair (``Router.observe_handoff``).
 
 Not counted: how many streams the decode worker runs. Counting the prompt's time once more for
 each (the delay it adds to every stream) kept every 512-token prompt of a 16-client CPU run on
-the prefill worker: TPOT half and mean end-to-end latency 13% lower, but TTFT p50 6-7.6 s
+the prefill worker: TPOT about half and mean end-to-end latency 13% lower, but TTFT p50 6-7.6 s
 against 1.7 s (docs/benchmarks.md, "Conditional disaggregation and the KV handoff").
 """
 from __future__ import annotations
