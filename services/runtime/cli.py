@@ -129,7 +129,8 @@ def _run(name: str, command, *args) -> int:
     except grpc.RpcError as exc:
         print(f"{name}: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return 1
-    except (RuntimeError, ValueError, OSError) as exc:  # OSError: a port taken, a file missing, a timeout
+    # OSError: a port taken, a file missing, a connection refused or timed out
+    except (RuntimeError, ValueError, OSError) as exc:
         print(f"{name}: error: {exc}", file=sys.stderr)
         return 1
 
