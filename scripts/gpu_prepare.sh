@@ -9,7 +9,7 @@
 #                               stack makes random weights of its shape on the GPU)
 # and lists each path's size; every path must stay under 64 MiB with the tree. The paths are
 # ignored by git (.git/info/exclude). Needs .venv (scripts/setup.sh --test), pip and apt-get.
-#   scripts/gpu_prepare.sh            # all of them (a few minutes)
+#   scripts/gpu_prepare.sh            # all of them (about a minute)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=.venv/bin/python
@@ -19,7 +19,6 @@ done
 
 # the GPU image's packages: the tool library's device/KINDS.md
 kinds=${KINDS_MD:-../.library/device/KINDS.md}
-[ -f "$kinds" ] || kinds=/work/.library/device/KINDS.md
 rm -rf .whl && mkdir -p .whl
 "$PY" -m scripts.gpu_wheels "$kinds" >/tmp/gpu_wheels.txt
 platforms=()

@@ -332,9 +332,9 @@ class LLMEngine:
             self._forget_finished()
         self.metrics.record_step(out, self.scheduler, outputs)
         seconds, tokens = time.perf_counter() - t0, list(out.num_scheduled_tokens.values())
-        self.step_cost.observe(out.total_num_scheduled_tokens, seconds)
-        rows = tokens.count(1)  # decode rows (InputBatch's test too)
-        self.prompt_cost.observe(rows, sum(tokens) - rows, seconds)
+        total, rows = sum(tokens), tokens.count(1)  # rows: decode rows (InputBatch's test too)
+        self.step_cost.observe(total, seconds)
+        self.prompt_cost.observe(rows, total - rows, seconds)
         return failed + outputs
 
     def _forget_finished(self) -> None:

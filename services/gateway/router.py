@@ -191,7 +191,7 @@ class Router:
         model = self._handoffs.get((prefill.worker_id, decode.worker_id))
         if model is None:
             return 0.0
-        uncached = max(num_prompt_tokens - decode.overlap_blocks * decode.block_size, 0)
+        uncached = decode.uncached_tokens(num_prompt_tokens)
         return model.expected_seconds(-(-uncached // decode.block_size))
 
     def rank_prefill(self, prompt: list[int], prefill: list[WorkerInfo]) -> list[Route]:

@@ -66,6 +66,11 @@ class Candidate:
         """Work it already carries, in blocks (module docstring)."""
         return self.queued_prefill_tokens / self.block_size + self.num_running
 
+    def uncached_tokens(self, num_prompt_tokens: int) -> int:
+        """The prompt's tokens after the prefix its cache holds: what it would compute, or
+        receive."""
+        return max(num_prompt_tokens - self.overlap_blocks * self.block_size, 0)
+
 
 @dataclass(frozen=True)
 class Scored:
@@ -129,7 +134,7 @@ def local_prefill_reason(num_prompt_tokens: int, decode: Candidate, prefill: Can
     no. Else None (``prefill`` None: no prefill worker to compare with)."""
     if threshold_tokens <= 0:
         return None
-    uncached = num_prompt_tokens - decode.overlap_blocks * decode.block_size
+    uncached = decode.uncached_tokens(num_prompt_tokens)
     if uncached <= threshold_tokens:
         return THRESHOLD
     if prefill is None or decode.seconds_per_token <= 0 or prefill.seconds_per_token <= 0:

@@ -299,7 +299,6 @@ def test_a_slow_kv_handoff_keeps_a_prompt_on_an_idle_decode_worker():
                                      "0.5"],
                         gateway_args=["--heartbeat-s", "0.5", "--pd-threshold-tokens", "64"],
                         env={"TANDEM_TEST_FAULT_INJECTION": "1"}, ready_timeout_s=300))
-    gateway = None
 
     async def known_costs() -> bool:
         """Both workers' heartbeats carry a prompt token's measured cost."""
@@ -307,6 +306,7 @@ def test_a_slow_kv_handoff_keeps_a_prompt_on_an_idle_decode_worker():
         return len(workers) == 2 and all(w.prefill_seconds_per_token > 0 for w in workers)
 
     async def run():
+        gateway = s.metrics_targets["gateway"]
         for i, words in enumerate((2, 50, 25)):  # under the threshold: on the decode worker
             await serve_prompt(s.address, " ".join(["cat"] * words), f"short-{i}")
         assert (await info_of(s.address, "short-1")).prefill_worker == "decode-0"
@@ -325,5 +325,4 @@ def test_a_slow_kv_handoff_keeps_a_prompt_on_an_idle_decode_worker():
         await assert_all_blocks_freed(s, timeout_s=30)
 
     with running(s):
-        gateway = s.metrics_targets["gateway"]
         asyncio.run(run())
