@@ -13,7 +13,8 @@ Three uses:
   the gateway compares the prefill queue's wait with computing a prompt on the decode worker
   itself;
 - the KV handoff: the gateway fits each (prefill, decode) pair's handoff seconds to the blocks
-  handed over (``tokens`` are blocks there), for the same comparison.
+  handed over (``tokens`` are blocks there), for the same comparison; it forgets by the
+  seconds between handoffs rather than per handoff (``observe``'s ``forget``).
 
 The fit is least squares over the steps seen, each older step's weight multiplied by
 ``FORGET`` at every new one (about the last 200 steps count), so the model follows a machine
@@ -32,9 +33,10 @@ class StepCostModel:
     def __init__(self) -> None:
         self._w = self._x = self._xx = self._y = self._xy = 0.0
 
-    def observe(self, num_tokens: int, seconds: float) -> None:
-        """A step of ``num_tokens`` scheduled tokens took ``seconds``."""
-        f = FORGET
+    def observe(self, num_tokens: int, seconds: float, forget: float = FORGET) -> None:
+        """A step of ``num_tokens`` scheduled tokens took ``seconds``; what was seen before
+        counts ``forget`` times as much as it did (in [0, 1])."""
+        f = forget
         self._w = self._w * f + 1.0
         self._x = self._x * f + num_tokens
         self._xx = self._xx * f + num_tokens * num_tokens
@@ -62,6 +64,11 @@ class StepCostModel:
         if fit is not None:
             return fit[0] + fit[1] * num_tokens
         return self._y / self._w if self._w else 0.0
+
+    @property
+    def weight(self) -> float:
+        """How many observations the model holds, each counted at its forgotten weight."""
+        return self._w
 
     @property
     def seconds_per_token(self) -> float:

@@ -11,7 +11,8 @@ decides conditional disaggregation, and keeps the prefix index that kv routing r
 Disaggregated stacks choose a pair: the decode worker by its cache and load (the blocks it
 holds are pinned, not transferred), the prefill worker by its own cache and load; and whether
 the decode worker prefills the prompt itself (``scoring.local_prefill_reason``, with the KV
-handoff's cost that this gateway measures per pair: ``observe_handoff``). Load comes
+handoff's cost that this gateway measures per pair: ``observe_handoff``, and forgets over
+``HANDOFF_HALF_LIFE_S``). Load comes
 from the registry's heartbeats, plus the requests this gateway sent a worker since its last
 heartbeat (so a burst does not all land on the worker that looked idle a second ago).
 """
@@ -21,6 +22,7 @@ import asyncio
 import logging
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import redis
@@ -36,6 +38,8 @@ log = logging.getLogger(__name__)
 
 MODES = ("random", "load", "kv")
 STOP_TIMEOUT_S = 2.0  # longest wait for the KV event follower to end (``Router.stop``)
+# A measured KV handoff counts half as much after this many seconds (``Router.observe_handoff``)
+HANDOFF_HALF_LIFE_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -108,6 +112,7 @@ class Router:
     model: str
     metrics: object = None
     rng: random.Random = field(default_factory=random.Random)
+    clock: Callable[[], float] = time.monotonic  # seconds, for the handoffs' forgetting
 
     def __post_init__(self) -> None:
         self.index = PrefixIndex()
@@ -116,8 +121,9 @@ class Router:
         self._stopping = False
         self._ignored: set[str] = set()  # workers whose streams name another model or hash
         self._suspects: dict[str, float] = {}  # worker id -> monotonic time it is trusted again
-        # (prefill worker, decode worker) -> handoff seconds against blocks handed over
-        self._handoffs: dict[tuple[str, str], StepCostModel] = {}
+        # (prefill worker, decode worker) -> (handoff seconds against blocks handed over,
+        # clock at the last handoff)
+        self._handoffs: dict[tuple[str, str], tuple[StepCostModel, float]] = {}
         self.num_events = 0  # event batches applied
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -177,22 +183,30 @@ class Router:
         ``seconds`` beyond the prefill worker's queue and compute, handing over ``num_blocks``
         KV blocks: the transfer, its acknowledgement and the call's round trip, which the
         remote path costs a prompt and the local one does not. Fitted per pair
-        (``StepCostModel``: base + per block) and counted (``kv_handoff_seconds``)."""
-        seconds = max(seconds, 0.0)
-        model = self._handoffs.setdefault((prefill_id, decode_id), StepCostModel())
-        model.observe(num_blocks, seconds)
+        (``StepCostModel``: base + per block), each earlier handoff counting half as much
+        every ``HANDOFF_HALF_LIFE_S`` seconds, and counted (``kv_handoff_seconds``)."""
+        seconds, now = max(seconds, 0.0), self.clock()
+        model, at = self._handoffs.get((prefill_id, decode_id), (StepCostModel(), now))
+        model.observe(num_blocks, seconds, forget=_halved(now - at))
+        self._handoffs[(prefill_id, decode_id)] = (model, now)
         if self.metrics is not None:
             self.metrics.kv_handoff_seconds.observe(seconds)
 
     def _handoff_seconds(self, prefill: scoring.Candidate, decode: scoring.Candidate,
                          num_prompt_tokens: int) -> float:
-        """The expected handoff of the blocks ``decode`` lacks of the prompt, from ``prefill``
-        (0.0 before this gateway has seen one between them)."""
-        model = self._handoffs.get((prefill.worker_id, decode.worker_id))
-        if model is None:
+        """The expected handoff of the blocks ``decode`` lacks of the prompt, from ``prefill``:
+        the pair's fit, times the weight its handoffs still have when that is under one
+        handoff's. So what is known fades back to what is assumed without knowledge, a free
+        handoff, and a pair whose slow handoff (a first connection, a stall) kept prompts on
+        the decode worker, where no new handoff is measured, is tried again within a few
+        half-lives (0.0 before this gateway has seen one between them)."""
+        known = self._handoffs.get((prefill.worker_id, decode.worker_id))
+        if known is None:
             return 0.0
+        model, at = known
         uncached = decode.uncached_tokens(num_prompt_tokens)
-        return model.expected_seconds(-(-uncached // decode.block_size))
+        weight = min(1.0, model.weight * _halved(self.clock() - at))
+        return weight * model.expected_seconds(-(-uncached // decode.block_size))
 
     def rank_prefill(self, prompt: list[int], prefill: list[WorkerInfo]) -> list[Route]:
         """Prefill workers for ``prompt``, best first (by their own caches and load)."""
@@ -334,6 +348,11 @@ class Router:
         self.metrics.kv_index_blocks.set(self.index.size)
         for mode in ("events", "approximate"):
             self.metrics.kv_index_workers[mode].set(modes.count(mode))
+
+
+def _halved(seconds: float) -> float:
+    """What a handoff measured ``seconds`` ago still counts (``HANDOFF_HALF_LIFE_S``)."""
+    return 0.5 ** (max(seconds, 0.0) / HANDOFF_HALF_LIFE_S)
 
 
 def _prompt_blocks(prompt: list[int], workers: list[WorkerInfo]) -> int:

@@ -290,6 +290,33 @@ def test_router_weighs_the_handoff_it_measured_for_that_pair():
     assert route.local_prefill and route.reason == scoring.QUEUE and route.overlap_blocks == 31
 
 
+def test_a_slow_handoff_fades_so_the_pair_is_tried_again():
+    """One slow handoff (a first connection, a stall) keeps prompts on the decode worker,
+    where no handoff is measured: the estimate halves every HANDOFF_HALF_LIFE_S seconds until
+    the prefill pool wins again, and fresh handoffs outweigh the old one."""
+    from services.gateway.router import HANDOFF_HALF_LIFE_S as H
+
+    now = [1000.0]
+    r = router(pd_threshold_tokens=1)
+    r.clock = lambda: now[0]
+    d = [worker("d", "decode", prefill_seconds_per_token=0.001)]
+    p = [worker("p", "prefill", prefill_seconds_per_token=0.001)]
+    prompt = list(range(500))  # 0.5 s on the decode worker, 32 blocks
+    r.observe_handoff("p", "d", 32, 4.0)
+    assert r.rank_decode(prompt, d, p)[0].reason == scoring.QUEUE
+    now[0] += 2 * H  # 1.0 s
+    assert r.rank_decode(prompt, d, p)[0].local_prefill
+    now[0] += 2 * H  # 0.25 s: the prefill worker again
+    assert not r.rank_decode(prompt, d, p)[0].local_prefill
+    for _ in range(3):  # the handoffs it measures now are fast
+        r.observe_handoff("p", "d", 32, 0.05)
+    assert r._handoff_seconds(r._candidate(p[0], 0), r._candidate(d[0], 0), 500) \
+        == pytest.approx((4.0 / 16 + 3 * 0.05) / (1 / 16 + 3))
+    # fresh handoffs count in full: a slow pair stays slow while it is measured
+    r.observe_handoff("p", "d", 32, 4.0)
+    assert r._handoff_seconds(r._candidate(p[0], 0), r._candidate(d[0], 0), 500) > 1.0
+
+
 def test_handoff_estimate_is_the_mean_until_sizes_differ_then_the_fit():
     from services.engine.step_cost import StepCostModel
 
