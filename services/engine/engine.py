@@ -141,7 +141,7 @@ class LLMEngine:
             self.block_manager,
         )
         self.step_cost = StepCostModel()  # seconds per step, learned (time budget, queue order)
-        self.prompt_cost = PromptCostModel()  # a prompt token's part of it (heartbeat)
+        self.prompt_cost = PromptCostModel()  # rows and prompt tokens apart (heartbeat, budget)
         threads = StepThreads(config.step_threads if config.device == "cpu" else "all",
                               torch.get_num_threads())  # CPU threads matter on CPU only
         matchers = Matchers(lambda: Tokenizer.load(config.model).backend.to_str(),
@@ -314,8 +314,7 @@ class LLMEngine:
         t0 = time.perf_counter()
         self.scheduler.seconds_per_token = self.step_cost.seconds_per_token or None
         if self.config.max_step_ms:
-            self.scheduler.step_token_budget = self.step_cost.token_budget(
-                self.config.max_step_ms / 1000)
+            self._set_step_budget(self.config.max_step_ms / 1000)
         if self._ahead is not None:  # launched by the previous call: collect it
             (out, launched), self._ahead = self._ahead, None
             result, failed = self._collect(out, launched)
@@ -336,6 +335,15 @@ class LLMEngine:
         self.step_cost.observe(total, seconds)
         self.prompt_cost.observe(rows, total - rows, seconds)
         return failed + outputs
+
+    def _set_step_budget(self, max_step_s: float) -> None:
+        """The scheduler's prompt-token budget for a step of at most ``max_step_s`` seconds: by
+        the fit of decode rows and prompt tokens apart once it knows, by the fit over all
+        scheduled tokens (a row costing one token) until then."""
+        budget = self.prompt_cost.token_budget(max_step_s)
+        if budget is None:
+            budget = self.step_cost.token_budget(max_step_s), 1.0
+        self.scheduler.step_token_budget, self.scheduler.decode_row_tokens = budget
 
     def _forget_finished(self) -> None:
         """Free the batch rows of finished requests while steps run ahead: ``schedule()``, which

@@ -27,10 +27,10 @@ S seconds alone is therefore admitted before any request that arrives after ``t 
 is bounded by its own service time plus the time to serve what arrived before then.
 
 Time-budgeted steps: with ``step_token_budget`` B set (the engine sets it each step from the
-measured step cost and ``max_step_ms``), a step that carries decode rows schedules at most B
-tokens in all, prompt chunks getting what the rows leave (at least one block), so a running
-stream's inter-token gap stays near the budget while prompts are computed beside it
-(Sarathi-Serve's stall-free batching; ``step_cost.py``).
+measured step cost and ``max_step_ms``, with ``decode_row_tokens`` W, what a decode row costs a
+step in prompt tokens), a step that carries R decode rows computes at most B - R x W prompt
+tokens (at least one block), so a running stream's inter-token gap stays near the budget while
+prompts are computed beside it (Sarathi-Serve's stall-free batching; ``step_cost.py``).
 
 ``policy="static"`` is the subclass ``StaticScheduler`` (``static_batch.py``, the padded
 static-batching baseline); ``create_scheduler`` (``policy.py``) picks the class from the config.
@@ -130,6 +130,7 @@ class Scheduler:
         self.prefix_cache_hits = 0  # tokens
         # most tokens a step with decode rows schedules (None: no limit); set by the engine
         self.step_token_budget: int | None = None
+        self.decode_row_tokens = 1.0
         # measured seconds one scheduled token costs (None: not known); set by the engine
         self.seconds_per_token: float | None = None
         self._prefill_left = config.max_num_batched_tokens  # prompt tokens left this step
@@ -230,14 +231,15 @@ class Scheduler:
 
     def _prefill_budget(self) -> int:
         """Prompt tokens this step may compute: what ``step_token_budget`` leaves after the
-        decode rows (at least one block), or no limit without rows or budget."""
+        decode rows, ``decode_row_tokens`` each (at least one block), or no limit without rows
+        or budget."""
         budget = self.step_token_budget
         if budget is None:
             return self.config.max_num_batched_tokens
         rows = sum(1 for r in self.running if r.num_computed_tokens >= r.num_prompt_tokens)
         if not rows:
             return self.config.max_num_batched_tokens
-        return max(self.block_manager.block_size, budget - rows)
+        return max(self.block_manager.block_size, int(budget - rows * self.decode_row_tokens))
 
     def _order_waiting(self) -> None:
         """``srpt``: put the waiting request with the lowest aged key first (module docstring)."""

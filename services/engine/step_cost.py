@@ -6,7 +6,8 @@ Three uses:
   rows) computes at most as many prompt tokens as fit the budget, so a stream's inter-token gap
   stays under it while prompts are prefilled beside it (Sarathi-Serve, Agrawal et al., OSDI
   2024, section 4: chunk sizes picked so a hybrid batch meets the TPOT target; they profile
-  offline, we fit online);
+  offline, we fit online), by ``PromptCostModel`` (rows and prompt tokens apart) once it
+  knows, by this fit until then;
 - conditional disaggregation: a worker reports what one more prompt token costs a step in its
   heartbeat (``PromptCostModel``: decode rows and prompt tokens fitted apart, since a decode
   row costs a step far more than a prompt token does on a GPU, and differently on a CPU), and
@@ -115,24 +116,49 @@ class PromptCostModel:
         for i, v in enumerate((1.0, r, p, r * r, p * p, r * p, y, r * y, p * y)):
             s[i] = s[i] * f + v
 
-    @property
-    def seconds_per_prompt_token(self) -> float:
-        """Seconds one more prompt token adds to a step, decode rows held equal (0.0: not known:
-        too few steps, prompt tokens of one count or tied to the rows, or a slope that is not
-        positive)."""
+    def fit(self) -> tuple[float, float, float] | None:
+        """``(base seconds, seconds per decode row, seconds per prompt token)``, or None while
+        the prompt tokens' cost cannot be told (too few steps, prompt tokens of one count or
+        tied to the rows, or a slope that is not positive). Rows that never varied (a prefill
+        worker's: none) get 0 a row, their cost inside the base; a row slope under 0 (noise)
+        is taken as 0."""
         w, r, p, rr, pp, rp, y, ry, py = self._s
         if w < 2.0:
-            return 0.0
+            return None
         # centred (co)variances
         var_r, var_p = rr / w - (r / w) ** 2, pp / w - (p / w) ** 2
         cov_rp, cov_ry = rp / w - r * p / w / w, ry / w - r * y / w / w
         cov_py = py / w - p * y / w / w
-        if var_r < 1e-9:  # rows never vary (a prefill worker's: none): prompt tokens alone
-            spread, slope = var_p, (cov_py / var_p if var_p > 0 else 0.0)
+        if var_r < 1e-9:  # rows never vary: prompt tokens alone
+            spread, per_prompt, per_row = var_p, (cov_py / var_p if var_p > 0 else 0.0), 0.0
         else:  # the prompt tokens' variance left once the rows explain what they can
             spread = var_p - cov_rp * cov_rp / var_r
             det = var_r * var_p - cov_rp * cov_rp
-            slope = (var_r * cov_py - cov_rp * cov_ry) / det if det > 0 else 0.0
-        if spread < MIN_SPREAD * MIN_SPREAD or slope <= 0.0:
-            return 0.0
-        return slope
+            if det <= 0:
+                return None
+            per_prompt = (var_r * cov_py - cov_rp * cov_ry) / det
+            per_row = max(0.0, (var_p * cov_ry - cov_rp * cov_py) / det)
+        if spread < MIN_SPREAD * MIN_SPREAD or per_prompt <= 0.0:
+            return None
+        return max(0.0, (y - per_row * r - per_prompt * p) / w), per_row, per_prompt
+
+    @property
+    def seconds_per_prompt_token(self) -> float:
+        """Seconds one more prompt token adds to a step, decode rows held equal (0.0: not known,
+        see ``fit``)."""
+        fit = self.fit()
+        return fit[2] if fit else 0.0
+
+    def token_budget(self, max_step_s: float) -> tuple[int, float] | None:
+        """For steps of at most ``max_step_s`` seconds: ``(prompt tokens a step without decode
+        rows may compute (at least 1), what each decode row takes of that, in prompt
+        tokens)``, or None while the fit is unknown. A step of R rows may then compute
+        ``budget - R x row_tokens`` prompt tokens. A budget that counts rows and prompt tokens
+        alike (``StepCostModel.token_budget``) misjudges both wherever they cost a step
+        differently (a row reads its own KV; on a GPU a step of rows is bound by reading the
+        weights)."""
+        fit = self.fit()
+        if fit is None:
+            return None
+        base, per_row, per_prompt = fit
+        return max(1, int((max_step_s - base) / per_prompt)), per_row / per_prompt

@@ -73,6 +73,17 @@ def test_a_time_budget_caps_prompt_tokens_beside_decode_rows():
     assert out.num_scheduled_tokens == {"prompt": 40 - 9 - BS}
 
 
+def test_a_time_budget_charges_each_decode_row_what_it_costs_in_prompt_tokens():
+    s = create_scheduler(max_num_batched_tokens=64, num_blocks=64)
+    for rid in ("s1", "s2"):
+        s.add_request(request(rid, 4, arrival=0.0, max_tokens=50))
+    step(s)  # two decode rows from now on
+    s.step_token_budget, s.decode_row_tokens = 30, 2.5  # 30 - 2 x 2.5 = 25 prompt tokens
+    s.add_request(request("prompt", 40, arrival=1.0, base=60))
+    out = s.schedule()
+    assert out.num_scheduled_tokens == {"s1": 1, "s2": 1, "prompt": 25}
+
+
 def test_the_step_cost_model_learns_base_and_per_token_cost():
     m = StepCostModel()
     assert m.token_budget(0.1) is None and m.seconds_per_token == 0.0
@@ -110,6 +121,23 @@ def test_the_prompt_cost_model_fits_prompt_tokens_apart_from_decode_rows():
         tied.observe(rows, 8 * rows, 0.01 + 0.003 * rows)  # prompts only ever grow with rows
     assert decode_only.seconds_per_prompt_token == 0.0 and tied.seconds_per_prompt_token == 0.0
     assert PromptCostModel().seconds_per_prompt_token == 0.0
+
+
+def test_the_prompt_fit_budgets_a_step_by_rows_and_prompt_tokens_apart():
+    """The same decode worker as above: 10 ms + 2 ms a row + 0.5 ms a prompt token. A 50 ms
+    step beside 10 rows has 20 ms for prompts, 40 prompt tokens; the budget over all tokens
+    alike gives them 23 (a 41.5 ms step)."""
+    joint, together = PromptCostModel(), StepCostModel()
+    assert joint.fit() is None and joint.token_budget(0.05) is None
+    for rows, prompt in [(rows, prompt) for rows in (1, 4, 16, 32) for prompt in (0, 0, 0, 48)] * 3:
+        seconds = 0.010 + 0.002 * rows + 0.0005 * prompt
+        joint.observe(rows, prompt, seconds)
+        together.observe(rows + prompt, seconds)
+    assert joint.fit() == pytest.approx((0.010, 0.002, 0.0005), rel=1e-6)
+    budget, row_tokens = joint.token_budget(0.050)
+    assert row_tokens == pytest.approx(4.0) and budget - 10 * row_tokens == pytest.approx(40, abs=1)
+    assert together.token_budget(0.050) - 10 == 23
+    assert joint.token_budget(0.001) == (1, pytest.approx(4.0))  # never below one token
 
 
 def reserve(s: Scheduler, rid: str, prompt: list[int]) -> Request:
