@@ -140,8 +140,9 @@ class LLMEngine:
                             mixed_sliding_window=model_config.mixed_sliding_window),
             self.block_manager,
         )
-        self.step_cost = StepCostModel()  # seconds per step, learned (time budget, queue order)
-        self.prompt_cost = PromptCostModel()  # rows and prompt tokens apart (heartbeat, budget)
+        self.step_cost = StepCostModel()  # seconds per step, learned (until prompt_cost knows)
+        self.prompt_cost = PromptCostModel()  # rows and prompt tokens apart (heartbeat, budget,
+        # srpt's queue order)
         threads = StepThreads(config.step_threads if config.device == "cpu" else "all",
                               torch.get_num_threads())  # CPU threads matter on CPU only
         matchers = Matchers(lambda: Tokenizer.load(config.model).backend.to_str(),
@@ -312,7 +313,8 @@ class LLMEngine:
         failed alone come first, with ``error`` set. Raises ``EngineDeadError`` (or what the
         scheduler raised) when the engine cannot continue; see the module docstring."""
         t0 = time.perf_counter()
-        self.scheduler.seconds_per_token = self.step_cost.seconds_per_token or None
+        self.scheduler.seconds_per_token = (self.prompt_cost.seconds_per_prompt_token
+                                            or self.step_cost.seconds_per_token or None)
         if self.config.max_step_ms:
             self._set_step_budget(self.config.max_step_ms / 1000)
         if self._ahead is not None:  # launched by the previous call: collect it

@@ -21,7 +21,7 @@ the same step instead of after the long prompt's last chunk (vLLM's
 Waiting order (``queue_policy``): ``fcfs`` admits in arrival order (the head blocks the rest);
 ``srpt`` admits the waiting request with the least work left first, aged so that none starves:
 its key is ``arrival + remaining_tokens x seconds_per_token`` (shortest remaining processing
-time, Schrage 1968, with linear aging; the engine measures seconds per token, 1 /
+time, Schrage 1968, with linear aging; the engine measures a prompt token's seconds, 1 /
 ``queue_aging_tokens_per_s`` until it has), lowest first. A request that arrived at t needing
 S seconds alone is therefore admitted before any request that arrives after ``t + S``: its wait
 is bounded by its own service time plus the time to serve what arrived before then.

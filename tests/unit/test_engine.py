@@ -140,15 +140,18 @@ def test_the_heartbeat_reports_a_prompt_token_s_cost_apart_from_decode_rows():
 def test_a_time_budget_follows_the_prompt_fit_once_it_knows():
     """With ``max_step_ms``, each step sets the scheduler's budget from the fit over all
     scheduled tokens (a row costing one token) until the prompt fit knows, then from the
-    prompt fit: prompt tokens for a step without rows, and a row's cost in prompt tokens."""
+    prompt fit: prompt tokens for a step without rows, and a row's cost in prompt tokens.
+    srpt's aging takes a prompt token's seconds from the same fits."""
     engine = make_engine(max_step_ms=50)
     for n in (1, 8, 64, 256, 16):
         engine.step_cost.observe(n, 0.010 + 0.0005 * n)
     engine.step()  # nothing to run: the budget is set all the same
     assert engine.scheduler.step_token_budget == pytest.approx(80, abs=1)
     assert engine.scheduler.decode_row_tokens == 1.0
+    assert engine.scheduler.seconds_per_token == pytest.approx(0.0005)  # srpt's aging
     for rows, prompt in [(rows, prompt) for rows in (1, 4, 16, 32) for prompt in (0, 48)] * 2:
-        engine.prompt_cost.observe(rows, prompt, 0.010 + 0.002 * rows + 0.0005 * prompt)
+        engine.prompt_cost.observe(rows, prompt, 0.010 + 0.002 * rows + 0.00025 * prompt)
     engine.step()
-    assert engine.scheduler.step_token_budget == pytest.approx(80, abs=1)
-    assert engine.scheduler.decode_row_tokens == pytest.approx(4.0)
+    assert engine.scheduler.step_token_budget == pytest.approx(160, abs=1)
+    assert engine.scheduler.decode_row_tokens == pytest.approx(8.0)
+    assert engine.scheduler.seconds_per_token == pytest.approx(0.00025)
