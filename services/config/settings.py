@@ -66,8 +66,8 @@ ENGINE_HELP = {
                     "finished alone, at the measured time per token)",
     "max_step_ms": "a step with running streams computes only the prompt tokens that fit this "
                    "many ms by the measured step cost, so inter-token gaps stay near it while "
-                   "prompts are prefilled (unset: no budget; for machines whose decode step is "
-                   "well under it, e.g. GPUs)",
+                   "prompts are prefilled (unset: no budget; worth setting on a unified worker "
+                   "that serves long prompts beside streams)",
     "enforce_eager": "on a GPU, launch every step's kernels from Python instead of replaying "
                      "steps from CUDA graphs (decode and prefill steps whole, mixed steps in "
                      "pieces between attention calls; vLLM's --enforce-eager)",
@@ -84,7 +84,8 @@ class EngineSection(EngineConfig):
     (the fastest exact-enough combination this machine supports, logged at start; small steps
     on the thread count timed fastest) and ``srpt`` admission; the in-process engine to
     float32/none (the oracle mode), every thread and ``fcfs`` (what its benchmarks and tests
-    measure). No step budget by default (``max_step_ms``: docs/architecture.md says why)."""
+    measure). No step budget by default (``max_step_ms``: docs/architecture.md says what is
+    measured)."""
 
     dtype: DType = DType.auto
     device: Device = Device(EngineConfig.model_fields["device"].default)
