@@ -128,10 +128,11 @@ class Scheduler:
         self.num_preemptions = 0
         self.prefix_cache_queries = 0  # tokens
         self.prefix_cache_hits = 0  # tokens
-        # most tokens a step with decode rows schedules (None: no limit); set by the engine
+        # budget of a step with decode rows, in prompt tokens, each row taking
+        # decode_row_tokens of it (None: no limit); set by the engine
         self.step_token_budget: int | None = None
         self.decode_row_tokens = 1.0
-        # measured seconds one scheduled token costs (None: not known); set by the engine
+        # measured seconds one prompt token costs (None: not known); set by the engine
         self.seconds_per_token: float | None = None
         self._prefill_left = config.max_num_batched_tokens  # prompt tokens left this step
         self._yielded: list[Request] = []  # prompt chunks passed over for waiting requests
