@@ -140,9 +140,10 @@ class LLMEngine:
                             mixed_sliding_window=model_config.mixed_sliding_window),
             self.block_manager,
         )
-        self.step_cost = StepCostModel()  # seconds per step, learned (until prompt_cost knows)
-        self.prompt_cost = PromptCostModel()  # rows and prompt tokens apart (heartbeat, budget,
-        # srpt's queue order)
+        # what a step costs, learned: decode rows and prompt tokens apart (heartbeat, time
+        # budget, srpt's queue order), and over all scheduled tokens until that fit knows
+        self.prompt_cost = PromptCostModel()
+        self.step_cost = StepCostModel()
         threads = StepThreads(config.step_threads if config.device == "cpu" else "all",
                               torch.get_num_threads())  # CPU threads matter on CPU only
         matchers = Matchers(lambda: Tokenizer.load(config.model).backend.to_str(),
@@ -313,8 +314,7 @@ class LLMEngine:
         failed alone come first, with ``error`` set. Raises ``EngineDeadError`` (or what the
         scheduler raised) when the engine cannot continue; see the module docstring."""
         t0 = time.perf_counter()
-        self.scheduler.seconds_per_token = (self.prompt_cost.seconds_per_prompt_token
-                                            or self.step_cost.seconds_per_token or None)
+        self.scheduler.seconds_per_token = self.seconds_per_prompt_token or None
         if self.config.max_step_ms:
             self._set_step_budget(self.config.max_step_ms / 1000)
         if self._ahead is not None:  # launched by the previous call: collect it
@@ -478,13 +478,18 @@ class LLMEngine:
         """Load figures for the worker registry (plain reads: safe from another thread):
         KV blocks, requests running and waiting, uncomputed prompt tokens queued or
         prefilling, the block size, and the measured seconds a prompt token adds to a step
-        (``PromptCostModel``; until prompts of different lengths ran, the seconds per scheduled
-        token, decode rows and prompt tokens alike, an overestimate on a decode worker; 0.0:
-        neither known yet)."""
+        (``seconds_per_prompt_token``; until prompts of different lengths ran, an overestimate
+        on a decode worker)."""
         bm, s = self.block_manager, self.scheduler
         return {"free_kv_blocks": bm.num_free_blocks, "total_kv_blocks": bm.num_blocks,
                 "num_running": len(s.running), "num_waiting": s.num_waiting,
                 "num_prefill_tokens": s.num_prefill_tokens, "block_size": bm.block_size,
-                "prefill_seconds_per_token": (self.prompt_cost.seconds_per_prompt_token
-                                              or self.step_cost.seconds_per_token)}
+                "prefill_seconds_per_token": self.seconds_per_prompt_token}
+
+    @property
+    def seconds_per_prompt_token(self) -> float:
+        """Seconds one more prompt token adds to a step (``PromptCostModel``); until prompts of
+        different lengths ran, the seconds per scheduled token, decode rows and prompt tokens
+        alike; 0.0 while neither is known."""
+        return self.prompt_cost.seconds_per_prompt_token or self.step_cost.seconds_per_token
 
