@@ -50,8 +50,8 @@ class EngineConfig(BaseModel):
     # first, aged so that none starves)
     queue_policy: QueuePolicyName = "fcfs"
     # a step that carries running streams computes only as many prompt tokens as fit this
-    # many milliseconds by the measured step cost (step_cost.py); None: no time budget
-    max_step_ms: float | None = Field(default=None, gt=0)
+    # many milliseconds by the measured step cost (step_cost.py); None or 0: no time budget
+    max_step_ms: float | None = Field(default=None, ge=0)
     # CUDA: run decode steps eagerly instead of replaying CUDA graphs (cuda_graphs.py)
     enforce_eager: bool = False
     # launch a decode step before the previous one's tokens reach the host (engine.py's

@@ -155,3 +155,7 @@ def test_a_time_budget_follows_the_prompt_fit_once_it_knows():
     assert engine.scheduler.step_token_budget == pytest.approx(160, abs=1)
     assert engine.scheduler.decode_row_tokens == pytest.approx(8.0)
     assert engine.scheduler.seconds_per_token == pytest.approx(0.00025)
+    off = make_engine(max_step_ms=0)  # 0: no budget (a served worker's way to turn it off)
+    off.prompt_cost = engine.prompt_cost
+    off.step()
+    assert off.scheduler.step_token_budget is None
