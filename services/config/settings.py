@@ -66,8 +66,7 @@ ENGINE_HELP = {
                     "finished alone, at the measured time per token)",
     "max_step_ms": "a step with running streams computes only the prompt tokens that fit this "
                    "many ms by the measured step cost, so inter-token gaps stay near it while "
-                   "prompts are prefilled (unset: no budget; worth setting on a unified worker "
-                   "that serves long prompts beside streams)",
+                   "prompts are prefilled (0: no budget)",
     "enforce_eager": "on a GPU, launch every step's kernels from Python instead of replaying "
                      "steps from CUDA graphs (decode and prefill steps whole, mixed steps in "
                      "pieces between attention calls; vLLM's --enforce-eager)",
@@ -80,18 +79,19 @@ ENGINE_NAMES = {"kv_cache_memory_gib": ("TANDEM_KV_CACHE_GIB", "--kv-cache-gib")
 
 class EngineSection(EngineConfig):
     """``EngineConfig`` with closed choices as enums. Every default is ``EngineConfig``'s except
-    precision, ``step_threads`` and the queue policy: a served worker defaults to ``auto``
-    (the fastest exact-enough combination this machine supports, logged at start; small steps
-    on the thread count timed fastest) and ``srpt`` admission; the in-process engine to
-    float32/none (the oracle mode), every thread and ``fcfs`` (what its benchmarks and tests
-    measure). No step budget by default (``max_step_ms``: docs/architecture.md says what is
-    measured)."""
+    precision, ``step_threads``, the queue policy and the step budget: a served worker
+    defaults to ``auto`` (the fastest exact-enough combination this machine supports, logged at
+    start; small steps on the thread count timed fastest), ``srpt`` admission and 150 ms steps
+    while streams run (``max_step_ms``: docs/architecture.md says what is measured); the
+    in-process engine to float32/none (the oracle mode), every thread, ``fcfs`` and no step
+    budget (what its throughput benchmarks and tests measure)."""
 
     dtype: DType = DType.auto
     device: Device = Device(EngineConfig.model_fields["device"].default)
     quantization: Quantization = Quantization.auto
     step_threads: Literal["auto", "all"] = "auto"
     queue_policy: QueuePolicy = QueuePolicy.srpt
+    max_step_ms: float | None = Field(default=150.0, ge=0)
 
     def engine_config(self) -> EngineConfig:
         """The plain ``EngineConfig`` the engine takes."""

@@ -35,7 +35,8 @@ def test_engine_defaults_are_engine_configs_own_but_a_served_worker_picks_precis
     engine = Settings().engine
     assert engine.dtype is DType.auto and engine.quantization is Quantization.auto
     assert engine.engine_config() == EngineConfig(dtype="auto", quantization="auto",
-                                                  step_threads="auto", queue_policy="srpt")
+                                                  step_threads="auto", queue_policy="srpt",
+                                                  max_step_ms=150.0)
     assert (EngineConfig().dtype, EngineConfig().quantization, EngineConfig().step_threads,
             EngineConfig().queue_policy, EngineConfig().max_step_ms) == (
         "float32", "none", "all", "fcfs", None)
