@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import random
 import time
 from collections.abc import Callable
@@ -295,15 +296,26 @@ class Router:
     # -- the KV event follower -----------------------------------------------------------------
     async def _follow(self) -> None:
         """Read every live worker's KV event stream into the index; drop the entries of
-        workers that left the registry. Survives Redis outages (retries every second)."""
+        workers that left the registry. Survives Redis outages (retries every second).
+
+        The registry is listed again once a heartbeat interval, its own resolution, not at
+        every read: a read returns as soon as any worker flushes events (every 20 ms while
+        its cache changes, ``kv_events.FLUSH_S``), and listing the registry each time (a set
+        and a hash per worker and role) was most of the gateway's Redis traffic and a third of
+        its CPU per output token on the 2-core VM (docs/benchmarks.md, serving CPU)."""
         reader = KVEventReader(self.registry.redis)
         failing = False
+        listed: dict[str, WorkerInfo] = {}
+        listed_at = -math.inf
         while not self._stopping:
             try:
                 now = time.monotonic()
+                if now - listed_at >= self.registry.heartbeat_interval_s:
+                    listed = {w.worker_id: w for role in ROLES
+                              for w in await self.registry.list(role)}
+                    listed_at = now
                 self._suspects = {w: t for w, t in self._suspects.items() if t > now}
-                workers = {w.worker_id: w for role in ROLES for w in await self.registry.list(role)
-                           if w.worker_id not in self._suspects}
+                workers = {i: w for i, w in listed.items() if i not in self._suspects}
                 for gone in self.index.keep_only(workers):
                     log.info("prefix index: worker %s left the registry; its entries dropped", gone)
                 self._sent = {w: s for w, s in self._sent.items() if w in workers}

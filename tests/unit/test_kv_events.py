@@ -18,6 +18,7 @@ from services.engine.sampling_params import SamplingParams
 from services.gateway.kv_index import EVENTS, PrefixIndex
 from services.state import kv_events as stream
 from services.state.kv_events import KVEventPublisher, KVEventReader, encode_events
+from services.state.registry import ROLES
 
 BS = 4
 
@@ -250,3 +251,49 @@ async def test_publisher_stops_when_the_redis_client_loses_the_cancellation():
         client.loses = False
         loop_task.cancel()
         await asyncio.wait({loop_task, stopping}, timeout=5)
+
+
+async def test_the_gateways_follower_lists_the_registry_once_a_heartbeat_not_per_read(redis_url):
+    """Events flushed every 20 ms wake the follower's read each time; the registry (a set and a
+    hash per worker and role) is listed again only once a heartbeat interval, yet every batch
+    reaches the index."""
+    from services.gateway.router import Router, RoutingOptions
+    from services.state.registry import WorkerInfo, WorkerRegistry
+
+    client = aioredis.Redis.from_url(redis_url)
+    registry = WorkerRegistry(client, heartbeat_interval_s=1.0)
+    listings = []
+    listed = registry.list
+
+    async def counted(role):
+        listings.append(role)
+        return await listed(role)
+
+    registry.list = counted
+    router = Router(RoutingOptions(mode="kv", kv_events=True), registry, "m")
+    cache = _Cache()
+    pub = cache.publisher(client)
+    try:
+        await registry.heartbeat(WorkerInfo("w", "unified", "127.0.0.1:1", block_size=BS,
+                                            total_kv_blocks=64))
+        await pub.flush()  # the snapshot
+        router.start()
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        for h in range(100, 160):  # 60 batches, 20 ms apart: 1.2 s
+            cache.store(h)
+            await pub.flush()
+            await asyncio.sleep(0.02)
+        for _ in range(100):  # the last batches land
+            if await held(router.index) == cache.hashes:
+                break
+            await asyncio.sleep(0.02)
+        elapsed = loop.time() - start
+        assert await held(router.index) == cache.hashes  # all 61 batches applied
+        assert router.num_events >= 30  # reads woke far more often than once a heartbeat
+        # one listing (all roles) at the start and one a heartbeat after: not one per read
+        assert len(listings) <= len(ROLES) * (int(elapsed / 1.0) + 2), (listings, elapsed)
+    finally:
+        await router.stop()
+        await pub.stop(clear=False)
+        await client.aclose()
