@@ -2,17 +2,26 @@
 of a running stack, and the stack's tokens/s against the in-process engine's at the same batch.
 
     python -m scripts.bench_serving_cpu [--concurrency 16,64] [--num-prompts 128] \\
-        [--api grpc|http] [--engine-args "--quantization auto"] [--out bench-results/serving_cpu.json]
+        [--api grpc|http] [--engine-args "--quantization auto"] [--client-processes 1] \\
+        [--out bench-results/serving_cpu.json]
 
-The stack is `tandem up`'s (this machine's default layout, a private Redis), loaded by ``tandem
+The stack is `tandem up`'s (the layout it picks here, a private Redis), loaded by ``tandem
 bench serve`` with random prompts of ``--input-len`` tokens and exactly ``--output-len`` output
 tokens each (``ignore_eos``), all sent at once under the concurrency cap. Around each load the
 script reads every stack process's CPU seconds from ``/proc`` (user + system, all threads); a
 worker's CPU is split by thread name into the model's (the engine thread and the OpenMP threads
 its kernels start, named ``tandem-engine``) and the serving's (event loop, gRPC, Redis client,
-KV transfer). Then, with the stack stopped, the in-process engine runs the same workload at the
-same batch caps (prefill included; output tokens over wall time), the ratio the issue asks for,
-and decode steps alone at that batch (``scripts.bench_quant.decode_rate``) beside it.
+KV transfer); ``client`` is the load generator's (this process and the ``--client-processes``
+it spawns). Then, with the stack stopped, the in-process engine runs the same workload at the
+same batch caps (prefill included; output tokens over wall time), the ratio issues 27 and 36
+ask for, and decode steps alone at that batch (``scripts.bench_quant.decode_rate``) beside it.
+
+Both sides run the settings a worker of the stack runs (``worker_settings``): ``--engine-args``
+(the workers' flags) over the environment (``TANDEM_MODEL``, ``TANDEM_DEVICE``,
+``TANDEM_DTYPE``, ...) over the defaults, so the in-process engine loads the workers' model on
+their device with their engine settings, its batch capped at the concurrency. The layout and
+the gateway count are `tandem up`'s for those settings (``TANDEM_LAYOUT``,
+``TANDEM_NUM_GATEWAYS``; on a GPU, ``TANDEM_DEVICE=cuda``, the GPUs it sees).
 CPU time is steadier than wall time on a shared machine, but compare figures within one run.
 """
 from __future__ import annotations
@@ -21,16 +30,18 @@ import argparse
 import glob
 import json
 import os
+import resource
 import shlex
 import time
 from pathlib import Path
 
 from loadtest import serve
 from scripts.bench_layout import free_port
+from services.config.settings import Device, Settings
+from services.config.sources import add_setting_flags, flag_values, load_settings
 from services.engine.engine_loop import ENGINE_THREAD_NAME
 from services.runtime.launcher import Stack, UpOptions
-from services.runtime.layout import choose_layout, usable_cores
-from services.config.settings import UpSection
+from services.runtime.layout import choose_layout, usable_cores, visible_gpus
 
 
 def _ticks(stat_path: str) -> int:
@@ -59,7 +70,26 @@ def sample(stack: Stack) -> dict[str, tuple[float, float]]:
     pids = {name: proc.pid for name, proc in stack.procs}
     if stack.redis_server is not None:
         pids["redis"] = stack.redis_server.process.pid
-    return {name: cpu_split(pid) for name, pid in pids.items()} | {"client": cpu_split(os.getpid())}
+    return {name: cpu_split(pid) for name, pid in pids.items()} | {"client": client_cpu()}
+
+
+def client_cpu() -> tuple[float, float]:
+    """(CPU seconds of this process and of its children that ended: the client processes
+    ``bench serve`` spawned and joined; the stack's, still running, are not among them, 0)."""
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return cpu_split(os.getpid())[0] + children.ru_utime + children.ru_stime, 0.0
+
+
+def worker_settings(engine_args: list[str], environ=None) -> Settings:
+    """The settings a worker of the stack runs with: ``engine_args`` (flags of `tandem serve`,
+    which the stack appends to each worker's) over the environment (``TANDEM_*``, and the
+    ``TANDEM_CONFIG`` file) over the defaults. Raises SettingsError naming a bad setting, and
+    SystemExit (argparse) on an unknown flag."""
+    environ = os.environ if environ is None else environ
+    parser = argparse.ArgumentParser(prog="--engine-args", add_help=False)
+    add_setting_flags(parser, select=lambda path: path != "log_level" and not path.startswith("up."))
+    flags = flag_values(parser.parse_args(engine_args))
+    return load_settings(flags, environ.get("TANDEM_CONFIG"), environ).settings
 
 
 def per_token(before: dict, after: dict, tokens: int) -> dict[str, float]:
@@ -90,6 +120,9 @@ def load(args, stack: Stack, concurrency: int, out: Path) -> dict:
             "--result-name", name]
     if args.api == "http":
         argv += ["--endpoint", "completions"]
+    else:
+        argv += ["--client-processes", str(min(args.client_processes, concurrency)),
+                 "--grpc-channels", str(args.grpc_channels)]
     before = sample(stack)
     t0 = time.perf_counter()
     if serve.main(argv) != 0:
@@ -105,24 +138,26 @@ def load(args, stack: Stack, concurrency: int, out: Path) -> dict:
             "cpu_ms_per_token": per_token(before, after, tokens_in_window)}
 
 
-def engine_rates(args, batches: list[int]) -> dict[int, dict[str, float]]:
-    """The in-process engine at each batch (the stack's worker settings), two ways: the stack's
-    own workload (``--num-prompts`` random prompts of ``--input-len`` tokens, ``--output-len``
-    output tokens each, at most ``batch`` running: prefill included, as the stack does it;
-    output tokens over wall time) and decode steps alone (``decode_rate``)."""
+def engine_rates(args, settings: Settings, batches: list[int]) -> dict[int, dict[str, float]]:
+    """The in-process engine at each batch (``settings.engine``: the stack's workers' engine,
+    its ``max_num_seqs`` the batch), two ways: the stack's own workload (``--num-prompts``
+    random prompts of ``--input-len`` tokens, ``--output-len`` output tokens each, at most
+    ``batch`` running: prefill included, as the stack does it; output tokens over wall time)
+    and decode steps alone (``decode_rate``). One engine at a time: on a GPU each sizes its KV
+    cache from the memory the last one gave back."""
+    import gc
     import random
 
     import torch
 
     from scripts.bench_quant import decode_rate
-    from services.engine.engine import EngineConfig, LLMEngine
+    from services.engine.engine import LLMEngine
     from services.engine.sampling_params import SamplingParams
 
     torch.set_num_threads(args.threads)
-    extra = dict(a.lstrip("-").replace("-", "_").split("=", 1) for a in args.engine_config)
     rates = {}
     for b in batches:
-        e = LLMEngine(EngineConfig(num_kv_blocks=4096, max_num_seqs=b, **extra))
+        e = LLMEngine(settings.engine.engine_config().model_copy(update={"max_num_seqs": b}))
         e.warm_up()
         rng = random.Random(0)
         params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
@@ -134,6 +169,10 @@ def engine_rates(args, batches: list[int]) -> dict[int, dict[str, float]]:
             tokens += sum(len(o.new_token_ids) for o in e.step())
         rates[b] = {"workload": tokens / (time.perf_counter() - t0),
                     "decode_only": decode_rate(e, b, args.output_len)["tok_per_s"]}
+        del e
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
     return rates
 
 
@@ -145,32 +184,42 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--input-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--api", choices=("grpc", "http"), default="grpc")
-    p.add_argument("--engine-args", default="--quantization auto --max-num-seqs 64")
-    p.add_argument("--engine-config", nargs="*", default=["--dtype=auto", "--quantization=auto", "--step-threads=auto",
-                                                          "--queue-policy=srpt"],
-                   help="the in-process engine's EngineConfig fields (as the workers')")
+    p.add_argument("--engine-args", default="--quantization auto --max-num-seqs 64",
+                   help="the workers' flags (`tandem serve`'s), which the in-process engine "
+                   "takes too")
+    p.add_argument("--client-processes", type=int, default=1,
+                   help="gRPC: bench serve's --client-processes (at most the concurrency), so "
+                   "that the client is not the bound where the engine is fast (a GPU)")
+    p.add_argument("--grpc-channels", type=int, default=1,
+                   help="gRPC: bench serve's --grpc-channels (connections of each client process)")
     p.add_argument("--skip-engine", action="store_true", help="no in-process comparison")
     p.add_argument("--out", default="bench-results/serving_cpu.json")
     args = p.parse_args(argv)
+    engine_args = shlex.split(args.engine_args)
+    settings = worker_settings(engine_args)
     cores = usable_cores()
-    layout = choose_layout(UpSection(), cores)
+    layout = choose_layout(settings.up, cores, None,
+                           visible_gpus() if settings.engine.device == Device.cuda else None)
     args.threads = max(layout.threads.values())
     out = Path(args.out).parent
     args.http_port = free_port() if args.api == "http" else 0
     stack = Stack(UpOptions(
         host="127.0.0.1", port=free_port(), num_prefill=layout.num_prefill,
         num_decode=layout.num_decode, num_unified=layout.num_unified, redis_url=None,
-        worker_args=shlex.split(args.engine_args), threads=layout.threads,
+        worker_args=engine_args, threads=layout.threads,
         gateway_args=["--http-port", str(args.http_port)],
-        ready_timeout_s=600))
+        num_gateways=settings.up.num_gateways, ready_timeout_s=600))
     stack.start()
     try:
         stack.wait_ready()
         rows = [load(args, stack, c, out) for c in args.concurrency]
     finally:
         stack.stop()
-    rates = {} if args.skip_engine else engine_rates(args, args.concurrency)
-    print(f"layout {layout.describe()}; {args.api}; CPU ms per output token")
+    rates = {} if args.skip_engine else engine_rates(args, settings, args.concurrency)
+    gateways = settings.up.num_gateways
+    described = layout.describe() + (f", {gateways} gateways" if gateways > 1 else "")
+    print(f"layout {described}; {args.api}; {settings.engine.model} on {settings.engine.device.value}; "
+          "CPU ms per output token")
     for r in rows:
         c = r["concurrency"]
         r["engine_tokens_per_s"] = rates.get(c)  # {"workload": ..., "decode_only": ...}
@@ -179,10 +228,13 @@ def main(argv: list[str] | None = None) -> int:
         ratio = (f" (engine in process: {rates[c]['workload']:.1f} on this workload, stack/engine "
                  f"{r['stack_of_engine']:.2f}; decode steps alone {rates[c]['decode_only']:.1f})"
                  if c in rates else "")
-        print(f"c{c}: {r['output_throughput']:.1f} tok/s{ratio}; CPU ms/token {parts}")
+        failed = f", {r['failed']} requests FAILED" if r["failed"] else ""
+        print(f"c{c}: {r['output_throughput']:.1f} tok/s{ratio}{failed}; CPU ms/token {parts}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"layout": layout.describe(), "api": args.api,
-                                          "cores": cores, "rows": rows}, indent=2))
+    Path(args.out).write_text(json.dumps(
+        {"layout": described, "api": args.api, "cores": cores, "model": settings.engine.model,
+         "device": settings.engine.device.value, "dtype": settings.engine.dtype.value,
+         "client_processes": args.client_processes, "rows": rows}, indent=2))
     print(f"wrote {args.out}")
     return 0
 

@@ -15,8 +15,9 @@
 #            the prefill kernel's tuning), the CUDA IPC handoff tests and the handoff benchmark
 #            (none needs the model).
 #   stage stack: carries .whl and .gpu/stack (see there): the served stack, unified against P/D,
-#            and (steps gateways and long_mix, each a call of its own) one gateway process
-#            against four, and unified against P/D on issue 37's long-prompt mix.
+#            and (steps gateways, stack_engine_1gw + stack_engine_4gw and long_mix, each a call of
+#            its own) one gateway process against four, the stack against the in-process engine
+#            on one workload, and unified against P/D on issue 37's long-prompt mix.
 # STEPS="name ..." runs only the named steps of a stage (the names below), so a short lease spends
 # its minutes on what changed. `scripts/gpu_checks.sh b; scripts/gpu_checks.sh c` in one call.
 # What the stages carry (.whl: the wheels of the packages the GPU image lacks or has too old,
@@ -160,6 +161,20 @@ shutil.copy("/tmp/config.json", "/tmp/smol/config.json")' || exit 1
         --grpc-channels 4 --result-dir /tmp/gateways
     cp /tmp/gateways/layout.json "$OUT/gateways.json" 2>/dev/null
     ran gateways && { grep -E "^(option|unified|disagg|auto)|Error|error" "$OUT/gateways.log" | tail -20; }
+    # issue 36's "the stack >= 85% of the in-process engine's tokens/s at the same batch": one
+    # unified worker on the GPU behind 1 gateway, then 4, each against the in-process engine on
+    # the same workload and settings (same model, device, dtype, engine flags), with the CPU
+    # per output token of each process (the gateway's is what bounds a fast engine). Only when
+    # named, in a call of its own: `STEPS="stack_engine_1gw stack_engine_4gw" scripts/gpu_checks.sh
+    # stack` (about 150 s each, bounded at 260)
+    for gw in 1 4; do
+        [[ " ${STEPS:-} " == *" stack_engine_${gw}gw "* ]] && step "stack_engine_${gw}gw" 260 \
+            env TANDEM_LAYOUT=unified TANDEM_NUM_GATEWAYS=$gw python3 -m scripts.bench_serving_cpu \
+            --concurrency 16,64 --num-prompts 512 --input-len 512 --output-len 128 \
+            --engine-args "" --client-processes 4 --grpc-channels 4 \
+            --out "$OUT/stack_engine_${gw}gw.json"
+        ran "stack_engine_${gw}gw" && { grep -E "^(layout|c[0-9]+:)|Error" "$OUT/stack_engine_${gw}gw.log" | tail -6; }
+    done
     # issue 37's long-prompt mix: chats with 8k-token random prompts among them (a tenth),
     # unified against P/D. Only when named, in a call of its own: `STEPS=long_mix
     # scripts/gpu_checks.sh stack`
