@@ -301,8 +301,9 @@ class Router:
         The registry is listed again once a heartbeat interval, its own resolution, not at
         every read: a read returns as soon as any worker flushes events (every 20 ms while
         its cache changes, ``kv_events.FLUSH_S``), and listing the registry each time (a set
-        and a hash per worker and role) was most of the gateway's Redis traffic and a third of
-        its CPU per output token on the 2-core VM (docs/benchmarks.md, serving CPU)."""
+        and a hash per worker and role) was most of the gateway's Redis traffic and a fifth of
+        its CPU per output token at 16 clients on the 2-core VM (docs/benchmarks.md, serving
+        CPU)."""
         reader = KVEventReader(self.registry.redis)
         failing = False
         listed: dict[str, WorkerInfo] = {}
