@@ -37,11 +37,12 @@ from pathlib import Path
 
 from loadtest import serve
 from scripts.bench_layout import free_port
-from services.config.settings import Device, Settings
-from services.config.sources import add_setting_flags, flag_values, load_settings
+from services.config.settings import Settings
+from services.config.sources import LoadedSettings, add_setting_flags, flag_values, load_settings
 from services.engine.engine_loop import ENGINE_THREAD_NAME
+from services.runtime.cli import up_layout
 from services.runtime.launcher import Stack, UpOptions
-from services.runtime.layout import choose_layout, usable_cores, visible_gpus
+from services.runtime.layout import usable_cores
 
 
 def _ticks(stat_path: str) -> int:
@@ -80,16 +81,16 @@ def client_cpu() -> tuple[float, float]:
     return cpu_split(os.getpid())[0] + children.ru_utime + children.ru_stime, 0.0
 
 
-def worker_settings(engine_args: list[str], environ=None) -> Settings:
+def worker_settings(engine_args: list[str], environ=None) -> LoadedSettings:
     """The settings a worker of the stack runs with: ``engine_args`` (flags of `tandem serve`,
     which the stack appends to each worker's) over the environment (``TANDEM_*``, and the
-    ``TANDEM_CONFIG`` file) over the defaults. Raises SettingsError naming a bad setting, and
-    SystemExit (argparse) on an unknown flag."""
+    ``TANDEM_CONFIG`` file) over the defaults, with where each came from. Raises SettingsError
+    naming a bad setting, and SystemExit (argparse) on an unknown flag."""
     environ = os.environ if environ is None else environ
     parser = argparse.ArgumentParser(prog="--engine-args", add_help=False)
     add_setting_flags(parser, select=lambda path: path != "log_level" and not path.startswith("up."))
     flags = flag_values(parser.parse_args(engine_args))
-    return load_settings(flags, environ.get("TANDEM_CONFIG"), environ).settings
+    return load_settings(flags, environ.get("TANDEM_CONFIG"), environ)
 
 
 def per_token(before: dict, after: dict, tokens: int) -> dict[str, float]:
@@ -196,10 +197,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="bench-results/serving_cpu.json")
     args = p.parse_args(argv)
     engine_args = shlex.split(args.engine_args)
-    settings = worker_settings(engine_args)
-    cores = usable_cores()
-    layout = choose_layout(settings.up, cores, None,
-                           visible_gpus() if settings.engine.device == Device.cuda else None)
+    loaded = worker_settings(engine_args)
+    settings, cores = loaded.settings, usable_cores()
+    layout = up_layout(loaded)  # tandem up's: its GPUs, and threads a --num-threads gives
     args.threads = max(layout.threads.values())
     out = Path(args.out).parent
     args.http_port = free_port() if args.api == "http" else 0

@@ -70,12 +70,12 @@ def test_the_in_process_engine_takes_the_workers_flags_over_the_environment(tmp_
     model = tmp_path / "other.gguf"
     environ = {"TANDEM_MODEL": str(model), "TANDEM_DEVICE": "cuda", "TANDEM_DTYPE": "bfloat16",
                "TANDEM_MAX_NUM_SEQS": "8", "TANDEM_NUM_GATEWAYS": "4", "TANDEM_LAYOUT": "unified"}
-    s = worker_settings(["--quantization", "none", "--max-num-seqs", "64"], environ)
+    s = worker_settings(["--quantization", "none", "--max-num-seqs", "64"], environ).settings
     config = s.engine.engine_config()
     assert config.model == str(model)  # the model the stack's workers load, not the built-in one
     assert (config.device, config.dtype, config.quantization) == ("cuda", "bfloat16", "none")
     assert config.max_num_seqs == 64  # the flag over the environment, as a worker reads them
-    assert worker_settings([], environ).engine.max_num_seqs == 8
+    assert worker_settings([], environ).settings.engine.max_num_seqs == 8
     assert config.max_step_ms == 150.0  # the served default, which the workers run with
     assert s.up.num_gateways == 4 and s.up.layout.value == "unified"  # tandem up's, from the env
 

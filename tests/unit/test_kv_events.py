@@ -18,7 +18,8 @@ from services.engine.sampling_params import SamplingParams
 from services.gateway.kv_index import EVENTS, PrefixIndex
 from services.state import kv_events as stream
 from services.state.kv_events import KVEventPublisher, KVEventReader, encode_events
-from services.state.registry import ROLES
+from services.gateway.router import Router, RoutingOptions
+from services.state.registry import ROLES, WorkerInfo, WorkerRegistry
 
 BS = 4
 
@@ -257,9 +258,6 @@ async def test_the_gateways_follower_lists_the_registry_once_a_heartbeat_not_per
     """Events flushed every 20 ms wake the follower's read each time; the registry (a set and a
     hash per worker and role) is listed again only once a heartbeat interval, yet every batch
     reaches the index."""
-    from services.gateway.router import Router, RoutingOptions
-    from services.state.registry import WorkerInfo, WorkerRegistry
-
     client = aioredis.Redis.from_url(redis_url)
     registry = WorkerRegistry(client, heartbeat_interval_s=1.0)
     listings = []
