@@ -41,7 +41,8 @@ async def run(args) -> dict:
     with start_redis_server() as server:
         client = aioredis.Redis.from_url(server.url)
         log, cached = KVEventLog(), set()
-        pub = KVEventPublisher(client, "bench", "m", 16, log, lambda: list(cached), ttl_s=60.0)
+        pub = KVEventPublisher(client, "bench", "m", 16, log, lambda: list(cached),
+                                lambda: len(cached), ttl_s=60.0)
         await pub.flush()  # the first snapshot
         out: dict = {"engine_ns_per_event": engine_ns_per_event()}
         for readers in args.readers:

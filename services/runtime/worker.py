@@ -97,7 +97,7 @@ class WorkerRuntime:
             bm = self.engine.block_manager
             self.kv_publisher = KVEventPublisher(
                 self.redis, self.worker_id, model_name, bm.block_size, self.engine.kv_events,
-                bm.cached_hashes, self.registry.ttl_s)
+                bm.cached_hashes, lambda: bm.num_cached_blocks, self.registry.ttl_s)
             self.kv_publisher.start()
 
     async def stop_kv_events(self) -> None:

@@ -89,19 +89,22 @@ class KVEventPublisher:
     """Publishes one worker's ``KVEventLog`` to its stream, on the worker's event loop.
 
     ``cached_hashes()`` returns every hash the cache holds now (``BlockManager.cached_hashes``,
-    safe from this thread); a snapshot is taken after draining the log, so events recorded
-    meanwhile are both in the snapshot and in the next batch, which a reader applies
-    idempotently (stored adds, removed discards, in order). A Redis error is logged once per
-    outage; what was drained meanwhile is replaced by a snapshot when publishing works again.
+    safe from this thread) and ``num_cached()`` how many there are (``num_cached_blocks``:
+    the compaction test reads it every flush, where a copy of a GPU's 100k-block cache would
+    hold the GIL from the engine thread 50 times a second); a snapshot is taken after
+    draining the log, so events recorded meanwhile are both in the snapshot and in the next
+    batch, which a reader applies idempotently (stored adds, removed discards, in order). A
+    Redis error is logged once per outage; what was drained meanwhile is replaced by a
+    snapshot when publishing works again.
     """
 
     def __init__(self, client: aioredis.Redis, worker_id: str, model: str, block_size: int,
-                 events: KVEventLog, cached_hashes: Callable[[], list[int]], ttl_s: float,
-                 flush_s: float = FLUSH_S) -> None:
+                 events: KVEventLog, cached_hashes: Callable[[], list[int]],
+                 num_cached: Callable[[], int], ttl_s: float, flush_s: float = FLUSH_S) -> None:
         self.client, self.key = client, stream_key(worker_id)
         self.header = {"model": model, "block_size": str(block_size), "hash": HASH_SCHEME,
                        "epoch": secrets.token_hex(8)}
-        self.events, self.cached_hashes = events, cached_hashes
+        self.events, self.cached_hashes, self.num_cached = events, cached_hashes, num_cached
         self.ttl_ms, self.flush_s = max(1, int(ttl_s * 1000)), flush_s
         self.seq = 0
         self.num_published = 0  # hashes in entries written since the last snapshot
@@ -141,7 +144,7 @@ class KVEventPublisher:
         when nothing was written for a third of it."""
         drained = self.events.drain()
         if self._snapshot_due or (self.num_published > COMPACT_MIN_EVENTS and self.num_published
-                                  > 2 * len(self.cached_hashes()) + COMPACT_MIN_EVENTS):
+                                  > 2 * self.num_cached() + COMPACT_MIN_EVENTS):
             await self._publish([[CLEARED], [STORED, self.cached_hashes()]], snapshot=True)
         elif drained:
             await self._publish(encode_events(drained), snapshot=False)

@@ -86,8 +86,12 @@ class _Cache:
             self.log.removed(h)
 
     def publisher(self, client, worker_id="w", ttl_s=30.0) -> KVEventPublisher:
-        return KVEventPublisher(client, worker_id, "m", BS, self.log,
-                                lambda: list(self.hashes), ttl_s)
+        return KVEventPublisher(client, worker_id, "m", BS, self.log, self.copy,
+                                lambda: len(self.hashes), ttl_s)
+
+    def copy(self) -> list[int]:
+        self.num_copies = getattr(self, "num_copies", 0) + 1
+        return list(self.hashes)
 
 
 async def follow(reader: KVEventReader, index: PrefixIndex, workers=("w",)) -> list:
@@ -135,6 +139,9 @@ async def test_compaction_trims_the_stream_to_a_snapshot(redis_url, monkeypatch)
     try:
         cache = _Cache()
         pub = cache.publisher(client)
+        snapshots, publish = [], pub._publish
+        pub._publish = lambda events, snapshot: (snapshots.append(1) if snapshot else None,
+                                                 publish(events, snapshot))[1]
         await pub.flush()
         for h in range(10, 30):
             cache.store(h)
@@ -142,6 +149,8 @@ async def test_compaction_trims_the_stream_to_a_snapshot(redis_url, monkeypatch)
             await pub.flush()
         entries = await client.xrange(stream.stream_key("w"))
         assert len(entries) < 10  # trimmed at each snapshot
+        # the cache is copied for a snapshot only, not to test whether one is due (each flush)
+        assert cache.num_copies == len(snapshots) >= 3
         late = PrefixIndex()
         await follow(KVEventReader(client, block_ms=50), late)
         assert await held(late) == cache.hashes == {29}
