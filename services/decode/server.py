@@ -406,18 +406,28 @@ class _DecodeStream:
             RequestOutput(self.rid, [], "abort"))
 
     def _message(self, outs: list[RequestOutput]) -> worker_pb2.DecodeResponse:
+        """One message of ``outs`` (consecutive outputs of this request). Raises what
+        ``check_output`` raises. NOTE: runs for every output token on the worker's event loop,
+        which shares the GIL with the engine thread: only the fields an output has are set
+        (an empty message filled in is a quarter of the cost of one built from keywords)."""
         for out in outs:
-            self.rt.check_output(out)  # failed alone, or the engine died: an error
+            if out.error is not None:
+                self.rt.check_output(out)  # failed alone, or the engine died: an error
         last = outs[-1]
-        self.finished = last.finish_reason is not None
-        msg = worker_pb2.DecodeResponse(
-            token_ids=[t for o in outs for t in o.new_token_ids],
-            finish_reason=last.finish_reason or "", num_output_tokens=last.num_output_tokens,
-            logprobs=[logprobs_to_proto(lp) for o in outs for lp in o.logprobs or ()],
-            kv_recomputed=self.kv_recomputed,
-            num_cached_tokens=max(self.req.num_cached_tokens, 0) if self.computed_here else 0,
-            prompt_logprobs=[lp for o in outs for lp in prompt_logprobs_to_proto(o.prompt_logprobs)])
-        self.kv_recomputed, self.computed_here = "", False  # the first message reports them
+        msg = worker_pb2.DecodeResponse()
+        for out in outs:
+            msg.token_ids.extend(out.new_token_ids)
+            if out.logprobs:
+                msg.logprobs.extend(logprobs_to_proto(lp) for lp in out.logprobs)
+            if out.prompt_logprobs:
+                msg.prompt_logprobs.extend(prompt_logprobs_to_proto(out.prompt_logprobs))
+        msg.num_output_tokens = last.num_output_tokens
+        if last.finish_reason is not None:
+            msg.finish_reason, self.finished = last.finish_reason, True
+        if self.computed_here:  # the first message reports them
+            msg.kv_recomputed = self.kv_recomputed
+            msg.num_cached_tokens = max(self.req.num_cached_tokens, 0)
+            self.kv_recomputed, self.computed_here = "", False
         return msg
 
     def close(self) -> None:
