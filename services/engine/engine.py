@@ -409,8 +409,8 @@ class LLMEngine:
             return None
         running, max_len = RequestStatus.RUNNING, s.config.max_model_len - 1
         keep = [i for i, r in enumerate(out.scheduled) if r.status == running
-                and len(r.output_token_ids) + 1 < r.sampling_params.max_tokens
-                and r.num_tokens < max_len]
+                and (n := len(r.output_token_ids)) + 1 < r.sampling_params.max_tokens
+                and n + len(r.prompt_token_ids) < max_len]
         nxt = [out.scheduled[i] for i in keep]
         stepping = {r.request_id for r in out.scheduled}
         admitted = [r for r in s.running if r.request_id not in stepping]

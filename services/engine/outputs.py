@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestOutput:
     """New tokens of one request after a step; ``finish_reason`` is set on its last output.
 

@@ -95,12 +95,12 @@ class Request:
 
     def check_stop(self, max_model_len: int) -> RequestStatus | None:
         """Finish status after the newest token was appended, or None to keep going."""
-        last = self.output_token_ids[-1]
-        params = self.sampling_params
-        num_output = len(self.output_token_ids)
-        stop_token = (not params.ignore_eos and last == self.eos_token_id) or last in params.stop_token_ids
+        # NOTE: runs for every request of every step
+        output, params = self.output_token_ids, self.sampling_params
+        last, num_output = output[-1], len(output)
+        stop_token = (last == self.eos_token_id and not params.ignore_eos) or last in params.stop_token_ids
         if stop_token and num_output >= params.min_tokens:
             return RequestStatus.FINISHED_STOPPED
-        if num_output >= params.max_tokens or self.num_tokens >= max_model_len:
+        if num_output >= params.max_tokens or num_output + len(self.prompt_token_ids) >= max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None

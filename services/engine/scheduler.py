@@ -405,13 +405,16 @@ class Scheduler:
         outputs, finished = [], False
         # NOTE: runs for every request of every step: settings and methods looked up once
         num_scheduled, running = out.num_scheduled_tokens, RequestStatus.PREEMPTED
-        cache_full_blocks = self.block_manager.cache_full_blocks
+        cache_full_blocks, bs = self.block_manager.cache_full_blocks, self.block_manager.block_size
         caching, sliding = self.config.enable_prefix_caching, self.config.sliding_window is not None
         for request, token_id in zip(out.scheduled, sampled_token_ids):
             if request.status > running:  # finished: aborted while the step ran
                 continue
-            request.num_computed_tokens += num_scheduled[request.request_id]
-            if caching:  # before a finish frees the blocks
+            n = num_scheduled[request.request_id]
+            request.num_computed_tokens = computed = request.num_computed_tokens + n
+            # before a finish frees the blocks; a decode row (every other advance registers
+            # what it filled) fills a block only when it computes the block's last slot
+            if caching and (n != 1 or computed % bs == 0):
                 cache_full_blocks(request)
             if sliding:
                 self._free_outside_window(request)
@@ -454,17 +457,15 @@ class Scheduler:
         if request.sampling_params.max_tokens == 0:  # a scored prompt: nothing to generate
             self._finish(request, RequestStatus.FINISHED_LENGTH)
             return RequestOutput(request.request_id, [], "length", request.num_prompt_tokens, 0)
-        request.output_token_ids.append(token_id)
+        output = request.output_token_ids
+        output.append(token_id)
         status = request.check_stop(self.config.max_model_len)
-        if status is not None:
-            self._finish(request, status)
-        return RequestOutput(
-            request.request_id,
-            [token_id],
-            status.finish_reason if status else None,
-            request.num_prompt_tokens,
-            len(request.output_token_ids),
-        )
+        if status is None:  # NOTE: the usual case, for every request of every step
+            return RequestOutput(request.request_id, [token_id], None,
+                                 len(request.prompt_token_ids), len(output))
+        self._finish(request, status)
+        return RequestOutput(request.request_id, [token_id], status.finish_reason,
+                             len(request.prompt_token_ids), len(output))
 
     # -- finishing ---------------------------------------------------------------------------
     def _finish(self, request: Request, status: RequestStatus) -> None:

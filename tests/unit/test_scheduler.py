@@ -292,6 +292,21 @@ def test_remote_prefill_blocks_enter_the_prefix_cache():
     assert out.num_scheduled_tokens == {"remote": 1, "local": 2}
 
 
+def test_each_block_a_decode_fills_enters_the_prefix_cache_at_the_step_that_fills_it():
+    """Prompt chunks and decode rows alike: after every step the request's full blocks (its
+    computed tokens // block size) are in the cache, whether the prompt's tail or decoded."""
+    s = create_scheduler(max_num_batched_tokens=5)  # the 6-token prompt in chunks of 5 and 1
+    (r,) = create_requests(1, prompt_len=6, max_tokens=15)
+    s.add_request(r)
+    bm, seen = s.block_manager, []
+    while s.has_work():
+        step(s)
+        if not r.is_finished():
+            seen.append(r.num_computed_tokens)
+            assert bm.num_cached_blocks == r.num_computed_tokens // bm.block_size
+    assert seen[:3] == [5, 6, 7] and len(seen) == 15 and bm.num_cached_blocks == 5  # 20 // 4
+
+
 def shared_prefix_requests(n: int, max_tokens: int) -> list[Request]:
     """Prompts of 6 tokens: a 4-token system prompt, one of 3 topics, a per-request token."""
     sp = SamplingParams(temperature=0, max_tokens=max_tokens)
