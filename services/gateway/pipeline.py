@@ -281,13 +281,19 @@ class GatewayCore:
         reason = "stop" if stopped else msg.finish_reason
         if reason and not stopped:
             text += text_out.flush()
+        # NOTE: once per message to every client: only the fields this one has are set (an
+        # empty message filled in costs a fraction of one built from keywords)
+        response = gateway_pb2.GenerateResponse(request_id=prepared.request_id, text=text)
+        response.token_ids.extend(msg.token_ids)
+        if msg.logprobs:
+            response.logprobs.extend(self._logprob(lp) for lp in msg.logprobs)
+        if msg.prompt_logprobs:
+            response.prompt_logprobs.extend(self._prompt_logprobs(prepared.prompt,
+                                                                  msg.prompt_logprobs))
         if reason:
-            record.finish_reason = reason
-        return gateway_pb2.GenerateResponse(
-            request_id=prepared.request_id, token_ids=msg.token_ids, text=text,
-            finish_reason=reason, logprobs=[self._logprob(lp) for lp in msg.logprobs],
-            usage=record.usage(len(prepared.prompt)) if reason else None,
-            prompt_logprobs=self._prompt_logprobs(prepared.prompt, msg.prompt_logprobs))
+            record.finish_reason = response.finish_reason = reason
+            response.usage.CopyFrom(record.usage(len(prepared.prompt)))
+        return response
 
     def _job(self, prepared: Prepared, record: RequestRecord) -> Job:
         def on_dispatch(decode_worker: str, prefill_worker: str, resumed: bool) -> None:
