@@ -11,8 +11,8 @@ the engine thread cannot launch the next step (docs/benchmarks.md, serving CPU).
 
 Per batch size (``--batches``, default 16, 64, 256): ``--steps`` steps of one plain token per
 request (no logprobs, not finishing), timed in CPU seconds (``time.process_time``), best of
-``--rounds``; the engine's own work (building the ``RequestOutput`` objects) is timed apart and
-left out. The streams are built without a gRPC call or an engine (``_followed_streams``), so a
+``--rounds``; the engine's own work (building the ``RequestOutput`` objects) is done before the
+clock starts. The streams are built without a gRPC call or an engine (``_followed_streams``), so a
 change to ``_DecodeStream``'s fields must be mirrored there (the unit test runs this script).
 
 Prints one line per batch and writes JSON (``--out``). Compare figures only within one run.

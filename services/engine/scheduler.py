@@ -460,11 +460,10 @@ class Scheduler:
         output = request.output_token_ids
         output.append(token_id)
         status = request.check_stop(self.config.max_model_len)
-        if status is None:  # NOTE: the usual case, for every request of every step
-            return RequestOutput(request.request_id, [token_id], None,
-                                 len(request.prompt_token_ids), len(output))
-        self._finish(request, status)
-        return RequestOutput(request.request_id, [token_id], status.finish_reason,
+        if status is not None:
+            self._finish(request, status)
+        return RequestOutput(request.request_id, [token_id],
+                             None if status is None else status.finish_reason,
                              len(request.prompt_token_ids), len(output))
 
     # -- finishing ---------------------------------------------------------------------------

@@ -33,9 +33,8 @@ def test_each_output_reaches_the_follow_stream_as_its_request_update():
         return rt, updates
 
     rt, updates = asyncio.run(run())
+    first_id, second_id = rt.streams
     assert [(u.request_id, list(u.token_ids), u.num_output_tokens, u.finish_reason)
-            for u in updates] == [(rid, ids, n, why) for rid, ids, n, why in
-                                  [(list(rt.streams)[0], [7, 9], 2, "stop"),
-                                   (list(rt.streams)[1], [8], 1, "")]]
+            for u in updates] == [(first_id, [7, 9], 2, "stop"), (second_id, [8], 1, "")]
     first = rt.streams[updates[0].request_id]
     assert first.finished and first.done.done()  # the finishing output ends its Decode call

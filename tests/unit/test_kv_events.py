@@ -74,6 +74,7 @@ class _Cache:
 
     def __init__(self) -> None:
         self.log, self.hashes = KVEventLog(), set()
+        self.num_copies = 0  # of the whole cache (snapshots)
 
     def store(self, *hs: int) -> None:
         for h in hs:
@@ -90,7 +91,7 @@ class _Cache:
                                 lambda: len(self.hashes), ttl_s)
 
     def copy(self) -> list[int]:
-        self.num_copies = getattr(self, "num_copies", 0) + 1
+        self.num_copies += 1
         return list(self.hashes)
 
 
@@ -140,8 +141,12 @@ async def test_compaction_trims_the_stream_to_a_snapshot(redis_url, monkeypatch)
         cache = _Cache()
         pub = cache.publisher(client)
         snapshots, publish = [], pub._publish
-        pub._publish = lambda events, snapshot: (snapshots.append(1) if snapshot else None,
-                                                 publish(events, snapshot))[1]
+
+        async def counted(events, snapshot):
+            snapshots.extend([events] if snapshot else [])
+            await publish(events, snapshot)
+
+        pub._publish = counted
         await pub.flush()
         for h in range(10, 30):
             cache.store(h)
