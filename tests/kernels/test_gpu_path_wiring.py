@@ -130,7 +130,7 @@ def test_prefill_steps_through_a_cuda_graph_s_buffers_on_the_triton_path(monkeyp
 
     from services.engine.cuda_graphs import PREFILL, CUDAGraphRunner
 
-    model = tiny_model()
+    model = tiny_model().to(DEVICE)
     monkeypatch.setattr(layer_ops, "_ops", lambda t: layer_ops._triton_layer_ops())
     monkeypatch.setattr(model_module, "paged_attention", triton_attention)
     results = []
