@@ -399,19 +399,25 @@ class LLMEngine:
         ``launched``'s requests, launched before its tokens are known, its input tokens
         ``launched``'s samples on the device; requests admitted since with their first token
         (a remote prefill's: ``Scheduler.admit_decoding``) join it, their input token from the
-        host. Not while a request waits to compute a prompt (it would otherwise wait behind a
-        chain of such steps); a request whose next token ends it by length is left out, and one
-        that ends by a stop token computes one token more, which ``update_from_output`` drops
-        (it skips finished requests). None when no step can go ahead (or blocks for it are
-        short)."""
+        host. Not while a request waits to compute a prompt that the next ``schedule()`` would
+        start (it would otherwise wait behind a chain of such steps); while the batch is full
+        (``max_num_seqs`` running) and stays full, no waiting request can start, so the chain
+        goes on (a server under more load than its batch: every step one at a time otherwise).
+        A request whose next token ends it by length is left out (its room goes to a waiting
+        one at the next ``schedule()``), and one that ends by a stop token computes one token
+        more, which ``update_from_output`` drops (it skips finished requests; a waiting request
+        starts a step later). None when no step can go ahead (or blocks for it are short)."""
         s = self.scheduler
-        if s.waiting and not s.admit_decoding():
+        full = len(s.running) >= s.config.max_num_seqs
+        if s.waiting and not full and not s.admit_decoding():
             return None
         running, max_len = RequestStatus.RUNNING, s.config.max_model_len - 1
         keep = [i for i, r in enumerate(out.scheduled) if r.status == running
                 and (n := len(r.output_token_ids)) + 1 < r.sampling_params.max_tokens
                 and n + len(r.prompt_token_ids) < max_len]
         nxt = [out.scheduled[i] for i in keep]
+        if s.waiting and len(nxt) < s.config.max_num_seqs:
+            return None  # room frees: a waiting request starts at the next schedule()
         stepping = {r.request_id for r in out.scheduled}
         admitted = [r for r in s.running if r.request_id not in stepping]
         if not all(r.only_decodes for r in admitted):

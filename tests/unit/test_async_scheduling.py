@@ -94,6 +94,33 @@ def test_arrivals_lengths_stop_tokens_and_aborts_as_without_it(seed):
     assert not engine.has_work() and not engine.scheduler.requests
 
 
+def test_a_full_batch_runs_ahead_while_requests_wait():
+    """More requests than ``max_num_seqs``: while the batch is full and stays full no waiting
+    request can start, so steps run ahead (one step at a time before: a server loaded past its
+    batch lost async scheduling); the chain breaks where a request ends (by length: before the
+    step; by a stop token: a step late), and the waiting start as they would. The same tokens,
+    finish reasons and free blocks as one step at a time."""
+    requests = random_requests(9, 4, ignore_eos=True)
+    first, _ = run(make_engine(async_scheduling=False), requests)
+    requests = [(rid, ids, p.model_copy(update={"stop_token_ids": (first[rid][5],)}))
+                if i % 3 == 0 and len(first[rid]) > 7 else (rid, ids, p)
+                for i, (rid, ids, p) in enumerate(requests)]
+    want = run(make_engine(async_scheduling=False, max_num_seqs=3), requests)
+    engine = make_engine(async_scheduling=True, max_num_seqs=3)
+    ahead, launch_ahead = [], engine.runner.launch_ahead
+
+    def counted(out, previous, keep, timed):  # the queue's length at each launch ahead
+        ahead.append(len(engine.scheduler.waiting))
+        return launch_ahead(out, previous, keep, timed)
+
+    engine.runner.launch_ahead = counted
+    assert run(engine, requests) == want
+    assert any(r == "stop" for r in want[1].values())
+    assert sum(1 for n in ahead if n) >= 5, ahead  # steps ahead while requests waited
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert not engine.has_work() and not engine.scheduler.requests
+
+
 def test_seeded_sampling_with_min_tokens_runs_ahead_with_the_same_tokens():
     """Random rows sample on the device too: each row's draw and its min_tokens mask count the
     token still on its way (a draw index or mask one token off changes the tokens)."""
