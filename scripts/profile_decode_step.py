@@ -12,7 +12,9 @@ the device's busy time per step (kernels and copies) and its share of the wall t
 host's time waiting in those synchronisations (``host_wait_ms_per_step``: the CUDA calls' own
 wall time under the profiler) and the host's own work (``host_busy_ms_per_step``: the CPU time
 less the waits that spin, which must stay under the device's busy time for the GPU to bound a
-step), the kernels that take most of the device's time, and
+step), the kernels that take most of the device's time, the CUDA runtime and driver calls that take
+most of the host's (``top_api_calls``: graph and kernel launches, copies, events, pinned
+allocations, each call's wall time under the profiler), and
 where each synchronisation is made (``sync_sites``: torch's sync debug mode, over
 ``--profile-steps`` more steps).
 ``host_reads_per_step`` counts the runner's device-to-host copies of sampled tokens. Also the
@@ -76,6 +78,14 @@ def device_events(events) -> list:
     own device time; kernels replayed from a CUDA graph are recorded one by one)."""
     return sorted((a for a in events if a.device_type == torch.autograd.DeviceType.CUDA),
                   key=lambda a: a.self_device_time_total, reverse=True)
+
+
+def api_calls(events) -> list:
+    """The CUDA runtime and driver calls among profiler ``events`` (host-side events named
+    ``cuda*``/``cu*``: graph launches, kernel launches, copies, event records and queries,
+    pinned allocations), most CPU time first: what the host's CUDA work per step is made of."""
+    return sorted((a for a in events if a.device_type == torch.autograd.DeviceType.CPU
+                   and a.key.startswith("cu")), key=lambda a: a.cpu_time_total, reverse=True)
 
 
 def count_calls(events, names: frozenset[str]) -> int:
@@ -235,7 +245,10 @@ def profile_batch(e, batch: int, warmup: int, steps: int, profile_steps: int, to
             "sync_sites_per_step": {k: v / profile_steps for k, v in sites.items()},
             "top_kernels": [{"kernel": a.key, "calls_per_step": a.count / profile_steps,
                              "device_us_per_step": a.self_device_time_total / profile_steps}
-                            for a in kernels[:top]]}
+                            for a in kernels[:top]],
+            "top_api_calls": [{"call": a.key, "calls_per_step": a.count / profile_steps,
+                               "cpu_us_per_step": a.cpu_time_total / profile_steps}
+                              for a in api_calls(everything)[:top]]}
            if cuda else {}),
         "top_ops": [{"op": a.key, "calls_per_step": a.count / profile_steps,
                      "self_cpu_ms_per_step": a.self_cpu_time_total / profile_steps / 1e3}
@@ -342,6 +355,9 @@ def main() -> None:
         for k in r.get("top_kernels", []):
             print(f"    gpu {k['device_us_per_step']:8.1f} us/step {k['calls_per_step']:5.0f} calls "
                   f"{k['kernel'][:90]}")
+        for a in r.get("top_api_calls", []):
+            print(f"    api {a['cpu_us_per_step']:8.1f} us/step {a['calls_per_step']:5.1f} calls "
+                  f"{a['call']}")
         for o in r["top_ops"]:
             print(f"    {o['op']:32s} {o['calls_per_step']:7.0f} calls "
                   f"{o['self_cpu_ms_per_step']:8.3f} ms self")

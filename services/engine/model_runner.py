@@ -221,6 +221,10 @@ class ModelRunner:
         """Forward and sample on the device, and queue the tokens' copy to the host; ``ahead``:
         tokens of each row (or of all) sampled and not yet recorded."""
         logits, _ = timed("forward", self.forward, inputs)
+        return timed("sample", self._sample_launched, out, inputs, logits, ahead)
+
+    def _sample_launched(self, out: SchedulerOutput, inputs: ModelInputs, logits: torch.Tensor,
+                         ahead: int | np.ndarray) -> PendingStep:
         batch, rows = self.input_batch, inputs.rows  # in out.scheduled order: decode-only
         tokens = (argmax_rows(logits) if batch.plain_greedy(rows, ahead)
                   else sample(logits, batch.sampling(rows, ahead)).token_ids)

@@ -60,3 +60,20 @@ def test_the_host_s_wait_is_the_synchronising_calls_time_only():
               Event(key="cudaLaunchKernel", cpu_time_total=250.0)]
     assert profile_decode_step.calls_ms(events, profile_decode_step.SYNC_EVENTS) == 1.0
     assert profile_decode_step.calls_ms(events, profile_decode_step.LAUNCH_EVENTS) == 0.25
+
+
+def test_api_calls_are_the_host_side_cuda_calls_most_time_first():
+    """top_api_calls: the host events named cuda*/cu* (runtime and driver calls), by their CPU
+    time; not aten ops, and not the kernels, whose events are the device's."""
+    from types import SimpleNamespace as Event
+
+    import torch
+
+    cpu, cuda = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
+    events = [Event(key="cudaMemcpyAsync", cpu_time_total=40.0, device_type=cpu),
+              Event(key="cudaGraphLaunch", cpu_time_total=90.0, device_type=cpu),
+              Event(key="cuLaunchKernelEx", cpu_time_total=60.0, device_type=cpu),
+              Event(key="aten::copy_", cpu_time_total=500.0, device_type=cpu),
+              Event(key="cutlass_gemm_kernel", cpu_time_total=0.0, device_type=cuda)]
+    assert [a.key for a in profile_decode_step.api_calls(events)] == [
+        "cudaGraphLaunch", "cuLaunchKernelEx", "cudaMemcpyAsync"]
