@@ -90,8 +90,8 @@ elif [ "$stage" = b ]; then
         --out /tmp/profile.json
     ran profile && { grep -E "^(precision|batch)|^    sync" "$OUT/profile.log"; }
     step profile_graphs 60 python3 -m scripts.profile_decode_step --device cuda --dtype bfloat16 \
-        --quantization none --batches 1,16,64 --steps 32 --out "$OUT/profile_graphs.json"
-    ran profile_graphs && grep -E "^(precision|batch)|^    gpu" "$OUT/profile_graphs.log"
+        --quantization none --batches 1,16,64,256 --steps 32 --out "$OUT/profile_graphs.json"
+    ran profile_graphs && grep -E "^(precision|batch)|^    (gpu|api)" "$OUT/profile_graphs.log"
     # the same steps with the wait for a step's tokens spinning (CUDA's default event), to set
     # the blocking event's CPU and wall time per step beside the spin's, in one stage
     step profile_spin 60 python3 -m scripts.profile_decode_step --device cuda --dtype bfloat16 \
