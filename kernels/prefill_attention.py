@@ -145,7 +145,8 @@ def paged_prefill_attention(
     (tokens; only bounds the grid and may be larger); sliding_window W: a query at position p
     sees keys ``p - W < k <= p`` and blocks before every window of a tile are not read;
     softcap c: scores become ``c * tanh(s / c)``. block_m / block_n: rows and keys per tile;
-    num_warps / num_stages: Triton's launch options (default: Triton's); all four for tuning
+    num_warps / num_stages: Triton's launch options (default: Triton's warps, 2 stages on a
+    GPU); all four for tuning
     (``python -m kernels.bench --prefill-configs``). Returns ``out`` (q's shape and dtype).
     Same result as ``kernels.reference.paged_prefill_attention``. Raises ``ValueError`` on bad
     arguments.
@@ -165,6 +166,11 @@ def paged_prefill_attention(
     block_g = next_power_of_2(group)
     block_m = block_m or (64 if q.is_cuda else 16)
     block_n = block_n or _default_block_n(q.dtype, head_dim)
+    # two pipeline stages, not Triton's three: on an H200 (bf16, head_dim 128) 2.6-9.5% faster
+    # on 2,048- and 8,192-token prompts and 512-token chunks after them, with the same bits
+    # (stages do not reorder the sums) and less shared memory (kernels.bench
+    # --prefill-configs, docs/benchmarks.md's GPU section)
+    num_stages = num_stages or (2 if q.is_cuda else None)
     block_q = max(1, min(block_m // block_g, next_power_of_2(max_query_len)))
     if block_q * block_g < 16:  # NOTE: an MMA tile has 16 rows; fewer would be padded anyway
         block_q = 16 // block_g

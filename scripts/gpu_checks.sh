@@ -68,7 +68,7 @@ if [ "$stage" = kernels ]; then
     # side on the same inputs; the defaults follow the figures (block_n sets the key-tile order,
     # so the bits: one choice for every batch alike)
     step prefill_sweep 180 python3 -m kernels.bench --batches 1 --contexts 512 \
-        --prefill-lengths 2048 8192 --prefill-configs default 64x64x4x2 128x64x4x3 128x64x8x3 \
+        --prefill-lengths 2048 8192 --prefill-configs default 64x64x4x3 128x64x4x3 128x64x8x3 \
         128x128x8x2 128x128x8x3 64x128x4x2 --out "$OUT/prefill_sweep.json"
     ran prefill_sweep && { grep -E "^ *(mode|prompt|chunk) " "$OUT/prefill_sweep.log"; }
     step ipc_tests 90 python3 -m pytest -q -p no:cacheprovider tests/unit/test_kv_transfer_cuda.py
