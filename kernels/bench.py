@@ -7,7 +7,8 @@ Prefill: TFLOP/s of causal attention (4 * heads * head_dim * attended query-key 
 prompts (against SDPA ``is_causal``) and 512-token chunks after a cached prefix;
 ``--prefill-configs`` times several tile shapes / warps / pipeline stages side by side on the
 same inputs (a sweep to choose the defaults with figures). Times are medians of
-``triton.testing.do_bench`` (L2 flushed between runs). Needs a CUDA device.
+``triton.testing.do_bench`` (L2 flushed between runs); decode also replayed from a CUDA graph
+(``graph GB/s``: no host launch cost, as the engine runs it). Needs a CUDA device.
 
     python -m kernels.bench --out bench-results/kernels.json [--shape llama3-8b] [--peak-gbps N]
 """
@@ -57,6 +58,41 @@ def time_ms(fn, device: torch.device) -> float:
     return statistics.median(times)
 
 
+def graph_time_ms(fn, device: torch.device, reps: int = 20) -> float | None:
+    """Milliseconds of one ``fn()`` as a CUDA graph replays it (how the engine runs decode
+    steps): ``reps`` calls, each after an L2 flush, in one graph, less a graph of the flushes
+    alone, medians of 5 replays each. No host launch cost is in it, where ``time_ms`` (one
+    Python call per timing) has what the flush does not hide. None off CUDA."""
+    if device.type != "cuda":
+        return None
+    flush = torch.empty(256 * 2**20, dtype=torch.int8, device=device)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compiled and warm before the capture, as torch asks
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+
+    def replay_ms(with_fn: bool) -> float:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(reps):
+                flush.zero_()
+                if with_fn:
+                    fn()
+        times = []
+        for _ in range(5):
+            start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        return statistics.median(times)
+
+    return max(replay_ms(True) - replay_ms(False), 0.0) / reps
+
+
 def paged_cache(batch: int, context: int, shape: tuple[int, int, int], dtype: torch.dtype,
                 device: torch.device):
     """K/V caches holding ``batch`` sequences of ``context`` tokens in shuffled blocks, their
@@ -87,8 +123,9 @@ def decode_row(batch: int, context: int, shape, dtype, device, peak: float | Non
     wide[:, :tables.shape[1]] = tables
     q = torch.randn(batch, num_heads, head_dim, device=device).to(dtype)
     scale = head_dim**-0.5
-    triton_ms = time_ms(lambda: paged_decode_attention(
-        q, k_cache, v_cache, wide, seq_lens, scale), device)
+    run = lambda: paged_decode_attention(q, k_cache, v_cache, wide, seq_lens, scale)  # noqa: E731
+    triton_ms = time_ms(run, device)
+    graph_ms = graph_time_ms(run, device)
     k = k_cache[tables].flatten(1, 2).transpose(1, 2).contiguous()  # [batch, kv_heads, ctx, D]
     v = v_cache[tables].flatten(1, 2).transpose(1, 2).contiguous()
     q4 = q.unsqueeze(2)  # [batch, heads, 1, head_dim]
@@ -103,6 +140,8 @@ def decode_row(batch: int, context: int, shape, dtype, device, peak: float | Non
         "triton_ms": triton_ms, "sdpa_ms": sdpa_ms,
         "triton_gbps": gbps, "sdpa_gbps": kv_bytes / sdpa_ms / 1e6,
         "triton_pct_peak": 100 * gbps / peak if peak else None,
+        "graph_ms": graph_ms,  # replayed from a CUDA graph: no launch cost (graph_time_ms)
+        "graph_gbps": kv_bytes / graph_ms / 1e6 if graph_ms else None,
         "max_abs_diff": (got.float() - sdpa().squeeze(2).float()).abs().max().item(),
     }
 
@@ -194,11 +233,12 @@ def bench_prefill(lengths, shape, dtype, device, tokens_per_batch: int,
 
 def print_tables(decode: list[dict], prefill: list[dict]) -> None:
     print(f"{'batch':>6} {'context':>8} {'splits':>6} {'triton GB/s':>12} {'% peak':>7} "
-          f"{'sdpa GB/s':>10} {'max|diff|':>10}")
+          f"{'graph GB/s':>11} {'sdpa GB/s':>10} {'max|diff|':>10}")
     for r in decode:
         pct = f"{r['triton_pct_peak']:.0f}" if r["triton_pct_peak"] is not None else "?"
+        graph = f"{r['graph_gbps']:.0f}" if r.get("graph_gbps") else "-"
         print(f"{r['batch']:>6} {r['context']:>8} {r['num_splits']:>6} {r['triton_gbps']:>12.0f} "
-              f"{pct:>7} {r['sdpa_gbps']:>10.0f} {r['max_abs_diff']:>10.1e}")
+              f"{pct:>7} {graph:>11} {r['sdpa_gbps']:>10.0f} {r['max_abs_diff']:>10.1e}")
     print(f"\n{'mode':>6} {'context':>8} {'chunk':>6} {'batch':>6} {'config':>14} "
           f"{'triton TFLOP/s':>15} {'sdpa TFLOP/s':>13}")
     for r in prefill:
