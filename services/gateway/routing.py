@@ -16,14 +16,20 @@ from services.state.registry import TTL_HEARTBEATS, WorkerInfo, WorkerRegistry
 
 log = logging.getLogger(__name__)
 
+LISTING_MAX_AGE_HEARTBEATS = 0.25  # a listing kept in memory is read again after this long
+
 
 class WorkerPool:
     """Live workers per role, and channels to them.
 
-    A worker reported ``lost`` is skipped for ``TTL_HEARTBEATS`` heartbeats, by which time the
-    registry has dropped it if it is dead; new workers appear with their first heartbeat. When
-    Redis is unreachable the last listing is used, so requests in flight can still retry or
-    migrate (new requests fail earlier, on their Redis record).
+    A role's listing is read from Redis at most every ``LISTING_MAX_AGE_HEARTBEATS`` of a
+    heartbeat and kept in memory between (as Dynamo's and llm-d's routers keep worker state):
+    an entry changes once a heartbeat, and reading it for every request was two Redis round
+    trips before each prefill started. An empty listing is read again at once (a pool starting
+    up). A worker reported ``lost`` is skipped for ``TTL_HEARTBEATS`` heartbeats, by which time
+    the registry has dropped it if it is dead; new workers appear with their first heartbeat,
+    at most that age later. When Redis is unreachable the last listing is used, so requests in
+    flight can still retry or migrate (new requests fail earlier, on their Redis record).
     """
 
     def __init__(self, registry: WorkerRegistry, heartbeat_s: float, rpc_timeout_s: float,
@@ -32,9 +38,11 @@ class WorkerPool:
         self.internal_secret = internal_secret  # sent on every call to a worker (services.auth)
         self.internal_tls = internal_tls  # mutual TLS to the workers (None: plaintext)
         self.suspect_s = TTL_HEARTBEATS * heartbeat_s
+        self.listing_max_age_s = LISTING_MAX_AGE_HEARTBEATS * heartbeat_s
         self.rpc_timeout_s = rpc_timeout_s
         self._suspects: dict[str, float] = {}  # worker id -> monotonic time it is usable again
-        self._last: dict[str, list[WorkerInfo]] = {}  # role -> last listing read from Redis
+        # role -> (monotonic time read, the last listing read from Redis)
+        self._last: dict[str, tuple[float, list[WorkerInfo]]] = {}
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._closing: set[asyncio.Task] = set()
 
@@ -55,14 +63,20 @@ class WorkerPool:
         return workers
 
     async def _listing(self, role: str) -> list[WorkerInfo]:
-        """The registry's workers of ``role``; the last listing while Redis is unreachable."""
+        """The registry's workers of ``role``: the listing in memory while it is younger than
+        ``listing_max_age_s`` and not empty, else read now; the last listing while Redis is
+        unreachable."""
+        now, last = time.monotonic(), self._last.get(role)
+        if last is not None and last[1] and now - last[0] < self.listing_max_age_s:
+            return last[1]
         try:
-            workers = self._last[role] = await self.registry.list(role)
+            workers = await self.registry.list(role)
         except (redis.RedisError, OSError) as exc:
-            if role not in self._last:
+            if last is None:
                 raise Unavailable(f"worker registry (Redis) unreachable: {exc}") from exc
             log.warning("worker registry (Redis) unreachable, using its last listing: %s", exc)
-            workers = list(self._last[role])
+            return list(last[1])
+        self._last[role] = (now, workers)
         return workers
 
     def lost(self, worker: WorkerInfo, why: str) -> None:

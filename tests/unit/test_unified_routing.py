@@ -55,6 +55,31 @@ async def test_pool_lists_decode_and_unified_workers_together(registry):
     await pool.close()
 
 
+async def test_pool_keeps_a_listing_a_quarter_heartbeat_and_reads_an_empty_one_again(registry):
+    """A role's listing is read from Redis once per quarter heartbeat, not per request; an empty
+    one is read again at once, so a worker that registers is routed to without waiting."""
+    pool = WorkerPool(registry, heartbeat_s=10.0, rpc_timeout_s=5.0)
+    assert pool.listing_max_age_s == 2.5
+    reads, listed = [], registry.list
+
+    async def counted(role):
+        reads.append(role)
+        return await listed(role)
+
+    registry.list = counted
+    with pytest.raises(Unavailable):
+        await pool.live("decode")
+    await register(registry, "decode-0", "decode")
+    assert [w.worker_id for w in await pool.live("decode")] == ["decode-0"]
+    await register(registry, "decode-1", "decode")
+    assert [w.worker_id for w in await pool.live("decode")] == ["decode-0"]  # kept
+    assert reads == ["decode", "decode"]
+    pool.listing_max_age_s = 0.0  # the listing has aged: read again
+    assert sorted(w.worker_id for w in await pool.live("decode")) == ["decode-0", "decode-1"]
+    assert reads == ["decode"] * 3
+    await pool.close()
+
+
 class _Runtime:  # what UnifiedServicer reads of a WorkerRuntime before any engine call
     worker_id = "unified-x"
     reservations = None
