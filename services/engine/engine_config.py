@@ -52,7 +52,8 @@ class EngineConfig(BaseModel):
     # a step that carries running streams computes only as many prompt tokens as fit this
     # many milliseconds by the measured step cost (step_cost.py); None or 0: no time budget
     max_step_ms: float | None = Field(default=None, ge=0)
-    # CUDA: run decode steps eagerly instead of replaying CUDA graphs (cuda_graphs.py)
+    # CUDA: run every step eagerly instead of replaying CUDA graphs (decode, prefill and
+    # mixed steps; cuda_graphs.py)
     enforce_eager: bool = False
     # launch a decode step before the previous one's tokens reach the host (engine.py's
     # _launch_ahead, vLLM's async scheduling); None: where the KV cache is on a GPU
