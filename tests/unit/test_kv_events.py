@@ -163,6 +163,36 @@ async def test_compaction_trims_the_stream_to_a_snapshot(redis_url, monkeypatch)
         await client.aclose()
 
 
+async def test_a_snapshot_goes_a_chunk_to_an_entry(redis_url, monkeypatch):
+    """A snapshot of 7 hashes at 3 an entry: "cleared" and 3, then 3, then 1, in sequence, so
+    no entry's encoding holds the GIL for the whole cache; a reader from the start, and one
+    after a compaction (trimmed to the snapshot's first entry), holds the whole cache. The
+    events after it count from its end."""
+    monkeypatch.setattr(stream, "SNAPSHOT_CHUNK", 3)
+    client = aioredis.Redis.from_url(redis_url)
+    try:
+        cache = _Cache()
+        cache.store(*range(1, 8))
+        pub = cache.publisher(client)
+        await pub.flush()
+        reader, index = KVEventReader(client, block_ms=50), PrefixIndex()
+        batches = await follow(reader, index)
+        assert [b.seq for b in batches] == [0, 1, 2] and batches[0].starts_snapshot
+        assert [[len(e[1]) if len(e) > 1 else e[0] for e in b.events] for b in batches] == [
+            ["cleared", 3], [3], [1]]
+        assert await held(index) == cache.hashes and pub.num_published == 0
+        cache.store(8)
+        pub._snapshot_due = True  # as a compaction would
+        await pub.flush()
+        await follow(reader, index)
+        late = PrefixIndex()
+        await follow(KVEventReader(client, block_ms=50), late)
+        assert await held(index) == await held(late) == cache.hashes == set(range(1, 9))
+        assert len(await client.xrange(stream.stream_key("w"))) == 3  # 8 hashes: 3 + 3 + 2
+    finally:
+        await client.aclose()
+
+
 async def test_a_restarted_worker_starts_empty_in_every_reader(redis_url):
     client = aioredis.Redis.from_url(redis_url)
     try:
