@@ -298,6 +298,50 @@ async def test_publisher_stops_when_the_redis_client_loses_the_cancellation():
         await asyncio.wait({loop_task, stopping}, timeout=5)
 
 
+async def test_the_gateways_follower_lets_the_event_loop_run_between_batches(redis_url,
+                                                                         monkeypatch):
+    """A snapshot read in one XREAD (5 entries of 2 hashes) is applied a batch at a time with
+    the event loop's other tasks (the token relay) running between them, not in one go."""
+    monkeypatch.setattr(stream, "SNAPSHOT_CHUNK", 2)
+    client = aioredis.Redis.from_url(redis_url)
+    registry = WorkerRegistry(client, heartbeat_interval_s=1.0)
+    router = Router(RoutingOptions(mode="kv", kv_events=True), registry, "m")
+    cache = _Cache()
+    cache.store(*range(1, 11))
+    pub = cache.publisher(client)
+    trail, apply = [], router._apply
+
+    def applied(batch, worker):
+        trail.append(f"apply {batch.seq}")
+        apply(batch, worker)
+
+    async def other_task():
+        while True:
+            trail.append("tick")
+            await asyncio.sleep(0)
+
+    router._apply = applied
+    ticker = asyncio.ensure_future(other_task())
+    try:
+        await registry.heartbeat(WorkerInfo("w", "unified", "127.0.0.1:1", block_size=BS,
+                                            total_kv_blocks=64))
+        await pub.flush()  # the snapshot: 5 entries, in the stream before the follower reads
+        router.start()
+        for _ in range(100):
+            if await held(router.index) == cache.hashes:
+                break
+            await asyncio.sleep(0.02)
+        assert await held(router.index) == cache.hashes
+        applies = [i for i, t in enumerate(trail) if t.startswith("apply")]
+        assert len(applies) == 5
+        assert all("tick" in trail[a:b] for a, b in zip(applies, applies[1:])), trail
+    finally:
+        ticker.cancel()
+        await router.stop()
+        await pub.stop(clear=False)
+        await client.aclose()
+
+
 async def test_the_gateways_follower_lists_the_registry_once_a_heartbeat_not_per_read(redis_url):
     """Events flushed every 20 ms wake the follower's read each time; the registry (a set and a
     hash per worker and role) is listed again only once a heartbeat interval, yet every batch
