@@ -236,6 +236,7 @@ class KVEventReader:
                 except (KeyError, ValueError, TypeError) as exc:
                     log.warning("skipping KV event entry %s of worker %s: %s", entry_id,
                                 worker_id, exc)
+                await asyncio.sleep(0)  # parse an entry at a time (a snapshot is many)
         return out
 
 

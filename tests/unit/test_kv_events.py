@@ -300,8 +300,9 @@ async def test_publisher_stops_when_the_redis_client_loses_the_cancellation():
 
 async def test_the_gateways_follower_lets_the_event_loop_run_between_batches(redis_url,
                                                                          monkeypatch):
-    """A snapshot read in one XREAD (5 entries of 2 hashes) is applied a batch at a time with
-    the event loop's other tasks (the token relay) running between them, not in one go."""
+    """A snapshot read in one XREAD (5 entries of 2 hashes) is parsed and applied a batch at a
+    time with the event loop's other tasks (the token relay) running between them, not in one
+    go."""
     monkeypatch.setattr(stream, "SNAPSHOT_CHUNK", 2)
     client = aioredis.Redis.from_url(redis_url)
     registry = WorkerRegistry(client, heartbeat_interval_s=1.0)
@@ -320,7 +321,12 @@ async def test_the_gateways_follower_lets_the_event_loop_run_between_batches(red
             trail.append("tick")
             await asyncio.sleep(0)
 
-    router._apply = applied
+    def parsed(worker_id, entry_id, raw):
+        trail.append("parse")
+        return parse(worker_id, entry_id, raw)
+
+    router._apply, parse = applied, stream._parse
+    monkeypatch.setattr(stream, "_parse", parsed)
     ticker = asyncio.ensure_future(other_task())
     try:
         await registry.heartbeat(WorkerInfo("w", "unified", "127.0.0.1:1", block_size=BS,
@@ -332,9 +338,10 @@ async def test_the_gateways_follower_lets_the_event_loop_run_between_batches(red
                 break
             await asyncio.sleep(0.02)
         assert await held(router.index) == cache.hashes
-        applies = [i for i, t in enumerate(trail) if t.startswith("apply")]
-        assert len(applies) == 5
-        assert all("tick" in trail[a:b] for a, b in zip(applies, applies[1:])), trail
+        for step in ("parse", "apply"):
+            at = [i for i, t in enumerate(trail) if t.startswith(step)]
+            assert len(at) == 5
+            assert all("tick" in trail[a:b] for a, b in zip(at, at[1:])), (step, trail)
     finally:
         ticker.cancel()
         await router.stop()
