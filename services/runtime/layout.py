@@ -19,8 +19,8 @@ the pair serves more and steadier tokens than one unified worker, 1.36x at 16 cl
 steps stay pure decode, which replay as CUDA graphs, while a unified worker's steps that carry
 a prompt chunk ran eager then (since 58212c4 they replay in pieces, and prefill steps from
 graphs of their own: not yet measured against the pair); one client alone is served at the
-same speed either way (unified's TTFT is 10-17 ms lower). Several GPUs: one unified worker each (not yet measured against
-pairs). Asked for another layout, the workers are placed on the GPUs round-robin in start order
+same speed either way (unified's TTFT is 10-17 ms lower). Several GPUs: one unified worker
+each (not yet measured against pairs). Asked for another layout, the workers are placed on the GPUs round-robin in start order
 (unified, decode, prefill); workers that share a GPU share its
 ``engine.gpu_memory_utilization`` equally (``gpu_placement``).
 

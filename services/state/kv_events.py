@@ -24,12 +24,13 @@ there has the whole cache. A snapshot's hashes go ``SNAPSHOT_CHUNK`` to an entry
 entry holds ``["cleared"]`` and the first chunk, the entries right after it the rest, each a
 plain ``["stored", ...]``, and the event loop runs between them (one entry of a 100k-block
 cache, a GPU worker's, took 13-54 ms of ``json.dumps`` with the GIL held on a 2-core Xeon VM:
-a stall of the engine thread's steps; 4,096 hashes take 0.3-0.4 ms). Compaction: once the hashes published since the last snapshot exceed
-twice the cache plus ``COMPACT_MIN_EVENTS``, the publisher writes a snapshot and trims the stream
-to start at it (``XTRIM MINID``), so a stream holds O(cache size) hashes and every reader sees
-either all entries or a snapshot first. Drain and shutdown publish ``["cleared"]``. The stream
-expires ``ttl_s`` after the publisher's last write (refreshed while it lives), as the registry's
-entry does: a killed worker's stream goes away with it.
+a stall of the engine thread's steps; 4,096 hashes take 0.3-0.4 ms). Compaction: once the
+hashes published since the last snapshot exceed twice the cache plus ``COMPACT_MIN_EVENTS``,
+the publisher writes a snapshot and trims the stream to start at it (``XTRIM MINID``), so a
+stream holds O(cache size) hashes and every reader sees either all entries or a snapshot
+first. Drain and shutdown publish ``["cleared"]``. The stream expires ``ttl_s`` after the
+publisher's last write (refreshed while it lives), as the registry's entry does: a killed
+worker's stream goes away with it.
 """
 from __future__ import annotations
 
