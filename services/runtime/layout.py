@@ -20,8 +20,8 @@ steps stay pure decode, which replay as CUDA graphs, while a unified worker's st
 a prompt chunk ran eager then (since 58212c4 they replay in pieces, and prefill steps from
 graphs of their own: not yet measured against the pair); one client alone is served at the
 same speed either way (unified's TTFT is 10-17 ms lower). Several GPUs: one unified worker
-each (not yet measured against pairs). Asked for another layout, the workers are placed on the GPUs round-robin in start order
-(unified, decode, prefill); workers that share a GPU share its
+each (not yet measured against pairs). Asked for another layout, the workers are placed on the
+GPUs round-robin in start order (unified, decode, prefill); workers that share a GPU share its
 ``engine.gpu_memory_utilization`` equally (``gpu_placement``).
 
 Explicit settings win over the rule: ``--layout``, ``--unified``, or worker counts

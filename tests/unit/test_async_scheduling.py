@@ -15,12 +15,14 @@ from tests.reference import CHAT_PROMPTS, chat_prompt_ids, hf_greedy_outputs
 from tests.unit.test_engine import GREEDY, generate_all, make_engine
 
 
-def counting_steps_ahead(engine: LLMEngine) -> list[int]:
-    """Count the steps ``engine`` launches ahead (one entry per launch: its batch size)."""
+def counting_steps_ahead(engine: LLMEngine, measure=lambda e, out: len(out.scheduled),
+                         ) -> list[int]:
+    """Count the steps ``engine`` launches ahead (one entry per launch: ``measure(engine,
+    out)``, by default its batch size)."""
     launched, launch_ahead = [], engine.runner.launch_ahead
 
     def counted(out, previous, keep, timed):
-        launched.append(len(out.scheduled))
+        launched.append(measure(engine, out))
         return launch_ahead(out, previous, keep, timed)
 
     engine.runner.launch_ahead = counted
@@ -107,13 +109,8 @@ def test_a_full_batch_runs_ahead_while_requests_wait():
                 for i, (rid, ids, p) in enumerate(requests)]
     want = run(make_engine(async_scheduling=False, max_num_seqs=3), requests)
     engine = make_engine(async_scheduling=True, max_num_seqs=3)
-    ahead, launch_ahead = [], engine.runner.launch_ahead
-
-    def counted(out, previous, keep, timed):  # the queue's length at each launch ahead
-        ahead.append(len(engine.scheduler.waiting))
-        return launch_ahead(out, previous, keep, timed)
-
-    engine.runner.launch_ahead = counted
+    # the queue's length at each launch ahead
+    ahead = counting_steps_ahead(engine, lambda e, out: len(e.scheduler.waiting))
     assert run(engine, requests) == want
     assert any(r == "stop" for r in want[1].values())
     assert sum(1 for n in ahead if n) >= 5, ahead  # steps ahead while requests waited
