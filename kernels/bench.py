@@ -109,12 +109,14 @@ def paged_cache(batch: int, context: int, shape: tuple[int, int, int], dtype: to
 
 
 def decode_row(batch: int, context: int, shape, dtype, device, peak: float | None,
-               table_width: int | None = None) -> dict:
+               table_width: int | None = None, split_programs: int = 0) -> dict:
     """One decode case: Triton on the paged cache vs SDPA on the gathered dense K/V.
     ``table_width`` (tokens): the block table as wide as that, zero-padded past each sequence's
-    blocks, as a CUDA graph passes the model's full width; the grid gets that width's splits."""
-    from kernels.decode_attention import (choose_num_splits, default_block_n,
-                                          paged_decode_attention)
+    blocks, as a CUDA graph passes the model's full width; the grid gets that width's splits.
+    ``split_programs``: stage 1's programs per (sequence, KV head) (0: the kernel's choice,
+    ``choose_split_programs``)."""
+    from kernels.decode_attention import (choose_num_splits, choose_split_programs,
+                                          default_block_n, paged_decode_attention)
 
     num_heads, num_kv_heads, head_dim = shape
     k_cache, v_cache, tables, seq_lens = paged_cache(batch, context, shape, dtype, device)
@@ -123,7 +125,8 @@ def decode_row(batch: int, context: int, shape, dtype, device, peak: float | Non
     wide[:, :tables.shape[1]] = tables
     q = torch.randn(batch, num_heads, head_dim, device=device).to(dtype)
     scale = head_dim**-0.5
-    run = lambda: paged_decode_attention(q, k_cache, v_cache, wide, seq_lens, scale)  # noqa: E731
+    run = lambda: paged_decode_attention(q, k_cache, v_cache, wide, seq_lens, scale,  # noqa: E731
+                                         split_programs=split_programs or None)
     triton_ms = time_ms(run, device)
     graph_ms = graph_time_ms(run, device)
     k = k_cache[tables].flatten(1, 2).transpose(1, 2).contiguous()  # [batch, kv_heads, ctx, D]
@@ -131,12 +134,15 @@ def decode_row(batch: int, context: int, shape, dtype, device, peak: float | Non
     q4 = q.unsqueeze(2)  # [batch, heads, 1, head_dim]
     sdpa = lambda: F.scaled_dot_product_attention(q4, k, v, scale=scale, enable_gqa=True)  # noqa: E731
     sdpa_ms = time_ms(sdpa, device)
-    got = paged_decode_attention(q, k_cache, v_cache, wide, seq_lens, scale)
+    got = run()
     kv_bytes = k_cache.numel() * k_cache.element_size() * 2
     gbps = kv_bytes / triton_ms / 1e6
+    splits = choose_num_splits(width, default_block_n(head_dim))
     return {
         "batch": batch, "context": context, "kv_bytes": kv_bytes,
-        "table_width": width, "num_splits": choose_num_splits(width, default_block_n(head_dim)),
+        "table_width": width, "num_splits": splits,
+        "split_programs": min(splits, split_programs or choose_split_programs(
+            batch * num_kv_heads, splits, device)),
         "triton_ms": triton_ms, "sdpa_ms": sdpa_ms,
         "triton_gbps": gbps, "sdpa_gbps": kv_bytes / sdpa_ms / 1e6,
         "triton_pct_peak": 100 * gbps / peak if peak else None,
@@ -147,7 +153,7 @@ def decode_row(batch: int, context: int, shape, dtype, device, peak: float | Non
 
 
 def bench_decode(batches, contexts, shape, dtype, device, peak, max_gib: float,
-                 table_width: int | None = None) -> list[dict]:
+                 table_width: int | None = None, split_programs=(0,)) -> list[dict]:
     rows = []
     itemsize = torch.empty((), dtype=dtype).element_size()
     for context in contexts:
@@ -157,7 +163,8 @@ def bench_decode(batches, contexts, shape, dtype, device, peak, max_gib: float,
                 print(f"skip decode batch {batch} context {context}: over --max-gib",
                       file=sys.stderr)
                 continue
-            rows.append(decode_row(batch, context, shape, dtype, device, peak, table_width))
+            rows += [decode_row(batch, context, shape, dtype, device, peak, table_width, n)
+                     for n in split_programs]
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     return rows
@@ -232,13 +239,13 @@ def bench_prefill(lengths, shape, dtype, device, tokens_per_batch: int,
 
 
 def print_tables(decode: list[dict], prefill: list[dict]) -> None:
-    print(f"{'batch':>6} {'context':>8} {'splits':>6} {'triton GB/s':>12} {'% peak':>7} "
-          f"{'graph GB/s':>11} {'sdpa GB/s':>10} {'max|diff|':>10}")
+    print(f"{'batch':>6} {'context':>8} {'splits':>6} {'progs':>5} {'triton GB/s':>12} "
+          f"{'% peak':>7} {'graph GB/s':>11} {'sdpa GB/s':>10} {'max|diff|':>10}")
     for r in decode:
         pct = f"{r['triton_pct_peak']:.0f}" if r["triton_pct_peak"] is not None else "?"
         graph = f"{r['graph_gbps']:.0f}" if r.get("graph_gbps") else "-"
-        print(f"{r['batch']:>6} {r['context']:>8} {r['num_splits']:>6} {r['triton_gbps']:>12.0f} "
-              f"{pct:>7} {graph:>11} {r['sdpa_gbps']:>10.0f} {r['max_abs_diff']:>10.1e}")
+        print(f"{r['batch']:>6} {r['context']:>8} {r['num_splits']:>6} {r['split_programs']:>5} "
+              f"{r['triton_gbps']:>12.0f} {pct:>7} {graph:>11} {r['sdpa_gbps']:>10.0f} {r['max_abs_diff']:>10.1e}")
     print(f"\n{'mode':>6} {'context':>8} {'chunk':>6} {'batch':>6} {'config':>14} "
           f"{'triton TFLOP/s':>15} {'sdpa TFLOP/s':>13}")
     for r in prefill:
@@ -265,6 +272,9 @@ def main() -> None:
     parser.add_argument("--table-width", type=int, default=None,
                         help="decode block tables this many tokens wide (e.g. max_model_len, as "
                              "CUDA graphs pass them); default: each context's own width")
+    parser.add_argument("--split-programs", type=int, nargs="+", default=[0],
+                        help="decode: stage 1's programs per (sequence, KV head) to time side "
+                             "by side (0: the kernel's choice)")
     parser.add_argument("--prefill-configs", nargs="+", default=["default"],
                         help="prefill tuning configs to time side by side, each BMxBNxWxS (rows "
                              "and keys per tile, warps, stages; 0: default) or 'default'")
@@ -290,7 +300,7 @@ def main() -> None:
         print(f"unknown peak bandwidth of {name!r}: pass --peak-gbps", file=sys.stderr)
     dtype, shape = getattr(torch, args.dtype), SHAPES[args.shape]
     decode = bench_decode(args.batches, args.contexts, shape, dtype, device, peak, args.max_gib,
-                          args.table_width)
+                          args.table_width, args.split_programs)
     prefill = bench_prefill(args.prefill_lengths, shape, dtype, device, args.prefill_tokens,
                             configs)
     print(f"{name}, peak {peak} GB/s, {args.shape} {shape}, {args.dtype}\n")

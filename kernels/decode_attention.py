@@ -1,8 +1,8 @@
 """Paged decode attention in Triton: one query token per sequence, split-K over the context.
 
 Algorithm: flash-decoding (Dao et al., "Flash-Decoding for long-context inference", 2023), the
-two-stage form of LightLLM's / SGLang's Triton decode kernels. Stage 1 runs one program per
-(sequence, KV head, split); the program holds all ``num_heads // num_kv_heads`` query heads of
+two-stage form of LightLLM's / SGLang's Triton decode kernels. Stage 1 computes each
+(sequence, KV head, split) alone; its program holds all ``num_heads // num_kv_heads`` query heads of
 its KV head as the rows of one ``tl.dot`` (so each K/V tile is loaded once for the whole group),
 walks its share of the context through the block table with an online softmax, and writes a
 partial output and its log-sum-exp. Stage 2 merges the splits in a fixed order. With one
@@ -14,15 +14,18 @@ per sequence rather than chosen to fill the GPU): ``max(ceil(tiles / max_splits)
 key tiles per split, so at most ``max_splits`` splits, and the merge reduces a fixed-size
 vector of ``max_splits`` slots. So a sequence's output is the same bits whatever else is in
 the batch, however wide the block table (CUDA graphs pass the model's full width) and whichever
-path (split or direct) the batch takes. The grid's split axis is an upper bound from the block
-table's width; programs past a sequence's last split return at once, and the merge, which
-counts a sequence's splits from its length as stage 1 does, adds the slots it never wrote as
-exact zeros. The price: a large batch of short contexts is split where filling the GPU would
-not need it (measured in docs/benchmarks.md), and under a CUDA graph (the model's full table
-width) most of the grid is programs that only read their sequence's length.
+path (split or direct) the batch takes. The most splits a sequence may use comes from the
+block table's width; the merge, which counts a sequence's splits from its length as stage 1
+does, adds the slots stage 1 never wrote as exact zeros. Stage 1's grid has a program per split
+when the batch is small and fewer once the batch fills the GPU (``choose_split_programs``),
+each program then taking every n-th split of its sequence in turn: under a CUDA graph (the
+model's full table width) a program per possible split would be mostly programs that only read
+a length. The price of fixed split sizes: a large batch of short contexts is split where
+filling the GPU would not need it (measured in docs/benchmarks.md).
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -34,6 +37,7 @@ from ._launch import check_attention_args, dot_options, next_power_of_2
 
 MAX_SPLITS = 32  # splits per sequence at most
 MIN_TILES_PER_SPLIT = 2  # key tiles: a shorter split costs more to write and merge than it saves
+PROGRAMS_PER_SM = 8  # stage 1's grid: about this many programs per multiprocessor, batch-wide
 
 
 @triton.jit
@@ -62,23 +66,25 @@ def _decode_split_kernel(
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
-    split = tl.program_id(2)
     seq_len = tl.load(Seq_lens + seq)
-    lo, split_len, _ = _sequence_splits(seq_len, window, max_splits, BLOCK_N, MIN_TILES, SLIDING)
-    start = lo + split * split_len
-    end = tl.minimum(start + split_len, seq_len)
-
-    if start < end:  # a split past the sequence's end does nothing: the merge leaves it out
-        offs_g = tl.arange(0, BLOCK_G)
-        offs_d = tl.arange(0, BLOCK_D)
-        heads = kv_head * GROUP + offs_g
-        row_mask = (offs_g < GROUP)[:, None] & (offs_d < HEAD_DIM)[None, :]
-        q = tl.load(Q + seq * stride_qs + heads[:, None] * stride_qh + offs_d[None, :],
-                    mask=row_mask, other=0.0)
+    lo, split_len, used = _sequence_splits(seq_len, window, max_splits, BLOCK_N, MIN_TILES,
+                                           SLIDING)
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    heads = kv_head * GROUP + offs_g
+    row_mask = (offs_g < GROUP)[:, None] & (offs_d < HEAD_DIM)[None, :]
+    q = tl.load(Q + seq * stride_qs + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=row_mask, other=0.0)
+    table_row = Block_tables + seq * stride_bt
+    # the grid's split axis may be narrower than the sequence's splits: each program takes
+    # every num_programs-th split, each computed alone, so the bits do not depend on the grid;
+    # a program past the sequence's last split does nothing (the merge leaves those slots out)
+    for split in range(tl.program_id(2), used, tl.num_programs(2)):
+        start = lo + split * split_len
+        end = tl.minimum(start + split_len, seq_len)
         m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_G], tl.float32)
         acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-        table_row = Block_tables + seq * stride_bt
         for n0 in range(start, end, BLOCK_N):
             pos = n0 + tl.arange(0, BLOCK_N)
             kv_offsets, kv_mask = kv_tile_offsets(table_row, pos, end, kv_head, stride_b,
@@ -137,12 +143,32 @@ def choose_num_splits(max_context: int, block_n: int, max_splits: int = MAX_SPLI
     return max(1, min(max_splits, math.ceil(max_context / (block_n * min_tiles))))
 
 
+@functools.lru_cache(maxsize=None)
+def _multiprocessors(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1  # the interpreter runs one program at a time
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def choose_split_programs(num_rows: int, splits: int, device: torch.device) -> int:
+    """Stage 1's programs per (sequence, KV head) row: the grid's split axis. ``splits`` (the
+    most any sequence of the batch may use, ``choose_num_splits``) when the batch is small;
+    fewer once ``num_rows`` rows fill the GPU (about ``PROGRAMS_PER_SM`` programs per
+    multiprocessor), each program then taking several splits in turn. Under a CUDA graph the
+    split axis is sized for the table's full width while most sequences use a few splits, so a
+    grid of ``splits`` per row would be mostly programs that only read a length (at batch 256
+    with the built-in model, 97% of 24,576). Each split is computed alone whichever program
+    takes it, so the bits do not depend on this."""
+    target = PROGRAMS_PER_SM * _multiprocessors(device)
+    return max(1, min(splits, math.ceil(target / num_rows)))
+
+
 def paged_decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     seq_lens: torch.Tensor, scale: float, *, sliding_window: int | None = None,
     softcap: float | None = None, max_splits: int = MAX_SPLITS,
     min_tiles: int = MIN_TILES_PER_SPLIT, block_n: int | None = None,
-    out: torch.Tensor | None = None,
+    split_programs: int | None = None, out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its paged K/V.
 
@@ -154,6 +180,8 @@ def paged_decode_attention(
     become ``c * tanh(s / c)``. max_splits / min_tiles / block_n: override the most splits per
     sequence, the fewest key tiles per split and the key-tile size (tests, tuning); a
     sequence's output depends on them and its own K/V, never on the rest of the batch.
+    split_programs: override stage 1's programs per (sequence, KV head)
+    (``choose_split_programs``; tests, tuning); the output does not depend on it.
     Returns ``out`` (``[num_seqs, num_heads, head_dim]``, q's dtype), written in place if given.
     Same result as ``kernels.reference.paged_decode_attention``. Raises ``ValueError`` on
     mismatched shapes, dtypes or devices.
@@ -177,7 +205,8 @@ def paged_decode_attention(
                 **dot_options(q.dtype, q.device))
     qk_scale, cap_log2 = score_scales(scale, softcap)
     window = sliding_window or 0
-    grid = (num_seqs, num_kv_heads, splits)
+    programs = split_programs or choose_split_programs(num_seqs * num_kv_heads, splits, q.device)
+    grid = (num_seqs, num_kv_heads, min(programs, splits))
     args = (q, k_cache, v_cache, block_tables, seq_lens)
     strides = (q.stride(0), q.stride(1), block_tables.stride(0), *k_cache.stride()[:3])
     if splits == 1:

@@ -1,6 +1,7 @@
 """CPU cost and op count of one decode step, in process (``python -m scripts.profile_decode_step``).
 
-The engine on the built-in GGUF (``--dtype``/``--quantization``, default ``auto``/``auto``: the
+The engine on the built-in GGUF (or ``--model``: a checkpoint directory, e.g. random weights of
+the same shape on a GPU machine without the GGUF; ``--dtype``/``--quantization``, default ``auto``/``auto``: the
 served default; ``--device cuda`` for a GPU), per batch size (default 1, 16, 64): ``batch``
 requests of ``--prompt-len`` (default 16) random prompt tokens are prefilled, ``--warmup`` decode steps run, then
 ``--steps`` decode steps are timed in CPU seconds of this process (``time.process_time``: every
@@ -101,11 +102,11 @@ def calls_ms(events, names: frozenset[str]) -> float:
 
 def make_engine(dtype: str, quantization: str, max_batch: int, device: str = "cpu",
                 enforce_eager: bool = False, async_scheduling: bool | None = None,
-                kv_cache_dtype: str = "auto", max_context: int = 0):
+                kv_cache_dtype: str = "auto", max_context: int = 0, model: str | None = None):
     from services.engine.engine import EngineConfig, LLMEngine
 
     blocks = max(2048, max_batch * (max_context // 16 + 2))  # max_context: prompt + steps
-    e = LLMEngine(EngineConfig(dtype=dtype, quantization=quantization, num_kv_blocks=blocks,
+    e = LLMEngine(EngineConfig(**({"model": model} if model else {}), dtype=dtype, quantization=quantization, num_kv_blocks=blocks,
                                max_num_seqs=max(64, max_batch), device=device,
                                enforce_eager=enforce_eager, async_scheduling=async_scheduling,
                                kv_cache_dtype=kv_cache_dtype))
@@ -287,6 +288,8 @@ def sync_sites(e, steps: int) -> dict[str, int]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None,
+                   help="a checkpoint directory or GGUF file (default: the built-in GGUF)")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--quantization", default="auto")
     p.add_argument("--device", default="cpu")
@@ -318,7 +321,8 @@ def main() -> None:
                     args.enforce_eager,
                     False if args.no_async_scheduling else (True if args.host_only else None),
                     args.kv_cache_dtype,
-                    args.prompt_len + args.warmup + args.steps + args.profile_steps + 8)
+                    args.prompt_len + args.warmup + args.steps + args.profile_steps + 8,
+                    args.model)
     if args.host_only:
         host_only(e)
     if args.spin_wait:

@@ -28,12 +28,16 @@ def test_bench_smoke_writes_report(tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "argv", [
         "bench", "--smoke", "--shape", "smollm2-135m", "--batches", "2", "--contexts", "32",
         "--prefill-lengths", "16", "--prefill-tokens", "32", "--peak-gbps", "100",
-        "--out", str(out)])
+        "--table-width", "512", "--split-programs", "0", "1", "--out", str(out)])
     bench.main()
     report = json.loads(out.read_text())
-    (decode,) = report["decode"]
+    decode, one_program = report["decode"]
     assert decode["batch"] == 2 and decode["context"] == 32 and decode["max_abs_diff"] < 0.05
     assert decode["kv_bytes"] == 2 * 2 * 32 * 3 * 64 * 2  # K and V, bf16
+    # 512-token tables: 4 splits of two 64-key tiles; the interpreter's one "multiprocessor"
+    # gets about 8 programs over 2 x 3 rows: 2 a row; or the 1 asked for
+    assert decode["num_splits"] == 4 and decode["split_programs"] == 2
+    assert one_program["split_programs"] == 1 and one_program["max_abs_diff"] < 0.05
     (prefill,) = report["prefill"]
     assert prefill["mode"] == "prompt" and prefill["batch"] == 2 and prefill["triton_tflops"] > 0
     assert prefill["block_m"] is None and prefill["max_abs_diff"] == 0.0

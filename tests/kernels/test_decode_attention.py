@@ -12,7 +12,8 @@ from kernels import reference
 from .conftest import ATOL, DTYPES, HAS_CUDA, make_paged_batch, reference_in_float32
 
 pytest.importorskip("triton", reason="triton is not installed: Triton kernels not tested")
-from kernels.decode_attention import choose_num_splits, paged_decode_attention  # noqa: E402
+from kernels.decode_attention import (  # noqa: E402
+    choose_num_splits, choose_split_programs, paged_decode_attention)
 
 # context lengths: a single token, exactly one block, one past it, several blocks
 LENS = [1, 16, 17, 40] if not HAS_CUDA else [1, 16, 17, 255, 1000, 4097]
@@ -52,7 +53,8 @@ def test_decode_more_splits_than_tiles_and_default_splits():
     check(batch, torch.float32)
 
 
-def test_splits_past_a_sequence_s_end_are_neither_written_nor_read(monkeypatch):
+@pytest.mark.parametrize("split_programs", [None, 1, 2])
+def test_splits_past_a_sequence_s_end_are_neither_written_nor_read(monkeypatch, split_programs):
     """Under a wide block table most grid splits lie past a short sequence's end: stage 1 skips
     them and the merge leaves them out, so scratch the kernels never wrote (NaN here, garbage
     in torch.empty) cannot reach the output, with or without a sliding window."""
@@ -67,13 +69,14 @@ def test_splits_past_a_sequence_s_end_are_neither_written_nor_read(monkeypatch):
                        dtype=batch.block_tables.dtype, device=batch.block_tables.device)
     wide[:, :batch.block_tables.shape[1]] = batch.block_tables
     out = paged_decode_attention(batch.q, batch.k_cache, batch.v_cache, wide, batch.seq_lens,
-                                 batch.scale, block_n=BLOCK_N, min_tiles=1, out=batch.q * 0)
+                                 batch.scale, block_n=BLOCK_N, min_tiles=1, out=batch.q * 0,
+                                 split_programs=split_programs)
     expected = reference.paged_decode_attention(batch.q, batch.k_cache, batch.v_cache,
                                                 batch.block_tables, batch.seq_lens, batch.scale)
     torch.testing.assert_close(out, expected, atol=ATOL[torch.float32], rtol=0)
     out = paged_decode_attention(batch.q, batch.k_cache, batch.v_cache, wide, batch.seq_lens,
                                  batch.scale, block_n=BLOCK_N, min_tiles=1, sliding_window=5,
-                                 out=batch.q * 0)
+                                 out=batch.q * 0, split_programs=split_programs)
     expected = reference.paged_decode_attention(batch.q, batch.k_cache, batch.v_cache,
                                                 batch.block_tables, batch.seq_lens, batch.scale,
                                                 sliding_window=5)
@@ -98,6 +101,14 @@ def test_choose_num_splits():
     assert choose_num_splits(128, 64) == 1 and choose_num_splits(8192, 64, max_splits=1) == 1
 
 
+def test_choose_split_programs():
+    cpu = torch.device("cpu")  # one multiprocessor: about 8 programs batch-wide
+    assert choose_split_programs(1, 32, cpu) == 8
+    assert choose_split_programs(3, 32, cpu) == 3  # ceil(8 / 3)
+    assert choose_split_programs(3, 2, cpu) == 2  # never more than the splits
+    assert choose_split_programs(64, 32, cpu) == 1  # the batch alone fills it
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_a_sequence_gets_the_same_bits_in_any_batch(dtype):
     """Batch invariance: each sequence's output, computed alone (its own block table width,
@@ -106,15 +117,19 @@ def test_a_sequence_gets_the_same_bits_in_any_batch(dtype):
     batch = make_paged_batch([(n - 1, 1) for n in LENS], 8, 2, HEAD_DIM, 4, dtype)
     args = (batch.k_cache, batch.v_cache)
 
-    def attend(q, tables, lens):
+    def attend(q, tables, lens, **kwargs):
         return paged_decode_attention(q, *args, tables, lens, batch.scale, block_n=BLOCK_N,
-                                      min_tiles=1)
+                                      min_tiles=1, **kwargs)
 
     together = attend(batch.q, batch.block_tables, batch.seq_lens)
     wide = torch.zeros(len(LENS), 4 * batch.block_tables.shape[1], dtype=batch.block_tables.dtype,
                        device=batch.block_tables.device)
     wide[:, :batch.block_tables.shape[1]] = batch.block_tables
     assert torch.equal(attend(batch.q, wide, batch.seq_lens), together)
+    # a program per split, or each program taking every n-th split of its sequence
+    for programs in (1, 2, 3, 64):
+        assert torch.equal(attend(batch.q, wide, batch.seq_lens, split_programs=programs),
+                           together), programs
     for i, n in enumerate(LENS):
         alone = attend(batch.q[i:i + 1], batch.block_tables[i:i + 1, :-(-n // 4)],
                        batch.seq_lens[i:i + 1])
