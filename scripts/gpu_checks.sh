@@ -14,6 +14,11 @@
 #   stage kernels: carries .whl: the Triton kernel tests, the kernel benchmark (and a sweep of
 #            the prefill kernel's tuning), the CUDA IPC handoff tests and the handoff benchmark
 #            (none needs the model).
+#   stage engine: carries .whl and .gpu/stack: the engine alone on random weights of the built-in
+#            model's shape (made there from .gpu/stack/hf, no GGUF: one call) and of the 1B-class
+#            shape: the decode attention tests, its grid sweep as CUDA graphs run it, the step
+#            profile (host and GPU per step, runtime calls) and decode throughput against the
+#            roofline.
 #   stage stack: carries .whl and .gpu/stack (see there): the served stack, unified against P/D,
 #            and (steps gateways, stack_engine_1gw + stack_engine_4gw and long_mix, each a call of
 #            its own) one gateway process against four, the stack against the in-process engine
@@ -28,7 +33,7 @@
 # once after stage a returns, or b finds no first part.
 # Logs and JSON land in $OUT (default ./gpu-out), packed at the end as $OUT/logs-STAGE.tgz.
 set -u
-stage=${1:?usage: scripts/gpu_checks.sh a|b|c|kernels|stack}
+stage=${1:?usage: scripts/gpu_checks.sh a|b|c|kernels|engine|stack}
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 if [ "$stage" = a ]; then
@@ -45,6 +50,26 @@ step() {  # step NAME SECONDS CMD...: run with a time limit, log to $OUT/NAME.lo
     echo "=== $name rc=$? ($(date +%T))"
 }
 ran() { [ -f "$OUT/$1.log" ]; }  # ran NAME: the step ran (not left out by STEPS)
+random_smol() {  # /tmp/smol: the built-in model's config and tokenizer (.gpu/stack/hf), random bf16 weights
+    rm -rf /tmp/smol && cp -r .gpu/stack/hf /tmp/smol
+    python3 -c 'import torch, shutil; from transformers import LlamaConfig, LlamaForCausalLM
+torch.manual_seed(0); m = LlamaForCausalLM(LlamaConfig.from_pretrained("/tmp/smol")).to(torch.bfloat16)
+shutil.copy("/tmp/smol/config.json", "/tmp/config.json"); m.save_pretrained("/tmp/smol")
+shutil.copy("/tmp/config.json", "/tmp/smol/config.json")'
+}
+build_1b() {  # /tmp/llama1b: issue 36's 1B-class shape (random weights, bf16; made on the GPU)
+    python3 - <<'PY'
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+torch.manual_seed(0)
+c = LlamaConfig(vocab_size=49152, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
+                tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+with torch.device("cuda"):
+    LlamaForCausalLM(c).to(torch.bfloat16).save_pretrained("/tmp/llama1b")
+PY
+}
+export -f build_1b  # for step's timeout
 stack_deps() {  # Debian's redis-server, from .gpu/stack
     for d in .gpu/stack/debs/*.deb; do dpkg -x "$d" /tmp/redis; done
     export PATH=/tmp/redis/usr/bin:$PATH LD_LIBRARY_PATH=/tmp/redis/usr/lib/x86_64-linux-gnu
@@ -111,16 +136,7 @@ elif [ "$stage" = b ]; then
         --skip-agreement --no-async-scheduling --out /tmp/gpu_engine_sync.json
     ran engine_sync && { tail -7 "$OUT/engine_sync.log"; }
     # issue 36's 1B-class shape (random weights, bf16; made on the GPU, read back by our loader)
-    step build_1b 120 python3 - <<'PY'
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
-torch.manual_seed(0)
-c = LlamaConfig(vocab_size=49152, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
-                tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
-with torch.device("cuda"):
-    LlamaForCausalLM(c).to(torch.bfloat16).save_pretrained("/tmp/llama1b")
-PY
+    step build_1b 120 bash -c build_1b
     step engine_1b 150 python3 -m scripts.bench_gpu_engine --model /tmp/llama1b --batches 1 16 64 256 \
         --steps 32 --skip-agreement --out "$OUT/gpu_engine_1b.json"
     ran engine_1b && { tail -8 "$OUT/engine_1b.log"; }
@@ -132,15 +148,34 @@ PY
         --num-prompts 256 --max-num-seqs 256 --hf-batch-size 256 --num-kv-blocks 65536 \
         --decode-batch 64 --out "$OUT/offline_gpu.json"
     ran offline && { tail -24 "$OUT/offline.log"; }
+elif [ "$stage" = engine ]; then  # the engine on random weights: no GGUF, one call
+    nvidia-smi -L
+    random_smol || exit 1
+    step decode_tests 120 env OMP_NUM_THREADS=2 python3 -m pytest -q -p no:cacheprovider -n 8 \
+        tests/kernels/test_decode_attention.py tests/kernels/test_bench.py
+    ran decode_tests && { tail -3 "$OUT/decode_tests.log"; grep -E "^(FAILED|ERROR)" "$OUT/decode_tests.log" | head; }
+    # stage 1's programs per (sequence, KV head) as the engine's CUDA graphs run it (tables
+    # 8,192 tokens wide): the kernel's choice (0) beside fixed counts (32: one per split)
+    step split_sweep 150 python3 -m kernels.bench --shape smollm2-135m --batches 1 16 64 256 \
+        --contexts 512 2048 --table-width 8192 --split-programs 0 1 2 4 32 --prefill-lengths 512 \
+        --out "$OUT/split_sweep.json"
+    ran split_sweep && grep -E "^ +[0-9]+ +[0-9]+ +[0-9]+ +[0-9]+ " "$OUT/split_sweep.log"
+    step profile_random 90 python3 -m scripts.profile_decode_step --model /tmp/smol --device cuda \
+        --dtype bfloat16 --quantization none --batches 1,16,64,256 --steps 32 \
+        --out "$OUT/profile_random.json"
+    ran profile_random && grep -E "^(precision|batch)|^    (gpu|api)" "$OUT/profile_random.log"
+    step engine_random 120 python3 -m scripts.bench_gpu_engine --model /tmp/smol \
+        --batches 1 16 64 256 --steps 32 --skip-agreement --out "$OUT/gpu_engine_random.json"
+    ran engine_random && { tail -6 "$OUT/engine_random.log"; }
+    step build_1b 120 bash -c build_1b
+    step engine_1b 150 python3 -m scripts.bench_gpu_engine --model /tmp/llama1b --batches 1 16 64 256 \
+        --steps 32 --skip-agreement --out "$OUT/gpu_engine_1b.json"
+    ran engine_1b && { tail -6 "$OUT/engine_1b.log"; }
 elif [ "$stage" = stack ]; then  # the served stack on the GPU, unified against P/D
     # carries .gpu/stack: debs/ (Debian's redis-server), hf/ (the built-in model's config.json and tokenizer, from
     # the GGUF: weights are random, made here; outputs are ignore_eos, so speed is the model's)
     stack_deps
-    rm -rf /tmp/smol && cp -r .gpu/stack/hf /tmp/smol
-    python3 -c 'import torch, shutil; from transformers import LlamaConfig, LlamaForCausalLM
-torch.manual_seed(0); m = LlamaForCausalLM(LlamaConfig.from_pretrained("/tmp/smol")).to(torch.bfloat16)
-shutil.copy("/tmp/smol/config.json", "/tmp/config.json"); m.save_pretrained("/tmp/smol")
-shutil.copy("/tmp/config.json", "/tmp/smol/config.json")' || exit 1
+    random_smol || exit 1
     export TANDEM_MODEL=/tmp/smol TANDEM_DEVICE=cuda TANDEM_DTYPE=bfloat16
     # LAYOUT_ARGS: another workload (e.g. "--concurrency 1,16 --num-prompts 64
     # --single-stream-prompts 4 --input-len 4096", long prompts)
