@@ -118,7 +118,9 @@ def load(args, stack: Stack, concurrency: int, out: Path) -> dict:
             "--num-prompts", str(args.num_prompts), "--dataset", "random", "--random-input-len",
             str(args.input_len), "--random-output-len", str(args.output_len),
             "--num-warmups", "2", "--seed", "0", "--disable-progress", "--result-dir", str(out),
-            "--result-name", name]
+            "--result-name", name,
+            # the stack's model's tokenizer (a random-weight checkpoint on a GPU machine)
+            *(["--tokenizer", os.environ["TANDEM_MODEL"]] if os.environ.get("TANDEM_MODEL") else [])]
     if args.api == "http":
         argv += ["--endpoint", "completions"]
     else:
