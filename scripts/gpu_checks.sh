@@ -171,6 +171,11 @@ elif [ "$stage" = engine ]; then  # the engine on random weights: no GGUF, one c
     step engine_1b 150 python3 -m scripts.bench_gpu_engine --model /tmp/llama1b --batches 1 16 64 256 \
         --steps 32 --skip-agreement --out "$OUT/gpu_engine_1b.json"
     ran engine_1b && { tail -6 "$OUT/engine_1b.log"; }
+    # is the 1B-class step the host's or the GPU's? (the built-in shape's is the host's)
+    step profile_1b 90 python3 -m scripts.profile_decode_step --model /tmp/llama1b --device cuda \
+        --dtype bfloat16 --quantization none --batches 1,64,256 --steps 32 --prompt-len 512 \
+        --out "$OUT/profile_1b.json"
+    ran profile_1b && grep -E "^(precision|batch)" "$OUT/profile_1b.log"
 elif [ "$stage" = stack ]; then  # the served stack on the GPU, unified against P/D
     # carries .gpu/stack: debs/ (Debian's redis-server), hf/ (the built-in model's config.json and tokenizer, from
     # the GGUF: weights are random, made here; outputs are ignore_eos, so speed is the model's)

@@ -18,7 +18,9 @@ most of the host's (``top_api_calls``: graph and kernel launches, copies, events
 allocations, each call's wall time under the profiler), and
 where each synchronisation is made (``sync_sites``: torch's sync debug mode, over
 ``--profile-steps`` more steps).
-``host_reads_per_step`` counts the runner's device-to-host copies of sampled tokens. Also the
+``graph_launch_ms``: the host's time in one launch of the batch's decode graph, the device idle
+(``graph_launch_ms``'s docstring). ``host_reads_per_step`` counts the runner's device-to-host
+copies of sampled tokens. Also the
 CPU split of a step's phases (schedule, prepare_inputs, forward, sample, postprocess) and the
 rest of ``engine.step``.
 
@@ -48,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -216,6 +219,7 @@ def profile_batch(e, batch: int, warmup: int, steps: int, profile_steps: int, to
         everything = list(prof.key_averages())
     host_reads = e.runner.num_host_reads - reads0
     sites = sync_sites(e, profile_steps) if cuda else {}
+    launch_ms = graph_launch_ms(e, batch) if cuda else None
     while e.has_work():  # the batch finishes in a few steps: the next starts from empty
         e.step()
     kernels = device_events(everything) if cuda else []
@@ -234,7 +238,8 @@ def profile_batch(e, batch: int, warmup: int, steps: int, profile_steps: int, to
         "aten_ops_per_step": ops / profile_steps,
         "compute_ops_per_step": compute_ops / profile_steps,
         "host_reads_per_step": host_reads / profile_steps,
-        **({"kernel_launches_per_step": count_calls(everything, LAUNCH_EVENTS) / profile_steps,
+        **({"graph_launch_ms": launch_ms,
+            "kernel_launches_per_step": count_calls(everything, LAUNCH_EVENTS) / profile_steps,
             "host_syncs_per_step": count_calls(everything, SYNC_EVENTS) / profile_steps,
             "async_copies_per_step": count_calls(everything, COPY_EVENTS) / profile_steps,
             "gpu_ms_per_step": (gpu := sum(a.self_device_time_total for a in kernels) / 1e3
@@ -255,6 +260,29 @@ def profile_batch(e, batch: int, warmup: int, steps: int, profile_steps: int, to
                      "self_cpu_ms_per_step": a.self_cpu_time_total / profile_steps / 1e3}
                     for a in events[:top]],
     }
+
+
+def graph_launch_ms(e, batch: int, reps: int = 21) -> float | None:
+    """Host milliseconds of one ``cudaGraphLaunch`` of the decode graph that holds ``batch``
+    (``torch.cuda.CUDAGraph.replay``'s wall time with the device idle before each, median of
+    ``reps``), without the profiler (CUPTI records every node of a graph it launches). The
+    replays rerun the last step staged in the graph's buffers: they write the same K/V into
+    the same slots. None without graphs (eager)."""
+    from services.engine.cuda_graphs import DECODE
+
+    graphs = e.runner.graphs
+    size = graphs.bucket(batch) if graphs is not None else None
+    entry = graphs.graphs.get((DECODE, size)) if size is not None else None
+    if entry is None:
+        return None
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        entry[0].replay()
+        times.append(time.perf_counter() - t0)
+    torch.cuda.synchronize()
+    return statistics.median(times) * 1e3
 
 
 def sync_sites(e, steps: int) -> dict[str, int]:
@@ -350,6 +378,8 @@ def main() -> None:
                f"{r['host_busy_ms_per_step']:.2f}, {r['kernel_launches_per_step']:.0f} launches, "
                f"{r['host_syncs_per_step']:.0f} syncs, {r['async_copies_per_step']:.0f} queued "
                f"copies" if "kernel_launches_per_step" in r else "")
+        if r.get("graph_launch_ms") is not None:
+            gpu += f", one graph launch {r['graph_launch_ms']:.3f} ms of host"
         print(f"batch {r['batch']:3d}: {r['cpu_ms_per_step']:8.2f} CPU ms/step, "
               f"{r['wall_ms_per_step']:8.2f} wall ms/step, "
               f"{r['aten_ops_per_step']:7.0f} aten ops/step ({r['compute_ops_per_step']:.0f} not "
