@@ -11,7 +11,10 @@ under a concurrency cap; the single-stream run (concurrency 1) sends ``--single-
 ``--dataset long-mix`` (issue 37's long-prompt mix) sends the built-in chat prompts (up to
 ``--output-len`` tokens out) with, at probability ``--long-fraction``, a random prompt of
 ``--long-input-range`` tokens (8k by default) and ``--output-len`` tokens out in their place:
-the long prefills that stall a unified worker's decode steps.
+the long prefills that stall a unified worker's decode steps. ``--dataset chat`` sends the
+built-in chat prompts alone, each run to EOS or ``--output-len`` tokens (the chat workload of
+``tandem bench offline``: the same prompts in the same seeded order, so a served run sits
+beside transformers' ``generate`` on them).
 Options (``--options``, comma-separated names, or ``all``):
 
 - ``disagg-1t``: 1 prefill + 1 decode worker, 1 thread each (the old default);
@@ -128,6 +131,8 @@ def free_port() -> int:
 
 def dataset_argv(args) -> list[str]:
     """``bench serve``'s dataset flags for ``--dataset``."""
+    if args.dataset == "chat":
+        return ["--dataset", "chat", "--chat-max-tokens", str(args.output_len)]
     if args.dataset == "long-mix":
         return ["--dataset", "long-mix", "--chat-max-tokens", str(args.output_len),
                 "--long-fraction", str(args.long_fraction), "--long-input-range",
@@ -196,7 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--input-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=136)
     p.add_argument("--output-range-ratio", type=float, default=0.88, help="136 +- 88%%: 16-256")
-    p.add_argument("--dataset", choices=("random", "long-mix"), default="random")
+    p.add_argument("--dataset", choices=("random", "chat", "long-mix"), default="random")
     p.add_argument("--long-fraction", type=float, default=0.1,
                    help="long-mix: share of requests that are long random prompts")
     p.add_argument("--long-input-range", default="7936:8064", help="long-mix: LO:HI tokens")

@@ -242,6 +242,17 @@ print("free/total GiB", [x / 2**30 for x in torch.cuda.mem_get_info()], "kv bloc
     ran engine_eager && { tail -4 "$OUT/engine_eager.log"; }
     step precision 180 python3 -m scripts.gpu_precision --tokens 64 --out "$OUT/gpu_precision.json"
     ran precision && { grep -v "it/s" "$OUT/precision.log" | tail -16; }
+    # issue 36's served chat workload: the stack (one unified worker, the built-in GGUF in bf16,
+    # behind 1 gateway, then 4) on the 256 chat prompts of stage b's offline step (same prompts, same order),
+    # all sent at once; beside transformers `generate` only within one call. Only when named:
+    # `STEPS=offline scripts/gpu_checks.sh b; STEPS=served_chat scripts/gpu_checks.sh c`
+    [[ " ${STEPS:-} " == *" served_chat "* ]] && step served_chat 360 env TANDEM_DEVICE=cuda \
+        TANDEM_DTYPE=bfloat16 python3 -m scripts.bench_layout \
+        --options unified,unified-4gw --dataset chat --concurrency 256 --num-prompts 256 --output-len 512 \
+        --engine-args "--max-num-seqs 256" --time-limit 240 --client-processes 4 \
+        --grpc-channels 4 --result-dir /tmp/served_chat
+    cp /tmp/served_chat/layout.json "$OUT/served_chat.json" 2>/dev/null
+    ran served_chat && { grep -E "^(option|unified)|Error|error" "$OUT/served_chat.log" | tail -8; }
 fi
 # a call returns at most 8 files: the stage's logs and JSON travel as one archive
 (cd "$OUT" && tar czf "logs-$stage.tgz" --remove-files -- *.log *.json 2>/dev/null)
