@@ -13,9 +13,13 @@ sequence lengths, query start offsets, block tables at the model's full width), 
 copies its inputs into them (``stage``: one host-to-device copy) and replays the graph of the
 smallest bucket that holds it.
 
-Decode graphs: rows past the batch (the bucket's padding) repeat the batch's first row: they
-write the same K/V values into the same slot and attend to the same context, so they change
-nothing and need no special slot id in the kernels.
+Decode graphs: rows past the batch (the bucket's padding) attend to the batch's first row's
+context at its position, from input id 0, and write no K/V (slot -1, which the cache write
+skips, as a prefill graph's padding tokens): their outputs are dropped, and their input ids
+need no copy from the step before's samples on the device. Every row of a decode step samples, so its
+graph also runs the LM head, into one static ``[max_num_seqs, vocab]`` float32 tensor (two
+launches and their host calls fewer a step; the logits are the same bits as the runner's own
+head call, which prefill and mixed steps keep: they sample some rows only).
 
 Prefill graphs (steps without decode rows, as a prefill worker's are; vLLM captures such steps
 too, in its piecewise and full graph modes): a bucket of ``T`` tokens holds up to ``min(T,
@@ -160,7 +164,10 @@ class CUDAGraphRunner:
                                   device=device)
         self.query_start_loc = torch.arange(max_num_seqs + 1, dtype=torch.int32, device=device)
         self.views = {key: self._views(key) for key in self.layouts}
-        self.graphs: dict[GraphKey, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # a decode graph's logits (``_decode_forward``), every bucket's in the first rows of one
+        # [max_num_seqs, vocab] float32 tensor, made at the first decode step (the model's vocab)
+        self.logits: torch.Tensor | None = None
+        self.graphs: dict[GraphKey, tuple[torch.cuda.CUDAGraph, object]] = {}
         self.pieces: dict[int, _Pieces] = {}  # token bucket -> a mixed step's graphs
         if capture:
             self.capture()
@@ -194,6 +201,17 @@ class CUDAGraphRunner:
         meta.set_query_start_loc_tensor(v["query_start_loc"])
         return self.model(v["input_ids"], v["positions"], self.kv_cache, meta)
 
+    def _decode_forward(self, key: GraphKey) -> tuple[torch.Tensor, torch.Tensor]:
+        """A decode graph's work: the model on its buffers and the LM head after it, into the
+        static ``logits`` (every row samples in a decode step; the head inside the graph saves
+        the step its launches and their host calls). The hidden states ``[size, hidden]`` and
+        the logits ``[size, vocab]`` float32."""
+        hidden = self._forward(key)
+        if self.logits is None:
+            self.logits = torch.empty(self.max_num_seqs, self.model.config.vocab_size,
+                                      dtype=torch.float32, device=hidden.device)
+        return hidden, self.model.compute_logits(hidden, out=self.logits[:key[1]])
+
     @torch.inference_mode()
     def capture(self) -> None:
         """Capture a graph per bucket, the most tokens first (the smaller ones reuse its
@@ -208,11 +226,12 @@ class CUDAGraphRunner:
         with torch.cuda.stream(stream):
             for key in sorted(self.layouts, key=lambda k: -self.layouts[k].tokens):
                 self._fill_for_capture(key)
+                forward = self._decode_forward if key[0] == DECODE else self._forward
                 for _ in range(2):
-                    self._forward(key)
+                    forward(key)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    out = self._forward(key)
+                    out = forward(key)
                 self.graphs[key] = (graph, out)
                 if key[0] == PREFILL:
                     self._capture_pieces(key, pool)
@@ -306,7 +325,7 @@ class CUDAGraphRunner:
         step's first rows' input ids on the device (``[k]`` int64; async scheduling). Padding
         as the module docstring says. One pinned host buffer and one asynchronous copy (the
         caching host allocator keeps the buffer until the copy ran), one device copy for the
-        block tables, one for ``ahead_ids`` (and one for their padding)."""
+        block tables, one for ``ahead_ids``."""
         n, m = arrays["positions"].shape[0], arrays["seq_lens"].shape[0]
         decode = n == m
         size = self.bucket(n) if decode else self.prefill_bucket(n)
@@ -335,8 +354,6 @@ class CUDAGraphRunner:
         v["block_tables"][:rows, :width].copy_(self.buffer[lay.tables:total].view(rows, width))
         if k:
             v["input_ids"][:k].copy_(ahead_ids)
-            if size > n:
-                v["input_ids"][n:].copy_(ahead_ids[:1].expand(size - n))
         if n == size and m == lay.seqs:  # a decode step that fills its bucket
             t = dict(v)
         else:
@@ -350,12 +367,14 @@ class CUDAGraphRunner:
     def _fill_decode(fields: np.ndarray, arrays: dict[str, np.ndarray], n: int, k: int) -> None:
         """A decode step's fields (``fields``: the host buffer's 5 rows of the bucket's size,
         in ``_Layout``'s order) but the first ``k`` input ids (on the device); padding: the
-        first row (its input id too if known)."""
+        first row's position and context, input id 0 and no K/V written (slot -1)."""
         if k < n:
             fields[0, k:n] = arrays["input_ids"]
         for i, name in enumerate(("positions", "slot_mapping", "seq_lens"), 1):
             fields[i, :n] = arrays[name]
         fields[:4, n:] = fields[:4, :1]
+        fields[0, n:] = 0  # any token: a padding row's output is dropped
+        fields[2, n:] = -1
         sampled = arrays["logits_indices"]
         fields[4, :sampled.shape[0]] = sampled
 
@@ -380,9 +399,12 @@ class CUDAGraphRunner:
         qsl[m + 1:] = n
 
     @torch.inference_mode()
-    def run(self, inputs: ModelInputs) -> torch.Tensor | None:
+    def run(self, inputs: ModelInputs) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """The hidden states ``[n, hidden]`` of a step whose inputs ``stage`` put in the
-        buffers (``inputs.graph``), from its graph; None for any other step."""
+        buffers (``inputs.graph``), from its graph, and a decode step's logits (``[n, vocab]``
+        float32, every row's; None for a prefill or mixed step); None for any other step.
+        A decode step's logits are the static ``logits``: the next decode step overwrites them
+        (after, on the stream, what this step queued on them)."""
         key = inputs.graph
         if key is None:
             return None
@@ -390,15 +412,17 @@ class CUDAGraphRunner:
         if key[0] == PREFILL and num_decode:  # a mixed step
             pieces = self.pieces.get(key[1])
             if pieces is not None:
-                return self._replay_pieces(pieces, inputs.attn)[:n]
+                return self._replay_pieces(pieces, inputs.attn)[:n], None
             if self.graphs:  # captured, but not this bucket's pieces (logged): eager, on
                 return None  # the buffers' views
         elif key in self.graphs:
             graph, out = self.graphs[key]
             graph.replay()
-            return out[:n]
-        qsl = None
-        if key[0] == PREFILL:  # run eagerly (capture=False): the CPU's attention reads these
-            qsl = inputs.attn.query_start_loc
-            qsl = qsl + [qsl[-1]] * (self.layouts[key].seqs + 1 - len(qsl))
-        return self._forward(key, qsl, num_decode)[:n]
+            return (out[0][:n], out[1][:n]) if key[0] == DECODE else (out[:n], None)
+        if key[0] == DECODE:  # run eagerly (capture=False)
+            hidden, logits = self._decode_forward(key)
+            return hidden[:n], logits[:n]
+        # the CPU's attention reads these
+        qsl = inputs.attn.query_start_loc
+        qsl = qsl + [qsl[-1]] * (self.layouts[key].seqs + 1 - len(qsl))
+        return self._forward(key, qsl, num_decode)[:n], None

@@ -249,9 +249,11 @@ class LlamaForCausalLM(nn.Module):
             x = layer(x, residual, positions, kv_cache[i], meta)
         return self.model.norm.add_forward(x, residual)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``[n, hidden]`` -> ``[n, vocab_size]`` float32 logits."""
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``[n, hidden]`` -> ``[n, vocab_size]`` float32 logits, written into ``out`` if given
+        (``[n, vocab_size]`` float32: a CUDA graph's static output)."""
+        logits = self.lm_head(hidden)
+        return logits.float() if out is None else out.copy_(logits)
 
 
 # Hugging Face projections stacked into one of ours, in output-row order (vLLM's

@@ -96,17 +96,21 @@ class ModelRunner:
     def forward(self, inputs: ModelInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run the model; returns logits ``[num_sampled, vocab]`` float32 on the model's device
         (possibly 0 rows), and the hidden states ``[m, hidden]`` the step's prompt logprobs
-        are computed from (None: nobody asked)."""
-        hidden = self.graphs.run(inputs) if self.graphs is not None else None
+        are computed from (None: nobody asked). A decode step from a CUDA graph's buffers gets
+        the graph's logits (``CUDAGraphRunner.logits``, which the next decode step overwrites:
+        use them in this step's stream order)."""
+        ran = self.graphs.run(inputs) if self.graphs is not None else None
+        hidden, logits = ran if ran is not None else (None, None)
         if hidden is None:  # not a step that a graph holds: eager
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.attn)
         plan = inputs.prompt_logprobs
-        # every token samples (a decode step): the indices are 0..n-1, and gathering costs
-        # the host more than any other call of the step
-        sampled = (hidden if len(inputs.sampled_rows) == hidden.shape[0]
-                   else hidden[inputs.logits_indices])
-        return (self.model.compute_logits(sampled),
-                hidden[plan.indices] if plan is not None else None)
+        if logits is None:  # a decode graph's include the LM head's: every row samples
+            # every token samples (a decode step): the indices are 0..n-1, and gathering costs
+            # the host more than any other call of the step
+            sampled = (hidden if len(inputs.sampled_rows) == hidden.shape[0]
+                       else hidden[inputs.logits_indices])
+            logits = self.model.compute_logits(sampled)
+        return logits, hidden[plan.indices] if plan is not None else None
 
     @torch.inference_mode()
     def sample(self, out: SchedulerOutput, inputs: ModelInputs,

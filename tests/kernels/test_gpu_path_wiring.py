@@ -156,7 +156,9 @@ def test_prefill_steps_through_a_cuda_graph_s_buffers_on_the_triton_path(monkeyp
                 assert key == (PREFILL, 16)
                 step = SimpleNamespace(graph=key, input_ids=t["input_ids"], attn=SimpleNamespace(
                     query_start_loc=qsl, num_decode_seqs=nd))
-                hidden.append(graphs.run(step).cpu())
+                out, logits = graphs.run(step)
+                assert logits is None  # a prefill step's: its sampled rows' come after
+                hidden.append(out.cpu())
         results.append((hidden, kv.cpu()))
     (want, kv_want), (got, kv_got) = results
     for w, g in zip(want, got):

@@ -48,13 +48,23 @@ def padded_engine(**config):
 
 
 def test_padded_decode_steps_give_transformers_tokens(monkeypatch):
+    """...with the LM head inside the decode graph: a decode step's logits are the graph's
+    static output and the runner calls the head itself only for prefill steps."""
     from tests.reference import chat_prompt_ids
 
     engine = padded_engine(max_num_seqs=20)
     steps = record_steps(engine, monkeypatch)
+    model, heads = engine.runner.model, []
+    compute_logits = model.compute_logits
+    monkeypatch.setattr(model, "compute_logits", lambda hidden, out=None: heads.append(
+        out is not None) or compute_logits(hidden, out=out))
     prompts = [chat_prompt_ids(p) for p in CHAT_PROMPTS[:5]]
     assert generate_all(engine, prompts) == [list(r) for r in hf_greedy_outputs()[:5]]
     assert ((DECODE, 8), 5, 5) in steps  # decode steps of 5 sequences in the bucket of 8
+    decode_steps = sum(key[0] == DECODE for key, _, _ in steps)
+    assert heads.count(True) == decode_steps > 0  # into the graph's logits
+    assert heads.count(False) == len(steps) - decode_steps  # prefill steps: the runner's
+    assert engine.runner.graphs.logits.shape == (20, model.config.vocab_size)
     assert engine.block_manager.num_free_blocks == 256
 
 
@@ -212,8 +222,9 @@ def test_mixed_steps_replayed_in_pieces_give_transformers_tokens_on_a_gpu(monkey
 def test_stage_fills_the_graph_buffers_in_one_copy_with_padding_from_the_first_row():
     """``stage`` (run on CPU: the same layout and copies as on a GPU): a batch of 3 takes the
     bucket of 4; the first 2 rows' input ids come from the device (async scheduling), the
-    third's from the host; the padding row repeats row 0 in every input; block tables land in
-    their rows at the step's width; the returned inputs are the buffers' views of the step."""
+    third's from the host; the padding row has row 0's position, context and block table,
+    input id 0 and slot -1 (it writes no K/V); block tables land in their rows at the step's
+    width; the returned inputs are the buffers' views of the step."""
     kv_cache = torch.zeros(1, 2, 8, 4, 1, 2)
     graphs = CUDAGraphRunner(None, kv_cache, max_num_seqs=4, max_blocks=6, capture=False)
     arrays = {"input_ids": np.array([77]), "positions": np.array([5, 9, 2]),
@@ -223,9 +234,9 @@ def test_stage_fills_the_graph_buffers_in_one_copy_with_padding_from_the_first_r
     key, t = graphs.stage(arrays, torch.tensor([40, 41]))
     assert key == (DECODE, 4)
     v = graphs.views[key]
-    assert v["input_ids"].tolist() == [40, 41, 77, 40]
+    assert v["input_ids"].tolist() == [40, 41, 77, 0]
     assert v["positions"].tolist() == [5, 9, 2, 5] and v["seq_lens"].tolist() == [6, 10, 3, 6]
-    assert v["slot_mapping"].tolist() == [21, 13, 6, 21]
+    assert v["slot_mapping"].tolist() == [21, 13, 6, -1]
     assert v["block_tables"][:, :3].tolist() == [[5, 1, 0], [3, 2, 7], [1, 0, 0], [5, 1, 0]]
     assert t["input_ids"].tolist() == [40, 41, 77] and t["logits_indices"].tolist() == [0, 2]
     assert t["block_tables"].tolist() == arrays["block_tables"].tolist()

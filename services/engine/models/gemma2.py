@@ -59,19 +59,21 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
         x = self.model.embed_tokens(input_ids)
         return x * torch.tensor(self.config.hidden_size**0.5).to(x.dtype)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """The LM head's logits soft-capped (``c * tanh(x / c)``): in the fused C pass by the
         C kernel, in place (torch's three passes cost a third of a tiny model's step); in the
-        module path by torch, as transformers computes them (the oracle)."""
+        module path by torch, as transformers computes them (the oracle). ``out``: as
+        ``LlamaForCausalLM.compute_logits``'s."""
         logits = self.lm_head(hidden)
         cap = self.config.final_logit_softcapping
         if cap is not None and self.fused_forward is not None and logits.dtype == torch.float32:
             from kernels import decode_ops
 
-            return decode_ops.softcap_(logits.contiguous(), cap)
+            logits = decode_ops.softcap_(logits.contiguous(), cap)
+            return logits if out is None else out.copy_(logits)
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
-        return logits.float()
+        return logits.float() if out is None else out.copy_(logits)
 
 
 def config_from_hf(raw: dict[str, Any]) -> ModelConfig:
