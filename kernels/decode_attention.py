@@ -180,9 +180,8 @@ def paged_decode_attention(
     become ``c * tanh(s / c)``. max_splits / min_tiles / block_n: override the most splits per
     sequence, the fewest key tiles per split and the key-tile size (tests, tuning); a
     sequence's output depends on them and its own K/V, never on the rest of the batch.
-    split_programs: override stage 1's programs per (sequence, KV head)
-    (``choose_split_programs``; tests, tuning); the output does not depend on it.
-    Returns ``out`` (``[num_seqs, num_heads, head_dim]``, q's dtype), written in place if given.
+    split_programs: override stage 1's programs per (sequence, KV head) (tests, tuning); the
+    output does not depend on it. Returns ``out`` (``[num_seqs, num_heads, head_dim]``, q's dtype), written in place if given.
     Same result as ``kernels.reference.paged_decode_attention``. Raises ``ValueError`` on
     mismatched shapes, dtypes or devices.
     """
@@ -211,8 +210,7 @@ def paged_decode_attention(
     strides = (q.stride(0), q.stride(1), block_tables.stride(0), *k_cache.stride()[:3])
     if splits == 1:
         _decode_split_kernel[grid](*args, out, out, qk_scale, cap_log2, window, max_splits,
-                                   *strides,
-                                   out.stride(0), out.stride(1), 0, 0, 0, **meta)
+                                   *strides, out.stride(0), out.stride(1), 0, 0, 0, **meta)
         return out
     partial = torch.empty((num_seqs, num_heads, splits, head_dim), dtype=torch.float32,
                           device=q.device)
