@@ -8,9 +8,9 @@
 #            `tandem bench offline` (engine against transformers `generate`) in bf16.
 #   stage c: (warm after b, same call or the next; carries .whl and .gpu/stack) the P/D stack's
 #            GPU tests (oracle, abort, a killed decode worker), the TTFT split, eager throughput,
-#            KV sizing, precision. Its steps' time limits add up to 765 s, more than a call's 600:
-#            when all must run, split it, STEPS="gpu_stack ttft_split ttft_split_eager" in one
-#            call and STEPS="kv_sizing engine_eager precision" in the next.
+#            KV sizing, precision (and migration identity). Its steps' time limits add up to
+#            825 s, more than a call's 600: when all must run, split it,
+#            STEPS="gpu_stack ttft_split ttft_split_eager" in one call and STEPS="kv_sizing engine_eager precision" in the next.
 #   stage kernels: carries .whl: the Triton kernel tests, the kernel benchmark (and a sweep of
 #            the prefill kernel's tuning), the CUDA IPC handoff tests and the handoff benchmark
 #            (none needs the model).
@@ -240,11 +240,11 @@ print("free/total GiB", [x / 2**30 for x in torch.cuda.mem_get_info()], "kv bloc
     step engine_eager 50 python3 -m scripts.bench_gpu_engine --batches 1 64 --steps 16 \
         --enforce-eager --skip-agreement --out /tmp/gpu_engine_eager.json
     ran engine_eager && { tail -4 "$OUT/engine_eager.log"; }
-    step precision 180 python3 -m scripts.gpu_precision --tokens 64 --out "$OUT/gpu_precision.json"
+    step precision 240 python3 -m scripts.gpu_precision --tokens 64 --out "$OUT/gpu_precision.json"
     ran precision && { grep -v "it/s" "$OUT/precision.log" | tail -16; }
     # issue 36's served chat workload: the stack (one unified worker, the built-in GGUF in bf16,
-    # behind 1 gateway, then 4) on the 256 chat prompts of stage b's offline step (same prompts, same order),
-    # all sent at once; beside transformers `generate` only within one call. Only when named:
+    # behind 1 gateway, then 4) on the 256 chat prompts of stage b's offline step (same prompts,
+    # same order), all sent at once; beside transformers `generate` only within one call. Only when named:
     # `STEPS=offline scripts/gpu_checks.sh b; STEPS=served_chat scripts/gpu_checks.sh c`
     [[ " ${STEPS:-} " == *" served_chat "* ]] && step served_chat 360 env TANDEM_DEVICE=cuda \
         TANDEM_DTYPE=bfloat16 python3 -m scripts.bench_layout \

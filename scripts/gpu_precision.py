@@ -16,6 +16,13 @@ Then batch invariance in bfloat16 on the GPU: the 8 prompts generated together (
 CUDA graphs on) against each generated alone (batch 1), the prefix cache off so that only the
 batch differs; first divergence per prompt.
 
+Then migration (issue 37), in float32 and in bfloat16 on the GPU: the gateway resumes a stream
+whose decode worker died with prompt + the tokens so far as a new prompt
+(``services/gateway/dispatch.py``), so the KV of those tokens comes from a prefill, not from
+the decode steps that made them. ``migration_vs_uninterrupted``: the 8 prompts' streams cut
+after half of ``--tokens`` and resumed so, against the uninterrupted ones; first divergence
+per prompt.
+
     python -m scripts.gpu_precision --out bench-results/gpu_precision.json [--tokens 64]
 
 Raises SystemExit without CUDA.
@@ -83,6 +90,21 @@ def bf16_alone_vs_together(prompts: list[list[int]], tokens: int) -> list[int | 
     return [first_divergence(a, b) for a, b in zip(alone, together)]
 
 
+def migration_vs_uninterrupted(device: str, dtype: str, prompts: list[list[int]], tokens: int,
+                               at: int) -> list[int | None]:
+    """First divergence (from the first output token), per prompt, of a stream resumed after
+    ``at`` tokens as a migration resumes it (prompt + those tokens as the prompt, the rest to
+    generate) from the uninterrupted stream; None: identical. Greedy, the prompts in one batch
+    both times, the prefix cache off (another worker holds none of the stream's KV)."""
+    llm = LLM(EngineConfig(device=device, dtype=dtype, num_kv_blocks=1024,
+                           enable_prefix_caching=False))
+    whole = [o.token_ids for o in llm.generate(
+        prompts, SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True))]
+    rest = llm.generate([p + w[:at] for p, w in zip(prompts, whole)],
+                        SamplingParams(temperature=0.0, max_tokens=tokens - at, ignore_eos=True))
+    return [first_divergence(w, w[:at] + r.token_ids) for w, r in zip(whole, rest)]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=64)
@@ -133,6 +155,11 @@ def main() -> None:
     report["bf16_alone_vs_together"] = bf16_alone_vs_together(prompts, args.tokens)
     print(f"bf16 cuda, each prompt alone vs all 8 together, first divergence per prompt: "
           f"{report['bf16_alone_vs_together']}")
+    for dtype in ("float32", "bfloat16"):
+        report[f"migration_{dtype}"] = div = migration_vs_uninterrupted(
+            "cuda", dtype, prompts, args.tokens, args.tokens // 2)
+        print(f"{dtype} cuda, streams resumed after {args.tokens // 2} tokens as a migration "
+              f"resumes them vs uninterrupted, first divergence per prompt: {div}")
     report["runs"] = runs
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1) + "\n")
