@@ -10,7 +10,8 @@
 #            GPU tests (oracle, abort, a killed decode worker), the TTFT split, eager throughput,
 #            KV sizing, precision (and migration identity). Its steps' time limits add up to
 #            825 s, more than a call's 600: when all must run, split it,
-#            STEPS="gpu_stack ttft_split ttft_split_eager" in one call and STEPS="kv_sizing engine_eager precision" in the next.
+#            STEPS="gpu_stack ttft_split ttft_split_eager" in one call and
+#            STEPS="kv_sizing engine_eager precision" in the next.
 #   stage kernels: carries .whl: the Triton kernel tests, the kernel benchmark (and a sweep of
 #            the prefill kernel's tuning), the CUDA IPC handoff tests and the handoff benchmark
 #            (none needs the model).
