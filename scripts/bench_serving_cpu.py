@@ -210,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
         num_decode=layout.num_decode, num_unified=layout.num_unified, redis_url=None,
         worker_args=engine_args, threads=layout.threads,
         gateway_args=["--http-port", str(args.http_port)],
-        num_gateways=settings.up.num_gateways, ready_timeout_s=600))
+        num_gateways=layout.num_gateways, ready_timeout_s=600))
     stack.start()
     try:
         stack.wait_ready()
@@ -218,9 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         stack.stop()
     rates = {} if args.skip_engine else engine_rates(args, settings, args.concurrency)
-    gateways = settings.up.num_gateways
-    described = layout.describe() + (f", {gateways} gateways" if gateways > 1 else "")
-    print(f"layout {described}; {args.api}; {settings.engine.model} on {settings.engine.device.value}; "
+    print(f"layout {layout.describe()}; {args.api}; {settings.engine.model} on {settings.engine.device.value}; "
           "CPU ms per output token")
     for r in rows:
         c = r["concurrency"]

@@ -281,11 +281,11 @@ class UpSection(BaseModel):
     num_unified: int | None = setting(None, help="unified workers (default 1)", gt=0)
     auto_unified_max_cores: int = setting(
         4, help="layout auto: most usable CPU cores on which unified workers are chosen", ge=0)
-    num_gateways: int = setting(
-        1, help="gateway processes sharing the gateway's gRPC and HTTP ports "
+    num_gateways: int | None = setting(
+        None, help="gateway processes sharing the gateway's gRPC and HTTP ports "
         "(gateway.reuse_port; vLLM's --api-server-count): each streams to its own clients, so "
-        "more relay more tokens/s where one gateway's CPU is the bound (a GPU's decode rate)",
-        gt=0)
+        "more relay more tokens/s where one gateway's CPU is the bound (a GPU's decode rate); "
+        "default 1 on CPUs, on GPUs one per 4 usable cores up to 4", gt=0)
 
 
 class Settings(BaseSettings):

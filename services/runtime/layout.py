@@ -47,6 +47,7 @@ class WorkerLayout:
     threads: dict[str, int]  # role -> torch threads of each of its workers
     reason: str  # why this layout: logged at start
     gpus: tuple[str, ...] = ()  # GPU ids the workers are placed on (gpu_placement); () on CPU
+    num_gateways: int = 1  # gateway processes on the gateway's ports (auto_gateways)
 
     def worker_ids(self) -> list[tuple[str, str]]:
         """(role, worker id) of every worker, in start order."""
@@ -58,7 +59,8 @@ class WorkerLayout:
         parts = [f"{n} {role} ({self.threads[role]} thread{'s' * (self.threads[role] > 1)} each)"
                  for role, n in (("prefill", self.num_prefill), ("decode", self.num_decode),
                                  ("unified", self.num_unified)) if n]
-        return ", ".join(parts) + (f" on GPUs {','.join(self.gpus)}" if self.gpus else "")
+        return (", ".join(parts) + (f" on GPUs {','.join(self.gpus)}" if self.gpus else "")
+                + (f", {self.num_gateways} gateways" if self.num_gateways > 1 else ""))
 
 
 def usable_cores() -> int:
@@ -97,6 +99,17 @@ def gpu_placement(layout: WorkerLayout, utilization: float) -> dict[str, tuple[s
     return {w: (gpu, utilization / on.count(gpu)) for w, gpu in zip(ids, on)}
 
 
+def auto_gateways(cores: int, gpus: int) -> int:
+    """Gateway processes when ``up.num_gateways`` is not set: 1 on CPUs, where the model is
+    the bound and more gateways take its cores (a single stream was 8-12% slower with four on
+    2 cores); on GPUs one per 4 usable cores, at most 4. One gateway relays ~4,000-6,500
+    tokens/s, a fraction of a GPU decode worker's; on an H200 with 16 host cores, one unified
+    worker behind four made 1.19x / 1.45x the tokens/s of one at 16 / 64 clients (0.94x /
+    1.89x in the session before), and 0.86x / 1.01x of the in-process engine against one's
+    0.65x / 0.54x (docs/benchmarks.md, GPU)."""
+    return min(4, max(1, cores // 4)) if gpus else 1
+
+
 def choose_layout(up: UpSection, cores: int, num_threads: int | None = None,
                   gpus: list[str] | None = None) -> WorkerLayout:
     """The layout for ``cores`` usable cores and, when the workers run on GPUs, the ``gpus``
@@ -113,6 +126,7 @@ def choose_layout(up: UpSection, cores: int, num_threads: int | None = None,
                          "/proc/driver/nvidia/gpus)")
     placed = tuple(gpus or ())
     layout, reason = _resolve(up, cores, len(placed))
+    gateways = up.num_gateways or auto_gateways(cores, len(placed))
     if layout == Layout.unified:
         for name in ("num_prefill", "num_decode"):
             if getattr(up, name) is not None:
@@ -120,13 +134,13 @@ def choose_layout(up: UpSection, cores: int, num_threads: int | None = None,
                                  f"(layout {layout.value}: {reason})")
         n = up.num_unified or max(1, len(placed))
         return WorkerLayout(0, 0, n, {"unified": num_threads or max(1, cores // n)}, reason,
-                            placed)
+                            placed, gateways)
     if up.num_unified is not None:
         raise ValueError(f"up.num_unified: a disaggregated layout has no unified workers "
                          f"(layout {layout.value}: {reason})")
     p, d = up.num_prefill or 1, up.num_decode or 1
     share = num_threads or max(1, cores // (p + d))
-    return WorkerLayout(p, d, 0, {"prefill": share, "decode": share}, reason, placed)
+    return WorkerLayout(p, d, 0, {"prefill": share, "decode": share}, reason, placed, gateways)
 
 
 def _resolve(up: UpSection, cores: int, gpus: int) -> tuple[Layout, str]:
