@@ -245,7 +245,8 @@ def print_tables(decode: list[dict], prefill: list[dict]) -> None:
         pct = f"{r['triton_pct_peak']:.0f}" if r["triton_pct_peak"] is not None else "?"
         graph = f"{r['graph_gbps']:.0f}" if r.get("graph_gbps") else "-"
         print(f"{r['batch']:>6} {r['context']:>8} {r['num_splits']:>6} {r['split_programs']:>5} "
-              f"{r['triton_gbps']:>12.0f} {pct:>7} {graph:>11} {r['sdpa_gbps']:>10.0f} {r['max_abs_diff']:>10.1e}")
+              f"{r['triton_gbps']:>12.0f} {pct:>7} {graph:>11} {r['sdpa_gbps']:>10.0f} "
+              f"{r['max_abs_diff']:>10.1e}")
     print(f"\n{'mode':>6} {'context':>8} {'chunk':>6} {'batch':>6} {'config':>14} "
           f"{'triton TFLOP/s':>15} {'sdpa TFLOP/s':>13}")
     for r in prefill:
@@ -299,6 +300,7 @@ def main() -> None:
     if peak is None:
         print(f"unknown peak bandwidth of {name!r}: pass --peak-gbps", file=sys.stderr)
     dtype, shape = getattr(torch, args.dtype), SHAPES[args.shape]
+    torch.manual_seed(0)  # the same inputs every run: rows compare across runs, not only within
     decode = bench_decode(args.batches, args.contexts, shape, dtype, device, peak, args.max_gib,
                           args.table_width, args.split_programs)
     prefill = bench_prefill(args.prefill_lengths, shape, dtype, device, args.prefill_tokens,

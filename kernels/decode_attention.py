@@ -2,8 +2,8 @@
 
 Algorithm: flash-decoding (Dao et al., "Flash-Decoding for long-context inference", 2023), the
 two-stage form of LightLLM's / SGLang's Triton decode kernels. Stage 1 computes each
-(sequence, KV head, split) alone; its program holds all ``num_heads // num_kv_heads`` query heads of
-its KV head as the rows of one ``tl.dot`` (so each K/V tile is loaded once for the whole group),
+(sequence, KV head, split) alone; its program holds all ``num_heads // num_kv_heads`` query
+heads of its KV head as the rows of one ``tl.dot`` (so each K/V tile is loaded once for the whole group),
 walks its share of the context through the block table with an online softmax, and writes a
 partial output and its log-sum-exp. Stage 2 merges the splits in a fixed order. With one
 split, stage 1 writes the normalized output directly and stage 2 is skipped.
@@ -181,8 +181,8 @@ def paged_decode_attention(
     sequence, the fewest key tiles per split and the key-tile size (tests, tuning); a
     sequence's output depends on them and its own K/V, never on the rest of the batch.
     split_programs: override stage 1's programs per (sequence, KV head) (tests, tuning); the
-    output does not depend on it. Returns ``out`` (``[num_seqs, num_heads, head_dim]``, q's dtype), written in place if given.
-    Same result as ``kernels.reference.paged_decode_attention``. Raises ``ValueError`` on
+    output does not depend on it. Returns ``out`` (``[num_seqs, num_heads, head_dim]``, q's
+    dtype), written in place if given. Same result as ``kernels.reference.paged_decode_attention``. Raises ``ValueError`` on
     mismatched shapes, dtypes or devices.
     """
     num_seqs, num_heads, head_dim = q.shape

@@ -120,7 +120,8 @@ def load(args, stack: Stack, concurrency: int, out: Path) -> dict:
             "--num-warmups", "2", "--seed", "0", "--disable-progress", "--result-dir", str(out),
             "--result-name", name,
             # the stack's model's tokenizer (a random-weight checkpoint on a GPU machine)
-            *(["--tokenizer", os.environ["TANDEM_MODEL"]] if os.environ.get("TANDEM_MODEL") else [])]
+            *(["--tokenizer", os.environ["TANDEM_MODEL"]]
+              if os.environ.get("TANDEM_MODEL") else [])]
     if args.api == "http":
         argv += ["--endpoint", "completions"]
     else:
@@ -218,8 +219,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         stack.stop()
     rates = {} if args.skip_engine else engine_rates(args, settings, args.concurrency)
-    print(f"layout {layout.describe()}; {args.api}; {settings.engine.model} on {settings.engine.device.value}; "
-          "CPU ms per output token")
+    print(f"layout {layout.describe()}; {args.api}; {settings.engine.model} on "
+          f"{settings.engine.device.value}; CPU ms per output token")
     for r in rows:
         c = r["concurrency"]
         r["engine_tokens_per_s"] = rates.get(c)  # {"workload": ..., "decode_only": ...}

@@ -110,7 +110,8 @@ def make_engine(dtype: str, quantization: str, max_batch: int, device: str = "cp
     from services.engine.engine import EngineConfig, LLMEngine
 
     blocks = max(2048, max_batch * (max_context // 16 + 2))  # max_context: prompt + steps
-    e = LLMEngine(EngineConfig(**({"model": model} if model else {}), dtype=dtype, quantization=quantization, num_kv_blocks=blocks,
+    e = LLMEngine(EngineConfig(**({"model": model} if model else {}), dtype=dtype,
+                               quantization=quantization, num_kv_blocks=blocks,
                                max_num_seqs=max(64, max_batch), device=device,
                                enforce_eager=enforce_eager, async_scheduling=async_scheduling,
                                kv_cache_dtype=kv_cache_dtype))

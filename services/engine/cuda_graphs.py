@@ -16,8 +16,8 @@ smallest bucket that holds it.
 Decode graphs: rows past the batch (the bucket's padding) attend to the batch's first row's
 context at its position, from input id 0, and write no K/V (slot -1, which the cache write
 skips, as a prefill graph's padding tokens): their outputs are dropped, and their input ids
-need no copy from the step before's samples on the device. Every row of a decode step samples, so its
-graph also runs the LM head, into one static ``[max_num_seqs, vocab]`` float32 tensor (two
+need no copy from the step before's samples on the device. Every row of a decode step
+samples, so its graph also runs the LM head, into one static ``[max_num_seqs, vocab]`` float32 tensor (two
 launches and their host calls fewer a step; the logits are the same bits as the runner's own
 head call, which prefill and mixed steps keep: they sample some rows only).
 
