@@ -104,12 +104,11 @@ class ModelRunner:
         if hidden is None:  # not a step that a graph holds: eager
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.attn)
         plan = inputs.prompt_logprobs
-        if logits is None:  # a decode graph's include the LM head's: every row samples
-            # every token samples (a decode step): the indices are 0..n-1, and gathering costs
-            # the host more than any other call of the step
-            sampled = (hidden if len(inputs.sampled_rows) == hidden.shape[0]
-                       else hidden[inputs.logits_indices])
-            logits = self.model.compute_logits(sampled)
+        # every token samples (a decode step): the indices are 0..n-1, gathering costs the host
+        # more than any other call of the step, and a decode graph ran the LM head already
+        every = len(inputs.sampled_rows) == hidden.shape[0]
+        if logits is None or not every:
+            logits = self.model.compute_logits(hidden if every else hidden[inputs.logits_indices])
         return logits, hidden[plan.indices] if plan is not None else None
 
     @torch.inference_mode()
