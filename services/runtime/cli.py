@@ -209,18 +209,16 @@ def cmd_up(args, loaded: LoadedSettings) -> int:
 
     s = loaded.settings
     layout = up_layout(loaded)
-    # gateways share a fixed port: a drawn one (0) keeps one unless asked for more
-    gateways = layout.num_gateways if s.gateway.port or s.up.num_gateways else 1
     stack = Stack(UpOptions(s.host, s.gateway.port, layout.num_prefill, layout.num_decode,
                             s.state.redis_url, settings=s, num_unified=layout.num_unified,
-                            threads=layout.threads, num_gateways=gateways))
+                            threads=layout.threads, num_gateways=layout.num_gateways))
     try:
         stack.start()
         stack.wait_ready()
         http_port = stack.settings.gateway.http_port
         logging.getLogger("tandem").info(
             "Tandem is up: %s at %s (gRPC)%s (%s)",
-            f"{gateways} gateways" if gateways > 1 else "gateway", stack.address,
+            "gateways" if layout.num_gateways > 1 else "gateway", stack.address,
             f" and http://{stack.opts.host}:{http_port}/v1 (OpenAI HTTP)" if http_port else "",
             layout.describe())
         if args.chat:
@@ -247,7 +245,8 @@ def up_layout(loaded: LoadedSettings):
     s = loaded.settings
     explicit = loaded.source("worker.num_threads") != "default"
     gpus = visible_gpus() if s.engine.device == Device.cuda else None
-    layout = choose_layout(s.up, usable_cores(), s.worker.num_threads if explicit else None, gpus)
+    layout = choose_layout(s.up, usable_cores(), s.worker.num_threads if explicit else None, gpus,
+                           shared_port=bool(s.gateway.port))
     logging.getLogger("tandem").info("layout: %s (%s; override with --layout, --unified or "
                                      "worker counts)", layout.describe(), layout.reason)
     return layout

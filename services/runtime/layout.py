@@ -111,10 +111,12 @@ def auto_gateways(cores: int, gpus: int) -> int:
 
 
 def choose_layout(up: UpSection, cores: int, num_threads: int | None = None,
-                  gpus: list[str] | None = None) -> WorkerLayout:
+                  gpus: list[str] | None = None, shared_port: bool = True) -> WorkerLayout:
     """The layout for ``cores`` usable cores and, when the workers run on GPUs, the ``gpus``
     they may use (ids; ``visible_gpus``). ``num_threads``: threads per worker when the user set
     them, else None (the cores are shared among the workers, at least one each).
+    ``shared_port``: the gateway's port is fixed, so gateways can share it; a drawn one (0)
+    keeps one gateway unless ``up.num_gateways`` asks for more (``UpOptions`` refuses that).
 
     Raises ValueError naming the setting when counts contradict the layout (``up.num_unified``
     with a disaggregated layout, ``up.num_prefill`` / ``up.num_decode`` with a unified one), or
@@ -126,7 +128,7 @@ def choose_layout(up: UpSection, cores: int, num_threads: int | None = None,
                          "/proc/driver/nvidia/gpus)")
     placed = tuple(gpus or ())
     layout, reason = _resolve(up, cores, len(placed))
-    gateways = up.num_gateways or auto_gateways(cores, len(placed))
+    gateways = up.num_gateways or (auto_gateways(cores, len(placed)) if shared_port else 1)
     if layout == Layout.unified:
         for name in ("num_prefill", "num_decode"):
             if getattr(up, name) is not None:

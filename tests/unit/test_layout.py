@@ -171,6 +171,11 @@ def test_gateways_are_one_on_cpus_and_one_per_4_cores_up_to_4_on_gpus():
     assert unified.num_gateways == 4 and unified.describe().endswith(", 4 gateways")
     assert choose_layout(UpSection(num_gateways=1), 16, None, ["0"]).num_gateways == 1
     assert layout(2, num_gateways=3).num_gateways == 3
+    # a drawn gateway port (0) cannot be shared: the rule keeps one, an explicit count stays
+    drawn = choose_layout(UpSection(), 16, None, ["0"], shared_port=False)
+    assert drawn.num_gateways == 1 and "gateways" not in drawn.describe()
+    assert choose_layout(UpSection(num_gateways=2), 16, None, ["0"],
+                         shared_port=False).num_gateways == 2
 
 
 def test_up_keeps_one_gateway_on_a_drawn_port_unless_asked(monkeypatch, capsys):

@@ -70,8 +70,7 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
             from kernels import decode_ops
 
             logits = decode_ops.softcap_(logits.contiguous(), cap)
-            return logits if out is None else out.copy_(logits)
-        if cap is not None:
+        elif cap is not None:
             logits = torch.tanh(logits / cap) * cap
         return logits.float() if out is None else out.copy_(logits)
 
