@@ -471,7 +471,9 @@ class LLMEngine:
     def _update(self, out: SchedulerOutput, result: StepResult) -> list[RequestOutput]:
         for i, chunk in result.prompt_logprobs.items():  # [None]: the first token has none
             self._prompt_logprobs.setdefault(out.scheduled[i].request_id, [None]).extend(chunk)
-        outputs = self.scheduler.update_from_output(out, result.sampled)
+        outputs = self.scheduler.update_from_output(out, result.sampled, result.stop_checks)
+        if result.logprobs.count(None) == len(result.logprobs) and not self._prompt_logprobs:
+            return outputs  # most steps: nobody asked for logprobs
         by_id = {r.request_id: lp for r, lp in zip(out.scheduled, result.logprobs) if lp is not None}
         for o in outputs:
             if o.request_id in by_id:

@@ -155,6 +155,8 @@ class InputBatch:
         self.seed = resized(get("seed"), (n,), np.uint64)
         self.prior_outputs = resized(get("prior_outputs"), (n,), np.int64)
         self.min_tokens = resized(get("min_tokens"), (n,), np.int64)
+        # tokens held when the request ends by length: prompt + max_tokens, or max_model_len
+        self.end_at = resized(get("end_at"), (n,), np.int64)
         self.num_logprobs = resized(get("num_logprobs"), (n,), np.int64, -1)  # -1: none
         self.constrained = resized(get("constrained"), (n,), np.bool_)  # structured output
         self.prompt_logprobs = resized(get("prompt_logprobs"), (n,), np.int64, -1)  # -1: none
@@ -205,6 +207,7 @@ class InputBatch:
         self.seed[row] = p.seed if p.seed is not None else secrets.randbits(64)
         self.prior_outputs[row] = p.num_prior_output_tokens
         self.min_tokens[row] = p.min_tokens
+        self.end_at[row] = min(r.num_prompt_tokens + p.max_tokens, self.max_model_len)
         self.num_logprobs[row] = -1 if p.logprobs is None else p.logprobs
         self.alone[row] = alone = (not p.has_penalties and p.structured_output is None
                                    and p.logprobs is None)
@@ -459,9 +462,17 @@ class InputBatch:
         return not min_tokens.any() or bool(
             (self.num_tokens[rows] - self.num_prompt[rows] + ahead >= min_tokens).all())
 
-    def record_sampled(self, rows: np.ndarray, token_ids: list[int]) -> None:
-        """Append each row's sampled token (the scheduler appends the same to its request)."""
+    def record_sampled(self, rows: np.ndarray, token_ids: list[int]) -> list[bool]:
+        """Append each row's sampled token (the scheduler appends the same to its request).
+
+        Returns, per row, whether its new token may end its request: EOS or a stop id, or a
+        length limit reached (``max_tokens``, ``max_model_len``). False is certain (the
+        scheduler skips ``Request.check_stop``); True is for the scheduler to decide
+        (``min_tokens`` may keep the request going)."""
         at = self.num_tokens[rows]
+        tokens = np.asarray(token_ids, dtype=np.int64)
         keep = at < self.max_model_len
-        self.token_ids[rows[keep], at[keep]] = np.asarray(token_ids, dtype=np.int32)[keep]
+        self.token_ids[rows[keep], at[keep]] = tokens[keep]
         self.num_tokens[rows[keep]] += 1
+        return ((at >= self.end_at[rows] - 1)
+                | (self.stop_ids[rows] == tokens[:, None]).any(1)).tolist()

@@ -16,11 +16,21 @@ from __future__ import annotations
 
 import time
 from bisect import bisect_left
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
+from operator import attrgetter
 from typing import TYPE_CHECKING
 
 from .request import RequestStatus
+
+# per-step reads of every scheduled request, in C (metrics of a step must not cost a Python
+# statement per request)
+_block_table = attrgetter("block_table")
+_computed = attrgetter("num_computed_tokens")
+_last_token_time = attrgetter("last_token_time")
+_status = attrgetter("status")
+_is_padding = attrgetter("is_padding")
 
 if TYPE_CHECKING:
     from .outputs import RequestOutput
@@ -67,9 +77,10 @@ class Histogram:
         if not self.counts:
             self.counts = [0] * (len(self.bounds) + 1)
 
-    def observe(self, value: float) -> None:
-        self.counts[bisect_left(self.bounds, value)] += 1
-        self.sum += value
+    def observe(self, value: float, count: int = 1) -> None:
+        """Add ``count`` observations of ``value``."""
+        self.counts[bisect_left(self.bounds, value)] += count
+        self.sum += value * count
 
     @property
     def count(self) -> int:
@@ -130,15 +141,18 @@ class RequestStats:
             self.on_finish(request, now)
 
     def on_tokens(self, requests: Sequence[Request], now: float) -> None:
-        """``on_token(r, now)`` for each of ``requests``, the usual case inline (a request
-        past its first token, not finished: one inter-token latency): one call per step."""
-        observe, finished = self.inter_token_latency.observe, RequestStatus.PREEMPTED
-        for r in requests:
-            last = r.last_token_time
-            if last is None or r.first_token_time is None or r.status > finished:
+        """``on_token(r, now)`` for each of ``requests``: one call per step. In the usual
+        step every request is past its first token and none finished, and their last tokens
+        came at a few times (most at the previous step's): one inter-token latency
+        observation per distinct time, counted for its requests."""
+        lasts = Counter(map(_last_token_time, requests))
+        if None in lasts or max(map(_status, requests), default=0) > RequestStatus.PREEMPTED:
+            for r in requests:  # a first token or a finish among them
                 self.on_token(r, now)
-                continue
-            observe(now - last)
+            return
+        for last, count in lasts.items():
+            self.inter_token_latency.observe(now - last, count)
+        for r in requests:
             r.last_token_time = now
 
     def on_admitted(self, request: Request) -> None:
@@ -207,15 +221,12 @@ class EngineMetrics:
         self.num_batched_tokens += out.total_num_scheduled_tokens
         self.num_scheduled_seqs += len(out.scheduled)
         self.num_generated_tokens += len(outputs)
-        bm = scheduler.block_manager
-        bs = bm.block_size
-        allocated = used = 0
-        for r in out.scheduled:
-            slots = len(r.block_table) * bs
-            allocated += slots
-            if not r.is_padding:  # a static batch's padding rows hold slots no request uses
-                used += min(r.num_computed_tokens, slots)
-        self.kv_allocated_slots += allocated
+        bm, reqs = scheduler.block_manager, out.scheduled
+        slots = [len(table) * bm.block_size for table in map(_block_table, reqs)]
+        used = sum(map(min, map(_computed, reqs), slots))
+        if any(map(_is_padding, reqs)):  # a static batch's padding rows hold slots no request uses
+            used -= sum(min(r.num_computed_tokens, n) for r, n in zip(reqs, slots) if r.is_padding)
+        self.kv_allocated_slots += sum(slots)
         self.kv_used_slots += used
         self.kv_used_blocks += bm.num_used_blocks
         self.num_preemptions = scheduler.num_preemptions

@@ -71,6 +71,9 @@ class StepResult:
     sampled: list[int | None]  # the sampled token (None: a prompt chunk that is not the last)
     logprobs: list[TokenLogprobs | None]  # where the request asked for logprobs
     prompt_logprobs: dict[int, list[TokenLogprobs]]  # index -> this step's prompt logprobs
+    # whether each sampled token may end its request (InputBatch.record_sampled; False:
+    # certainly not, so the scheduler skips its stop test); None: test every token
+    stop_checks: list[bool] | None = None
 
 
 class ModelRunner:
@@ -134,15 +137,15 @@ class ModelRunner:
             result = sample(logits, batch.sampling(rows))
             token_ids, ids_host, lps_host = result.to_host()
             self.num_host_reads += 1
-        batch.record_sampled(rows, token_ids)
-        for i, token_id in zip(positions, token_ids):
-            sampled[i] = token_id
+        stop_checks = [False] * n
+        for i, token_id, check in zip(positions, token_ids, batch.record_sampled(rows, token_ids)):
+            sampled[i], stop_checks[i] = token_id, check
         if ids_host is not None:  # one row per request that asked, in batch order
             asked = np.flatnonzero(batch.num_logprobs[rows] >= 0).tolist()
             for j, k in enumerate(asked):
                 logprobs[positions[k]] = TokenLogprobs.from_rows(
                     token_ids[k], ids_host[j], lps_host[j], int(batch.num_logprobs[rows[k]]))
-        return StepResult(sampled, logprobs, prompt)
+        return StepResult(sampled, logprobs, prompt, stop_checks)
 
     def _prompt_logprobs(self, plan: PromptLogprobsPlan, hidden: torch.Tensor,
                          ) -> dict[int, list[TokenLogprobs]]:
@@ -247,9 +250,8 @@ class ModelRunner:
             return self._to_host_list(step.host)
 
         token_ids = timed("sample", read)
-        self.input_batch.record_sampled(step.inputs.rows, token_ids)
-        n = len(token_ids)
-        return StepResult(token_ids, [None] * n, {})
+        stop_checks = self.input_batch.record_sampled(step.inputs.rows, token_ids)
+        return StepResult(token_ids, [None] * len(token_ids), {}, stop_checks)
 
     def prepare_inputs(self, out: SchedulerOutput) -> ModelInputs:
         """The step's model inputs on the model's device (``InputBatch.prepare``; a decode

@@ -36,7 +36,7 @@ _FINISH_REASONS = {
 }
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Request:
     """One sequence. ``num_computed_tokens`` counts tokens whose KV is in the cache."""
 

@@ -40,6 +40,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections import deque
+from itertools import repeat
 from dataclasses import dataclass, field
 
 from .block_manager import BlockManager
@@ -398,16 +399,21 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     def update_from_output(
-        self, out: SchedulerOutput, sampled_token_ids: list[int | None]
+        self, out: SchedulerOutput, sampled_token_ids: list[int | None],
+        stop_checks: list[bool] | None = None,
     ) -> list[RequestOutput]:
         """Advance counters after the model ran ``out``; ``sampled_token_ids[i]`` belongs to
-        ``out.scheduled[i]`` and is None for a prompt chunk that is not the prompt's last."""
+        ``out.scheduled[i]`` and is None for a prompt chunk that is not the prompt's last.
+        ``stop_checks[i]``: whether that token may end its request (the model runner's
+        vectorised test, ``InputBatch.record_sampled``); False skips the stop test
+        (``Request.check_stop``); None tests every token."""
         outputs, finished = [], False
         # NOTE: runs for every request of every step: settings and methods looked up once
         num_scheduled, running = out.num_scheduled_tokens, RequestStatus.PREEMPTED
         cache_full_blocks, bs = self.block_manager.cache_full_blocks, self.block_manager.block_size
         caching, sliding = self.config.enable_prefix_caching, self.config.sliding_window is not None
-        for request, token_id in zip(out.scheduled, sampled_token_ids):
+        checks = repeat(True) if stop_checks is None else stop_checks
+        for request, token_id, check in zip(out.scheduled, sampled_token_ids, checks):
             if request.status > running:  # finished: aborted while the step ran
                 continue
             n = num_scheduled[request.request_id]
@@ -418,9 +424,15 @@ class Scheduler:
                 cache_full_blocks(request)
             if sliding:
                 self._free_outside_window(request)
-            if token_id is not None:
+            if token_id is None:
+                continue
+            if check:
                 outputs.append(output := self._append_token(request, token_id))
                 finished = finished or output.finish_reason is not None
+            else:  # the usual row: no stop token, no length limit reached
+                (tokens := request.output_token_ids).append(token_id)
+                outputs.append(RequestOutput(request.request_id, [token_id], None,
+                                             len(request.prompt_token_ids), len(tokens)))
         if finished:  # (an abort removes its request from running itself)
             self.running = [r for r in self.running if not r.is_finished()]
         return outputs

@@ -44,7 +44,8 @@ class StaticScheduler(Scheduler):
         self._schedule_padding(out, budget)
 
     def update_from_output(self, out: SchedulerOutput, sampled_token_ids: list[int | None],
-                           ) -> list[RequestOutput]:
+                           stop_checks: list[bool] | None = None) -> list[RequestOutput]:
+        """As ``Scheduler``'s, padding rows apart; every member's token is stop-tested."""
         members, tokens = [], []
         for request, token_id in zip(out.scheduled, sampled_token_ids):
             if request.is_padding:

@@ -157,3 +157,38 @@ def test_pack_and_unpack_round_trip_every_dtype_and_shape():
     got = unpack(host.clone(), layout)  # what arrives on the device is a copy of the buffer
     for k, a in arrays.items():
         assert got[k].shape == a.shape and got[k].numpy().tolist() == a.tolist(), k
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_token_cleared_by_record_sampled_never_stops_its_request(seed):
+    """``record_sampled``'s stop checks let the scheduler skip ``Request.check_stop``: a False
+    must mean the request goes on (EOS, stop ids, min_tokens, max_tokens, max_model_len), and
+    a request that stops must have been flagged."""
+    rng = random.Random(seed)
+    max_model_len, vocab = 40, 12
+    ib = InputBatch(max_model_len=max_model_len, block_size=4, vocab_size=vocab, capacity=2)
+    live = []
+    for i in range(24):
+        params = SamplingParams(
+            temperature=0, max_tokens=rng.randrange(1, 30), ignore_eos=rng.random() < 0.3,
+            stop_token_ids=tuple(rng.sample(range(vocab), rng.randrange(3))))
+        params = params.model_copy(update={"min_tokens": rng.randrange(params.max_tokens + 1)})
+        r = Request(f"r{i}", [rng.randrange(vocab) for _ in range(rng.randrange(1, 20))], params,
+                    eos_token_id=rng.choice([None, 0, 1]))
+        ib.add(r)
+        live.append(r)
+    flagged = stopped = 0
+    while live:
+        rows = np.array([ib.row_of[r.request_id] for r in live], np.int64)
+        tokens = [rng.randrange(vocab) for _ in live]
+        checks = ib.record_sampled(rows, tokens)
+        for r, token, check in zip(list(live), tokens, checks):
+            r.output_token_ids.append(token)
+            status = r.check_stop(max_model_len)
+            assert check or status is None, (r.request_id, token, r.sampling_params)
+            flagged += check
+            if status is not None:
+                stopped += 1
+                live.remove(r)
+                ib.remove([r.request_id])
+    assert stopped == 24 and flagged >= stopped

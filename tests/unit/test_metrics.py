@@ -4,6 +4,7 @@ vLLM's bucket boundaries, and the scrape config ``tandem up`` writes."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -299,6 +300,17 @@ def test_a_steps_tokens_recorded_at_once_equal_one_by_one():
     assert many.histograms() == one.histograms() and many.finished == one.finished
     assert one.finished["length"] == 1 and one.inter_token_latency.count == 3
     assert [r.last_token_time for r in by_many] == [r.last_token_time for r in by_one]
+    # the usual step: every request past its first token, none finished, their last tokens
+    # at a few times (counted per distinct time)
+    steady_one, steady_many = requests()[1:3] * 3, requests()[1:3] * 3
+    for rs in (steady_one, steady_many):
+        rs[:] = [dataclasses.replace(r, request_id=f"{r.request_id}-{i}", status=RequestStatus.RUNNING)
+                 for i, r in enumerate(rs)]
+    for r in steady_one:
+        one.on_token(r, 3.0)
+    many.on_tokens(steady_many, 3.0)
+    assert many.histograms() == one.histograms() and one.inter_token_latency.count == 9
+    assert [r.last_token_time for r in steady_many] == [3.0] * 6
 
 
 def test_metrics_server_answers_ready_from_its_callback():
