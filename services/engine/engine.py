@@ -50,7 +50,7 @@ from .model_runner import ModelRunner, PendingStep, StepResult
 from .outputs import EngineDeadError, RequestOutput
 from .policy import create_scheduler
 from .quantized import Precision, build_model, resident_weight_bytes
-from .request import Request, RequestStatus
+from .request import Request, RequestStatus, request_id_of
 from .sampler import TokenLogprobs
 from .sampling_params import SamplingParams
 from .scheduler import SchedulerConfig, SchedulerOutput
@@ -411,15 +411,12 @@ class LLMEngine:
         full = len(s.running) >= s.config.max_num_seqs
         if s.waiting and not full and not s.admit_decoding():
             return None
-        running, max_len = RequestStatus.RUNNING, s.config.max_model_len - 1
-        keep = [i for i, r in enumerate(out.scheduled) if r.status == running
-                and (n := len(r.output_token_ids)) + 1 < r.sampling_params.max_tokens
-                and n + len(r.prompt_token_ids) < max_len]
-        nxt = [out.scheduled[i] for i in keep]
+        keep = self.runner.input_batch.steps_ahead(launched.inputs.rows, out.scheduled)
+        nxt = out.scheduled if len(keep) == len(out.scheduled) else [out.scheduled[i] for i in keep]
         if s.waiting and len(nxt) < s.config.max_num_seqs:
             return None  # room frees: a waiting request starts at the next schedule()
-        stepping = {r.request_id for r in out.scheduled}
-        admitted = [r for r in s.running if r.request_id not in stepping]
+        extra = set(s.running).difference(out.scheduled)  # in C: usually none
+        admitted = [r for r in s.running if r in extra] if extra else []  # in running's order
         if not all(r.only_decodes for r in admitted):
             return None  # a prompt still to compute: the next step is scheduled as usual
         # blocks for the token after the one computing now (the scheduler's counters lag by
@@ -427,7 +424,8 @@ class LLMEngine:
         bm = self.block_manager
         if not nxt or not (bm.allocate_each(nxt, 2) and bm.allocate_each(admitted, 1)):
             return None
-        ahead = SchedulerOutput(nxt + admitted, {r.request_id: 1 for r in nxt + admitted})
+        scheduled = nxt + admitted
+        ahead = SchedulerOutput(scheduled, dict.fromkeys(map(request_id_of, scheduled), 1))
         try:
             step = self.runner.launch_ahead(ahead, launched, keep, self.metrics.timed)
             return (ahead, step) if step is not None else None

@@ -20,13 +20,15 @@ from __future__ import annotations
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
+from operator import is_
 
 import numpy as np
 import torch
 
 from .attention import AttentionMetadata
 from .grammars import Matchers
-from .request import Request
+from .request import (Request, RequestStatus, block_table_of, num_computed_of,
+                      output_token_ids_of, request_id_of, status_of)
 from .sampler import Penalties, RandomDraws, SamplingBatch, uniforms
 from .scheduler import SchedulerOutput
 
@@ -255,23 +257,27 @@ class InputBatch:
     def _rows_in_sync(self, reqs: list[Request]) -> tuple[np.ndarray, np.ndarray]:
         """Each request's row (added on its first step) and ``num_computed_tokens`` (``[n]``
         int64 each), after copying in what changed since its row last saw it (``_sync``).
-        NOTE: the only work per request is reading its counters, one comprehension each; the
-        rows whose tokens or block table changed are found with array comparisons."""
-        row_of = self.row_of
-        row_list = [row_of.get(r.request_id) for r in reqs]
+        NOTE: the only work per request is reading its fields, each in one pass in C
+        (``map``); the rows whose tokens or block table changed are found with array
+        comparisons."""
+        n = len(reqs)
+        row_list = list(map(self.row_of.get, map(request_id_of, reqs)))
         if None in row_list:  # scheduled for the first time
             row_list = [self.add(r) if row is None else row for r, row in zip(reqs, row_list)]
         rows = np.array(row_list, np.int64)
-        tables = self._tables
+        tables = list(map(block_table_of, reqs))
+        num_tokens = np.fromiter(map(len, map(output_token_ids_of, reqs)), np.int64, n)
+        num_tokens += self.num_prompt[rows]
         stale = set(np.flatnonzero(
-            (np.array([r.num_tokens for r in reqs], np.int64) != self.num_tokens[rows])
-            | (np.array([len(r.block_table) for r in reqs], np.int64) != self.num_blocks[rows])
-        ).tolist())
-        stale.update(i for i, (r, row) in enumerate(zip(reqs, row_list))
-                     if r.block_table is not tables[row])  # replaced: preempted and rescheduled
+            (num_tokens != self.num_tokens[rows])
+            | (np.fromiter(map(len, tables), np.int64, n) != self.num_blocks[rows])).tolist())
+        if not all(map(is_, tables, map(self._tables.__getitem__, row_list))):
+            # replaced: preempted and rescheduled
+            stale.update(i for i, (t, row) in enumerate(zip(tables, row_list))
+                         if t is not self._tables[row])
         for i in sorted(stale):
             self._sync(reqs[i], row_list[i])
-        return rows, np.array([r.num_computed_tokens for r in reqs], np.int64)
+        return rows, np.fromiter(map(num_computed_of, reqs), np.int64, n)
 
     def prepare(self, out: SchedulerOutput, ahead_ids: torch.Tensor | None = None,
                 stage: Stage | None = None) -> ModelInputs:
@@ -444,6 +450,15 @@ class InputBatch:
         history[np.arange(width) >= lengths[:, None]] = -1
         a.update(penalty_rows=which, presence=self.presence[r], frequency=self.frequency[r],
                  repetition=self.repetition[r], history=history, output_from=self.output_from[r])
+
+    def steps_ahead(self, rows: np.ndarray, reqs: list[Request]) -> list[int]:
+        """Async scheduling: the indices of ``reqs`` (a launched decode step's, whose rows are
+        ``rows``; its tokens not yet recorded here nor in the requests) that compute one more
+        token in the step after it: running, and not ended by length by the launched step's
+        token (``end_at``). A stop token is not known yet: such a request computes one token
+        more, which the scheduler drops."""
+        running = np.fromiter(map(status_of, reqs), np.int64, len(reqs)) == RequestStatus.RUNNING
+        return np.flatnonzero(running & (self.num_tokens[rows] + 1 < self.end_at[rows])).tolist()
 
     def samples_alone(self, rows: np.ndarray) -> bool:
         """Whether every row of ``rows`` samples from its logits and settings alone: no

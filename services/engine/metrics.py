@@ -19,18 +19,10 @@ from bisect import bisect_left
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from operator import attrgetter
 from typing import TYPE_CHECKING
 
-from .request import RequestStatus
-
-# per-step reads of every scheduled request, in C (metrics of a step must not cost a Python
-# statement per request)
-_block_table = attrgetter("block_table")
-_computed = attrgetter("num_computed_tokens")
-_last_token_time = attrgetter("last_token_time")
-_status = attrgetter("status")
-_is_padding = attrgetter("is_padding")
+from .request import (RequestStatus, block_table_of, is_padding_of, last_token_time_of,
+                      num_computed_of, status_of)
 
 if TYPE_CHECKING:
     from .outputs import RequestOutput
@@ -145,8 +137,8 @@ class RequestStats:
         step every request is past its first token and none finished, and their last tokens
         came at a few times (most at the previous step's): one inter-token latency
         observation per distinct time, counted for its requests."""
-        lasts = Counter(map(_last_token_time, requests))
-        if None in lasts or max(map(_status, requests), default=0) > RequestStatus.PREEMPTED:
+        lasts = Counter(map(last_token_time_of, requests))
+        if None in lasts or max(map(status_of, requests), default=0) > RequestStatus.PREEMPTED:
             for r in requests:  # a first token or a finish among them
                 self.on_token(r, now)
             return
@@ -222,9 +214,9 @@ class EngineMetrics:
         self.num_scheduled_seqs += len(out.scheduled)
         self.num_generated_tokens += len(outputs)
         bm, reqs = scheduler.block_manager, out.scheduled
-        slots = [len(table) * bm.block_size for table in map(_block_table, reqs)]
-        used = sum(map(min, map(_computed, reqs), slots))
-        if any(map(_is_padding, reqs)):  # a static batch's padding rows hold slots no request uses
+        slots = [len(table) * bm.block_size for table in map(block_table_of, reqs)]
+        used = sum(map(min, map(num_computed_of, reqs), slots))
+        if any(map(is_padding_of, reqs)):  # a static batch's padding rows hold slots no request uses
             used -= sum(min(r.num_computed_tokens, n) for r, n in zip(reqs, slots) if r.is_padding)
         self.kv_allocated_slots += sum(slots)
         self.kv_used_slots += used

@@ -4,6 +4,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 from .sampling_params import SamplingParams
 
@@ -28,6 +29,16 @@ class RequestStatus(enum.IntEnum):
         """OpenAI's finish_reason for a finished status, else None."""
         return _FINISH_REASONS.get(self)
 
+
+# Readers of one field over a step's requests, for passes in C (``map(num_computed_of,
+# requests)``): the engine's per-step work over its batch runs no Python statement per request.
+request_id_of = attrgetter("request_id")
+num_computed_of = attrgetter("num_computed_tokens")
+block_table_of = attrgetter("block_table")
+output_token_ids_of = attrgetter("output_token_ids")
+status_of = attrgetter("status")
+last_token_time_of = attrgetter("last_token_time")
+is_padding_of = attrgetter("is_padding")
 
 _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
