@@ -192,3 +192,28 @@ def test_a_token_cleared_by_record_sampled_never_stops_its_request(seed):
                 live.remove(r)
                 ib.remove([r.request_id])
     assert stopped == 24 and flagged >= stopped
+
+
+def test_steps_ahead_keeps_running_requests_whose_next_token_is_not_their_last_by_length():
+    """``steps_ahead`` (async scheduling) against the rule written per request: running, one
+    more output below ``max_tokens`` and the token after it within ``max_model_len``."""
+    from services.engine.request import RequestStatus
+
+    rng = random.Random(7)
+    max_model_len = 30
+    ib = InputBatch(max_model_len=max_model_len, block_size=4, vocab_size=50, capacity=2)
+    reqs = []
+    for i in range(40):
+        r = Request(f"r{i}", [1] * rng.randrange(1, 20),
+                    SamplingParams(temperature=0, max_tokens=rng.randrange(1, 15)))
+        r.output_token_ids = [2] * rng.randrange(0, r.sampling_params.max_tokens)
+        if len(r.all_token_ids) >= max_model_len:
+            continue
+        r.status = rng.choice([RequestStatus.RUNNING] * 3 + [RequestStatus.FINISHED_STOPPED])
+        ib.add(r)
+        reqs.append(r)
+    rows = np.array([ib.row_of[r.request_id] for r in reqs], np.int64)
+    want = [i for i, r in enumerate(reqs) if r.status == RequestStatus.RUNNING
+            and len(r.output_token_ids) + 1 < r.sampling_params.max_tokens
+            and r.num_tokens < max_model_len - 1]
+    assert ib.steps_ahead(rows, reqs) == want and 0 < len(want) < len(reqs)
