@@ -58,6 +58,8 @@ from .input_batch import ModelInputs
 
 log = logging.getLogger(__name__)
 
+MAX_CACHED_SHAPES = 1024  # step shapes whose buffer views ``stage`` keeps (a few KB each)
+
 DECODE, PREFILL = "decode", "prefill"
 GraphKey = tuple[str, int]  # (DECODE, batch size) or (PREFILL, tokens)
 PREFILL_GRAPH_MAX_TOKENS = 2048  # larger prefill steps run eagerly: their GPU time dominates
@@ -164,6 +166,7 @@ class CUDAGraphRunner:
                                   device=device)
         self.query_start_loc = torch.arange(max_num_seqs + 1, dtype=torch.int32, device=device)
         self.views = {key: self._views(key) for key in self.layouts}
+        self._shapes: dict[tuple, tuple] = {}  # a step's shape -> its views (_step_views)
         # a decode graph's logits (``_decode_forward``), every bucket's in the first rows of one
         # [max_num_seqs, vocab] float32 tensor, made at the first decode step (the model's vocab)
         self.logits: torch.Tensor | None = None
@@ -347,21 +350,41 @@ class CUDAGraphRunner:
             staged_tables[m:] = tables[0]
         else:
             self._fill_prefill(h, lay, arrays, n, m)
-        self.buffer[:total].copy_(host, non_blocking=True)
-        v = self.views[key]
+        staged, tables_to, tables_from, ids_to, t = self._step_views(
+            key, n, m, rows, width, sampled.shape[0], k)
+        staged.copy_(host, non_blocking=True)
         # columns past ``width`` keep earlier steps' block ids, which no row reads (its
         # sequence length bounds it); so do a prefill graph's rows past the step's
-        v["block_tables"][:rows, :width].copy_(self.buffer[lay.tables:total].view(rows, width))
+        tables_to.copy_(tables_from)
         if k:
-            v["input_ids"][:k].copy_(ahead_ids)
-        if n == size and m == lay.seqs:  # a decode step that fills its bucket
+            ids_to.copy_(ahead_ids)
+        return key, dict(t)
+
+    def _step_views(self, key: GraphKey, n: int, m: int, rows: int, width: int,
+                    num_sampled: int, k: int) -> tuple:
+        """The views of ``buffer`` that ``stage`` copies into and returns for a step of this
+        shape: the staged part, the block tables' destination and source, the first ``k``
+        input ids, and the step's inputs (``stage``'s dict). Made once per shape and kept
+        (a decode chain's steps share one): each view is a host call of its own."""
+        shape = (key, n, m, rows, width, num_sampled, k)
+        found = self._shapes.get(shape)
+        if found is not None:
+            return found
+        if len(self._shapes) >= MAX_CACHED_SHAPES:
+            self._shapes.clear()
+        lay, v = self.layouts[key], self.views[key]
+        total = lay.tables + rows * width
+        if n == lay.tokens and m == lay.seqs:  # a decode step that fills its bucket
             t = dict(v)
         else:
             t = {name: v[name][:n] for name in ("input_ids", "positions", "slot_mapping")}
             t["seq_lens"], t["query_start_loc"] = v["seq_lens"][:m], v["query_start_loc"][:m + 1]
         t["block_tables"] = v["block_tables"][:m, :width]
-        t["logits_indices"] = v["logits_indices"][:sampled.shape[0]]
-        return key, t
+        t["logits_indices"] = v["logits_indices"][:num_sampled]
+        found = self._shapes[shape] = (
+            self.buffer[:total], v["block_tables"][:rows, :width],
+            self.buffer[lay.tables:total].view(rows, width), v["input_ids"][:k], t)
+        return found
 
     @staticmethod
     def _fill_decode(fields: np.ndarray, arrays: dict[str, np.ndarray], n: int, k: int) -> None:
