@@ -92,6 +92,7 @@ class Engines:
 
     def __call__(self, policy: str):
         from services.engine.engine import EngineConfig, LLMEngine
+        from services.startup_heap import freeze_startup_heap
 
         if policy not in self._engines:
             a = self.args
@@ -102,6 +103,7 @@ class Engines:
                 fields["model"] = a.model
             engine = LLMEngine(EngineConfig(**fields), weights=self.weights)
             engine.warm_up()
+            freeze_startup_heap(f"offline bench, {policy} engine")  # as a served worker does
             self._engines[policy] = engine
         return self._engines[policy]
 

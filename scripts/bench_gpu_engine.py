@@ -26,6 +26,7 @@ from kernels.bench import peak_hbm_gbps
 from loadtest.chat_prompts import ORACLE_PROMPTS as CHAT_PROMPTS
 from scripts.gpu_precision import first_divergence
 from services.engine.engine import EngineConfig, LLMEngine
+from services.startup_heap import freeze_startup_heap
 from services.engine.llm import LLM
 from services.engine.sampling_params import SamplingParams
 
@@ -124,6 +125,7 @@ def main() -> None:
         max_num_batched_tokens=max(8192, max(args.batches)), enforce_eager=args.enforce_eager,
         async_scheduling=False if args.no_async_scheduling else None)
     engine = LLMEngine(config)
+    freeze_startup_heap("bench_gpu_engine")  # as a served worker does (services/runtime/serve.py)
     throughput = []
     print(f"{name}, peak {peak:.0f} GB/s; prompt {args.prompt_len} tokens, {args.steps} steps, "
           f"{'eager' if args.enforce_eager else 'CUDA graphs'}, async scheduling "

@@ -311,6 +311,10 @@ def test_a_steps_tokens_recorded_at_once_equal_one_by_one():
     many.on_tokens(steady_many, 3.0)
     assert many.histograms() == one.histograms() and one.inter_token_latency.count == 9
     assert [r.last_token_time for r in steady_many] == [3.0] * 6
+    for r in steady_one:  # every last token at one time
+        one.on_token(r, 3.5)
+    many.on_tokens(steady_many, 3.5)
+    assert many.histograms() == one.histograms() and one.inter_token_latency.count == 15
 
 
 def test_metrics_server_answers_ready_from_its_callback():
