@@ -18,8 +18,8 @@
 #   stage engine: carries .whl and .gpu/stack: the engine alone on random weights of the built-in
 #            model's shape (made there from .gpu/stack/hf, no GGUF: one call) and of the 1B-class
 #            shape: the decode attention tests, its grid sweep as CUDA graphs run it, the step
-#            profile (host and GPU per step, runtime calls) and decode throughput against the
-#            roofline.
+#            profile (host and GPU per step, runtime calls), the host's own work per step
+#            (--host-only) and decode throughput against the roofline.
 #   stage stack: carries .whl and .gpu/stack (see there): the served stack, unified against P/D,
 #            and (steps gateways, stack_engine_1gw + stack_engine_4gw and long_mix, each a call of
 #            its own) one gateway process against four, the stack against the in-process engine
@@ -165,6 +165,13 @@ elif [ "$stage" = engine ]; then  # the engine on random weights: no GGUF, one c
         --dtype bfloat16 --quantization none --batches 1,16,64,256 --steps 32 \
         --out "$OUT/profile_random.json"
     ran profile_random && grep -E "^(precision|batch)|^    (gpu|api)" "$OUT/profile_random.log"
+    # the host's own work per step on this machine's CPU (the model replaced by constants, the
+    # graph buffers on the GPU): beside profile_random's host time, what the model's launches
+    # add, and beside the CPU machine's figure (docs/benchmarks.md), what this host's speed does
+    step profile_host_random 60 python3 -m scripts.profile_decode_step --model /tmp/smol --device cuda \
+        --dtype bfloat16 --quantization none --batches 1,64,256 --steps 200 --profile-steps 1 \
+        --host-only --out "$OUT/profile_host_random.json"
+    ran profile_host_random && grep -E "^(precision|batch)" "$OUT/profile_host_random.log"
     step engine_random 120 python3 -m scripts.bench_gpu_engine --model /tmp/smol \
         --batches 1 16 64 256 --steps 32 --skip-agreement --out "$OUT/gpu_engine_random.json"
     ran engine_random && { tail -6 "$OUT/engine_random.log"; }
