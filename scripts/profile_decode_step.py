@@ -19,9 +19,8 @@ allocations, each call's wall time under the profiler), and
 where each synchronisation is made (``sync_sites``: torch's sync debug mode, over
 ``--profile-steps`` more steps).
 After warm-up the start-up heap is frozen out of garbage collection, as a served worker's is
-(``services/startup_heap.py``): otherwise a full collection of its ~210,000 objects (~100 ms on
-the CPU machine) falls among the timed steps now and then, 0.16 ms a step at batch 256 over 600
-steps, and no server pays it.
+(``services/startup_heap.py``): otherwise a full collection of its ~210,000 objects falls among
+the timed steps now and then, which no server pays.
 ``graph_launch_ms``: the host's time in one launch of the batch's decode graph, the device idle
 (``graph_launch_ms``'s docstring). ``host_reads_per_step`` counts the runner's device-to-host
 copies of sampled tokens. Also the
