@@ -26,9 +26,9 @@ from kernels.bench import peak_hbm_gbps
 from loadtest.chat_prompts import ORACLE_PROMPTS as CHAT_PROMPTS
 from scripts.gpu_precision import first_divergence
 from services.engine.engine import EngineConfig, LLMEngine
-from services.startup_heap import freeze_startup_heap
 from services.engine.llm import LLM
 from services.engine.sampling_params import SamplingParams
+from services.startup_heap import freeze_startup_heap
 
 MUST_MATCH = 32  # tokens per prompt that the issue asks to agree
 

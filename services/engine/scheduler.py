@@ -40,8 +40,8 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections import deque
-from itertools import repeat
 from dataclasses import dataclass, field
+from itertools import repeat
 
 from .block_manager import BlockManager
 from .engine_config import QUEUE_POLICIES
