@@ -27,8 +27,8 @@ import torch
 
 from .attention import AttentionMetadata
 from .grammars import Matchers
-from .request import (Request, RequestStatus, block_table_of, num_computed_of,
-                      output_token_ids_of, request_id_of, status_of)
+from .request import (Request, RequestStatus, block_table_of, num_computed_of, num_tokens_of,
+                      request_id_of, status_of)
 from .sampler import Penalties, RandomDraws, SamplingBatch, uniforms
 from .scheduler import SchedulerOutput
 
@@ -266,10 +266,8 @@ class InputBatch:
             row_list = [self.add(r) if row is None else row for r, row in zip(reqs, row_list)]
         rows = np.array(row_list, np.int64)
         tables = list(map(block_table_of, reqs))
-        num_tokens = np.fromiter(map(len, map(output_token_ids_of, reqs)), np.int64, n)
-        num_tokens += self.num_prompt[rows]
         stale = set(np.flatnonzero(
-            (num_tokens != self.num_tokens[rows])
+            (np.fromiter(map(num_tokens_of, reqs), np.int64, n) != self.num_tokens[rows])
             | (np.fromiter(map(len, tables), np.int64, n) != self.num_blocks[rows])).tolist())
         if not all(map(is_, tables, map(self._tables.__getitem__, row_list))):
             # replaced: preempted and rescheduled

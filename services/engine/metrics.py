@@ -137,15 +137,12 @@ class RequestStats:
         step every request is past its first token and none finished, and their last tokens
         came at a few times (most at the previous step's): one inter-token latency
         observation per distinct time, counted for its requests."""
-        lasts = list(map(last_token_time_of, requests))
-        if not lasts:
-            return
-        if None in lasts or max(map(status_of, requests)) > RequestStatus.PREEMPTED:
+        lasts = Counter(map(last_token_time_of, requests))
+        if None in lasts or max(map(status_of, requests), default=0) > RequestStatus.PREEMPTED:
             for r in requests:  # a first token or a finish among them
                 self.on_token(r, now)
             return
-        one = lasts.count(lasts[0]) == len(lasts)  # most steps: all at the step before's
-        for last, count in ((lasts[0], len(lasts)),) if one else Counter(lasts).items():
+        for last, count in lasts.items():
             self.inter_token_latency.observe(now - last, count)
         for r in requests:
             r.last_token_time = now

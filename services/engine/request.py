@@ -35,7 +35,7 @@ class RequestStatus(enum.IntEnum):
 request_id_of = attrgetter("request_id")
 num_computed_of = attrgetter("num_computed_tokens")
 block_table_of = attrgetter("block_table")
-output_token_ids_of = attrgetter("output_token_ids")
+num_tokens_of = attrgetter("num_tokens")
 status_of = attrgetter("status")
 last_token_time_of = attrgetter("last_token_time")
 is_padding_of = attrgetter("is_padding")
