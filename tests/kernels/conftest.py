@@ -8,14 +8,43 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+import numpy as np
 import pytest
 import torch
 
 from kernels import reference
 
 HAS_CUDA = torch.cuda.is_available()
+
+
+def _shape_stable_interpreter_dot() -> None:
+    """Make the interpreter's ``tl.dot`` give each output element the same bits whatever the
+    operands' other rows and columns, as a GPU's does (its sum over K runs the same way in a
+    tile of any size). The interpreter's own ``np.matmul`` goes to OpenBLAS, whose kernel (and
+    order of the K sum) depends on the matrix shape and on the CPU: with OpenBLAS's Haswell
+    kernel (AVX2 CPUs, and CPUs it does not know) a query tile of 8 rows and one of 16 gave a
+    row different float32 bits, and the bit-equality tests of a kernel's padding and grid failed
+    on those CPUs alone. Here the products are summed along a contiguous K axis (numpy's
+    pairwise sum), which depends on K alone."""
+    try:
+        from triton.runtime.interpreter import InterpreterBuilder
+    except ImportError:  # no triton: the kernel tests skip
+        return
+    matmul = InterpreterBuilder.create_dot
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        if a.data.ndim != 2 or a.dtype.primitive_bitwidth == 8 and a.dtype.is_floating():
+            return matmul(self, a, b, d, input_precision, max_num_imprecise_acc)
+        acc = d.data.dtype
+        products = a.data.astype(acc)[:, None, :] * b.data.astype(acc).T[None, :, :]
+        return type(d)(products.sum(axis=2, dtype=acc) + d.data, d.dtype.scalar)
+
+    InterpreterBuilder.create_dot = create_dot
+
+
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    _shape_stable_interpreter_dot()
 
 DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
