@@ -6,7 +6,9 @@ on K/V already gathered into dense ``[batch, num_kv_heads, context, head_dim]`` 
 Prefill: TFLOP/s of causal attention (4 * heads * head_dim * attended query-key pairs), whole
 prompts (against SDPA ``is_causal``) and 512-token chunks after a cached prefix;
 ``--prefill-configs`` times several tile shapes / warps / pipeline stages side by side on the
-same inputs (a sweep to choose the defaults with figures). Times are medians of
+same inputs (a sweep to choose the defaults with figures); ``--split-programs`` and
+``--merge`` do the same for decode's stage-1 grid and where the splits are merged (a second
+kernel, or stage 1's last program of each row). Times are medians of
 ``triton.testing.do_bench`` (L2 flushed between runs); decode also replayed from a CUDA graph
 (``graph GB/s``: no host launch cost, as the engine runs it). Needs a CUDA device.
 
@@ -109,12 +111,14 @@ def paged_cache(batch: int, context: int, shape: tuple[int, int, int], dtype: to
 
 
 def decode_row(batch: int, context: int, shape, dtype, device, peak: float | None,
-               table_width: int | None = None, split_programs: int = 0) -> dict:
+               table_width: int | None = None, split_programs: int = 0,
+               merge: str = "kernel") -> dict:
     """One decode case: Triton on the paged cache vs SDPA on the gathered dense K/V.
     ``table_width`` (tokens): the block table as wide as that, zero-padded past each sequence's
     blocks, as a CUDA graph passes the model's full width; the grid gets that width's splits.
     ``split_programs``: stage 1's programs per (sequence, KV head) (0: the kernel's choice,
-    ``choose_split_programs``)."""
+    ``choose_split_programs``). ``merge``: ``kernel`` (stage 2 launched) or ``fused`` (stage 1's
+    last program of each row merges it)."""
     from kernels.decode_attention import (choose_num_splits, choose_split_programs,
                                           default_block_n, paged_decode_attention)
 
@@ -126,7 +130,8 @@ def decode_row(batch: int, context: int, shape, dtype, device, peak: float | Non
     q = torch.randn(batch, num_heads, head_dim, device=device).to(dtype)
     scale = head_dim**-0.5
     run = lambda: paged_decode_attention(q, k_cache, v_cache, wide, seq_lens, scale,  # noqa: E731
-                                         split_programs=split_programs or None)
+                                         split_programs=split_programs or None,
+                                         fused_merge=merge == "fused")
     triton_ms = time_ms(run, device)
     graph_ms = graph_time_ms(run, device)
     k = k_cache[tables].flatten(1, 2).transpose(1, 2).contiguous()  # [batch, kv_heads, ctx, D]
@@ -143,6 +148,7 @@ def decode_row(batch: int, context: int, shape, dtype, device, peak: float | Non
         "table_width": width, "num_splits": splits,
         "split_programs": min(splits, split_programs or choose_split_programs(
             batch * num_kv_heads, splits, device)),
+        "merge": merge,
         "triton_ms": triton_ms, "sdpa_ms": sdpa_ms,
         "triton_gbps": gbps, "sdpa_gbps": kv_bytes / sdpa_ms / 1e6,
         "triton_pct_peak": 100 * gbps / peak if peak else None,
@@ -153,7 +159,8 @@ def decode_row(batch: int, context: int, shape, dtype, device, peak: float | Non
 
 
 def bench_decode(batches, contexts, shape, dtype, device, peak, max_gib: float,
-                 table_width: int | None = None, split_programs=(0,)) -> list[dict]:
+                 table_width: int | None = None, split_programs=(0,),
+                 merges=("kernel",)) -> list[dict]:
     rows = []
     itemsize = torch.empty((), dtype=dtype).element_size()
     for context in contexts:
@@ -163,8 +170,8 @@ def bench_decode(batches, contexts, shape, dtype, device, peak, max_gib: float,
                 print(f"skip decode batch {batch} context {context}: over --max-gib",
                       file=sys.stderr)
                 continue
-            rows += [decode_row(batch, context, shape, dtype, device, peak, table_width, n)
-                     for n in split_programs]
+            rows += [decode_row(batch, context, shape, dtype, device, peak, table_width, n, m)
+                     for n in split_programs for m in merges]
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     return rows
@@ -239,14 +246,15 @@ def bench_prefill(lengths, shape, dtype, device, tokens_per_batch: int,
 
 
 def print_tables(decode: list[dict], prefill: list[dict]) -> None:
-    print(f"{'batch':>6} {'context':>8} {'splits':>6} {'progs':>5} {'triton GB/s':>12} "
-          f"{'% peak':>7} {'graph GB/s':>11} {'sdpa GB/s':>10} {'max|diff|':>10}")
+    print(f"{'batch':>6} {'context':>8} {'splits':>6} {'progs':>5} {'merge':>6} "
+          f"{'triton GB/s':>12} {'% peak':>7} {'graph GB/s':>11} {'sdpa GB/s':>10} "
+          f"{'max|diff|':>10}")
     for r in decode:
         pct = f"{r['triton_pct_peak']:.0f}" if r["triton_pct_peak"] is not None else "?"
         graph = f"{r['graph_gbps']:.0f}" if r.get("graph_gbps") else "-"
         print(f"{r['batch']:>6} {r['context']:>8} {r['num_splits']:>6} {r['split_programs']:>5} "
-              f"{r['triton_gbps']:>12.0f} {pct:>7} {graph:>11} {r['sdpa_gbps']:>10.0f} "
-              f"{r['max_abs_diff']:>10.1e}")
+              f"{r['merge']:>6} {r['triton_gbps']:>12.0f} {pct:>7} {graph:>11} "
+              f"{r['sdpa_gbps']:>10.0f} {r['max_abs_diff']:>10.1e}")
     print(f"\n{'mode':>6} {'context':>8} {'chunk':>6} {'batch':>6} {'config':>14} "
           f"{'triton TFLOP/s':>15} {'sdpa TFLOP/s':>13}")
     for r in prefill:
@@ -276,6 +284,9 @@ def main() -> None:
     parser.add_argument("--split-programs", type=int, nargs="+", default=[0],
                         help="decode: stage 1's programs per (sequence, KV head) to time side "
                              "by side (0: the kernel's choice)")
+    parser.add_argument("--merge", nargs="+", choices=["kernel", "fused"], default=["kernel"],
+                        help="decode: where the splits are merged, to time side by side "
+                             "(kernel: a second launch; fused: stage 1's last program of a row)")
     parser.add_argument("--prefill-configs", nargs="+", default=["default"],
                         help="prefill tuning configs to time side by side, each BMxBNxWxS (rows "
                              "and keys per tile, warps, stages; 0: default) or 'default'")
@@ -302,7 +313,7 @@ def main() -> None:
     dtype, shape = getattr(torch, args.dtype), SHAPES[args.shape]
     torch.manual_seed(0)  # the same inputs every run: rows compare across runs, not only within
     decode = bench_decode(args.batches, args.contexts, shape, dtype, device, peak, args.max_gib,
-                          args.table_width, args.split_programs)
+                          args.table_width, args.split_programs, args.merge)
     prefill = bench_prefill(args.prefill_lengths, shape, dtype, device, args.prefill_tokens,
                             configs)
     print(f"{name}, peak {peak} GB/s, {args.shape} {shape}, {args.dtype}\n")

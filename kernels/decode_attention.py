@@ -6,7 +6,10 @@ two-stage form of LightLLM's / SGLang's Triton decode kernels. Stage 1 computes 
 heads of its KV head as the rows of one ``tl.dot`` (so each K/V tile is loaded once for the whole group),
 walks its share of the context through the block table with an online softmax, and writes a
 partial output and its log-sum-exp. Stage 2 merges the splits in a fixed order. With one
-split, stage 1 writes the normalized output directly and stage 2 is skipped.
+split, stage 1 writes the normalized output directly and stage 2 is skipped. The fused merge
+(``fused_merge``, ``FUSED_MERGE``) saves stage 2's launch, a few microseconds a layer under a
+CUDA graph: the last of a row's stage-1 programs to finish merges the row, as serial split-K
+GEMMs fix up their partial tiles (an arrival counter per row, acquire/release atomics).
 
 Batch invariance: how a sequence's context is split depends on its own length alone (as in
 vLLM's batch-invariant mode and SGLang's deterministic inference, where split sizes are fixed
@@ -38,6 +41,9 @@ from ._launch import check_attention_args, dot_options, next_power_of_2
 MAX_SPLITS = 32  # splits per sequence at most
 MIN_TILES_PER_SPLIT = 2  # key tiles: a shorter split costs more to write and merge than it saves
 PROGRAMS_PER_SM = 8  # stage 1's grid: about this many programs per multiprocessor, batch-wide
+# the merge in stage 1's last program of each (sequence, KV head) instead of a second launch;
+# off until timed on a GPU (docs/benchmarks.md, GPU section: kernels.bench --merge)
+FUSED_MERGE = False
 
 
 @triton.jit
@@ -56,14 +62,17 @@ def _sequence_splits(seq_len, window, max_splits, BLOCK_N: tl.constexpr,
 
 @triton.jit
 def _decode_split_kernel(
-    Q, K_cache, V_cache, Block_tables, Seq_lens, Out, Lse, qk_scale, cap_log2, window,
-    max_splits, stride_qs, stride_qh, stride_bt, stride_b, stride_s, stride_h,
-    stride_os, stride_oh, stride_ok, stride_ls, stride_lh,
+    Q, K_cache, V_cache, Block_tables, Seq_lens, Out, Lse, Final, Arrivals, qk_scale, cap_log2,
+    window, max_splits, stride_qs, stride_qh, stride_bt, stride_b, stride_s, stride_h,
+    stride_os, stride_oh, stride_ok, stride_ls, stride_lh, stride_fs, stride_fh,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MIN_TILES: tl.constexpr,
     SPLIT: tl.constexpr, PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr, SLIDING: tl.constexpr,
-    SOFTCAP: tl.constexpr,
+    SOFTCAP: tl.constexpr, FUSED_MERGE: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
+    """Stage 1 (module docstring). ``FUSED_MERGE``: the row's last program to finish (counted
+    in ``Arrivals``, one int32 per (sequence, KV head), zero before and after) also merges the
+    row's heads into ``Final``, so no second launch; ``Out``/``Lse`` are then the scratch."""
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     seq_len = tl.load(Seq_lens + seq)
@@ -99,6 +108,43 @@ def _decode_split_kernel(
         if SPLIT:
             lse = Lse + seq * stride_ls + heads * stride_lh + split
             tl.store(lse, m_i + tl.log2(l_i), mask=offs_g < GROUP)
+    if FUSED_MERGE:
+        # the split-K "semaphore" (CUTLASS's serial split-K, stream-K's fix-up): every thread's
+        # stores are done (barrier) before the release of the arrival; the last to arrive
+        # acquires the others' partials. The counter is reset for the next launch.
+        tl.debug_barrier()
+        arrival = Arrivals + seq * tl.num_programs(1) + kv_head
+        if tl.atomic_add(arrival, 1, sem="acq_rel", scope="gpu") == tl.num_programs(2) - 1:
+            tl.debug_barrier()
+            for g in tl.static_range(GROUP):
+                _merge_head(Out, Lse, Final, seq, kv_head * GROUP + g, used, stride_os,
+                            stride_oh, stride_ok, stride_ls, stride_lh, stride_fs, stride_fh,
+                            HEAD_DIM, BLOCK_D, BLOCK_K)
+            tl.store(arrival, 0)
+
+
+@triton.jit
+def _merge_head(Partial, Lse, Out, seq, head, used,
+                stride_ps, stride_ph, stride_pk, stride_ls, stride_lh, stride_os, stride_oh,
+                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Softmax-weighted sum of one (sequence, head)'s ``used`` splits. ``BLOCK_K`` comes from
+    ``max_splits``, not from the grid's split count, so the reduction has the same shape (and
+    order) in every batch; the slots past the sequence's own splits (counted from its length,
+    as stage 1 splits it, and never written) enter as exact zeros (weight 0, partial 0). The
+    loads skip the L1 cache (``.cg``): under the fused merge other programs wrote them."""
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_k = offs_k < used
+    lse = tl.load(Lse + seq * stride_ls + head * stride_lh + offs_k, mask=mask_k,
+                  other=float("-inf"), cache_modifier=".cg")
+    weight = tl.exp2(lse - tl.max(lse, 0))
+    partial_ptrs = (Partial + seq * stride_ps + head * stride_ph + offs_k[:, None] * stride_pk
+                    + offs_d[None, :])
+    partial = tl.load(partial_ptrs, mask=mask_k[:, None] & (offs_d < HEAD_DIM)[None, :],
+                      other=0.0, cache_modifier=".cg")
+    out = tl.sum(partial * weight[:, None], 0) / tl.sum(weight, 0)
+    tl.store(Out + seq * stride_os + head * stride_oh + offs_d, out.to(Out.dtype.element_ty),
+             mask=offs_d < HEAD_DIM)
 
 
 @triton.jit
@@ -108,26 +154,12 @@ def _decode_merge_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
     MIN_TILES: tl.constexpr, SLIDING: tl.constexpr,
 ):
-    """Softmax-weighted sum of the splits. ``BLOCK_K`` comes from ``max_splits``, not from the
-    grid's split count, so the reduction has the same shape (and order) in every batch; the
-    slots past the sequence's own splits (counted from its length, as stage 1 splits it, and
-    never written) enter as exact zeros (weight 0, partial 0)."""
+    """Stage 2: one program per (sequence, head), ``_merge_head``."""
     seq = tl.program_id(0)
-    head = tl.program_id(1)
     _, _, used = _sequence_splits(tl.load(Seq_lens + seq), window, max_splits, BLOCK_N,
                                   MIN_TILES, SLIDING)
-    offs_k = tl.arange(0, BLOCK_K)
-    offs_d = tl.arange(0, BLOCK_D)
-    mask_k = offs_k < used
-    lse = tl.load(Lse + seq * stride_ls + head * stride_lh + offs_k, mask=mask_k,
-                  other=float("-inf"))
-    weight = tl.exp2(lse - tl.max(lse, 0))
-    partial_ptrs = (Partial + seq * stride_ps + head * stride_ph + offs_k[:, None] * stride_pk
-                    + offs_d[None, :])
-    partial = tl.load(partial_ptrs, mask=mask_k[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
-    out = tl.sum(partial * weight[:, None], 0) / tl.sum(weight, 0)
-    tl.store(Out + seq * stride_os + head * stride_oh + offs_d, out.to(Out.dtype.element_ty),
-             mask=offs_d < HEAD_DIM)
+    _merge_head(Partial, Lse, Out, seq, tl.program_id(1), used, stride_ps, stride_ph, stride_pk,
+                stride_ls, stride_lh, stride_os, stride_oh, HEAD_DIM, BLOCK_D, BLOCK_K)
 
 
 def default_block_n(head_dim: int) -> int:
@@ -168,7 +200,8 @@ def paged_decode_attention(
     seq_lens: torch.Tensor, scale: float, *, sliding_window: int | None = None,
     softcap: float | None = None, max_splits: int = MAX_SPLITS,
     min_tiles: int = MIN_TILES_PER_SPLIT, block_n: int | None = None,
-    split_programs: int | None = None, out: torch.Tensor | None = None,
+    split_programs: int | None = None, fused_merge: bool | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its paged K/V.
 
@@ -181,7 +214,10 @@ def paged_decode_attention(
     sequence, the fewest key tiles per split and the key-tile size (tests, tuning); a
     sequence's output depends on them and its own K/V, never on the rest of the batch.
     split_programs: override stage 1's programs per (sequence, KV head) (tests, tuning); the
-    output does not depend on it. Returns ``out`` (``[num_seqs, num_heads, head_dim]``, q's
+    output does not depend on it. fused_merge: merge the splits in stage 1's last program of
+    each (sequence, KV head) rather than in a second kernel (default ``FUSED_MERGE``; tests,
+    tuning); on the interpreter the output is the same bits either way, on a GPU each way
+    keeps its own bits in every batch. Returns ``out`` (``[num_seqs, num_heads, head_dim]``, q's
     dtype), written in place if given. Same result as ``kernels.reference.paged_decode_attention``. Raises ``ValueError`` on
     mismatched shapes, dtypes or devices.
     """
@@ -208,19 +244,45 @@ def paged_decode_attention(
     grid = (num_seqs, num_kv_heads, min(programs, splits))
     args = (q, k_cache, v_cache, block_tables, seq_lens)
     strides = (q.stride(0), q.stride(1), block_tables.stride(0), *k_cache.stride()[:3])
+    meta["BLOCK_K"] = next_power_of_2(max_splits)
     if splits == 1:
-        _decode_split_kernel[grid](*args, out, out, qk_scale, cap_log2, window, max_splits,
-                                   *strides, out.stride(0), out.stride(1), 0, 0, 0, **meta)
+        _decode_split_kernel[grid](*args, out, out, out, seq_lens, qk_scale, cap_log2, window,
+                                   max_splits, *strides, out.stride(0), out.stride(1), 0, 0, 0,
+                                   0, 0, FUSED_MERGE=False, **meta)
         return out
     partial = torch.empty((num_seqs, num_heads, splits, head_dim), dtype=torch.float32,
                           device=q.device)
     lse = torch.empty((num_seqs, num_heads, splits), dtype=torch.float32, device=q.device)
-    _decode_split_kernel[grid](*args, partial, lse, qk_scale, cap_log2, window, max_splits,
-                               *strides, *partial.stride()[:3], *lse.stride()[:2], **meta)
-    _decode_merge_kernel[(num_seqs, num_heads)](
-        partial, lse, out, seq_lens, window, max_splits, *partial.stride()[:3],
-        *lse.stride()[:2], out.stride(0), out.stride(1), HEAD_DIM=head_dim,
-        BLOCK_D=meta["BLOCK_D"], BLOCK_K=next_power_of_2(max_splits), BLOCK_N=block_n,
-        MIN_TILES=min_tiles, SLIDING=meta["SLIDING"])
+    fused = FUSED_MERGE if fused_merge is None else fused_merge
+    arrivals = arrival_counters(q.device, num_seqs * num_kv_heads) if fused else seq_lens
+    _decode_split_kernel[grid](*args, partial, lse, out, arrivals, qk_scale, cap_log2, window,
+                               max_splits, *strides, *partial.stride()[:3], *lse.stride()[:2],
+                               out.stride(0), out.stride(1), FUSED_MERGE=fused, **meta)
+    if not fused:
+        _decode_merge_kernel[(num_seqs, num_heads)](
+            partial, lse, out, seq_lens, window, max_splits, *partial.stride()[:3],
+            *lse.stride()[:2], out.stride(0), out.stride(1), HEAD_DIM=head_dim,
+            BLOCK_D=meta["BLOCK_D"], BLOCK_K=meta["BLOCK_K"], BLOCK_N=block_n,
+            MIN_TILES=min_tiles, SLIDING=meta["SLIDING"])
     return out
+
+
+# device -> int32 counters, zero between launches (each launch's merging programs reset theirs)
+_ARRIVALS: dict[torch.device, torch.Tensor] = {}
+_RETIRED: list[torch.Tensor] = []  # outgrown counters stay allocated: a captured graph holds them
+
+
+def arrival_counters(device: torch.device, rows: int) -> torch.Tensor:
+    """The fused merge's arrival counters, one int32 per (sequence, KV head), at least ``rows``
+    of them, all zero: one buffer per device, allocated at first use (at least 16,384 rows,
+    64 KiB, so a CUDA graph captured later finds it) and regrown only for a larger batch.
+    Launches that overlap on one device (two streams) must not share it; the engine launches
+    attention from one stream."""
+    counters = _ARRIVALS.get(device)
+    if counters is None or counters.numel() < rows:
+        if counters is not None:
+            _RETIRED.append(counters)
+        counters = torch.zeros(max(rows, 16384), dtype=torch.int32, device=device)
+        _ARRIVALS[device] = counters
+    return counters
 

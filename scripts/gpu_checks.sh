@@ -156,15 +156,25 @@ elif [ "$stage" = engine ]; then  # the engine on random weights: no GGUF, one c
         tests/kernels/test_decode_attention.py tests/kernels/test_bench.py
     ran decode_tests && { tail -3 "$OUT/decode_tests.log"; grep -E "^(FAILED|ERROR)" "$OUT/decode_tests.log" | head; }
     # stage 1's programs per (sequence, KV head) as the engine's CUDA graphs run it (tables
-    # 8,192 tokens wide): the kernel's choice (0) beside fixed counts (32: one per split)
-    step split_sweep 150 python3 -m kernels.bench --shape smollm2-135m --batches 1 16 64 256 \
-        --contexts 512 2048 --table-width 8192 --split-programs 0 1 2 4 32 --prefill-lengths 512 \
-        --out "$OUT/split_sweep.json"
+    # 8,192 tokens wide): the kernel's choice (0) beside fixed counts (32: one per split); and
+    # the merge in a second kernel beside the fused one (stage 1's last program of each row)
+    step split_sweep 200 python3 -m kernels.bench --shape smollm2-135m --batches 1 16 64 256 \
+        --contexts 512 2048 --table-width 8192 --split-programs 0 1 2 4 32 --merge kernel fused \
+        --prefill-lengths 512 --out "$OUT/split_sweep.json"
     ran split_sweep && grep -E "^ +[0-9]+ +[0-9]+ +[0-9]+ +[0-9]+ " "$OUT/split_sweep.log"
     step profile_random 90 python3 -m scripts.profile_decode_step --model /tmp/smol --device cuda \
         --dtype bfloat16 --quantization none --batches 1,16,64,256 --steps 32 \
         --out "$OUT/profile_random.json"
     ran profile_random && grep -E "^(precision|batch)|^    (gpu|api)" "$OUT/profile_random.log"
+    # the same profile with decode attention's merge fused into stage 1 (kernels/decode_attention.py
+    # FUSED_MERGE, off by default until this compares the GPU ms per step)
+    step profile_fused 90 python3 -c "import runpy, sys; import kernels.decode_attention as d
+d.FUSED_MERGE = True
+sys.argv = ['profile_decode_step'] + sys.argv[1:]
+runpy.run_module('scripts.profile_decode_step', run_name='__main__')" --model /tmp/smol \
+        --device cuda --dtype bfloat16 --quantization none --batches 1,16,64,256 --steps 32 \
+        --out "$OUT/profile_fused.json"
+    ran profile_fused && grep -E "^(precision|batch)|^    (gpu|api)" "$OUT/profile_fused.log"
     # the host's own work per step on this machine's CPU (the model replaced by constants, the
     # graph buffers on the GPU): beside profile_random's host time, what the model's launches
     # add, and beside the CPU machine's figure (docs/benchmarks.md), what this host's speed does

@@ -68,8 +68,8 @@ def cases():
     """(name, thunk) for each wrapper call: the built-in model's shape (9 query heads, 3 KV
     heads, head_dim 64) in bfloat16 and float32 (the GPU's serving and oracle dtypes), a
     1B-class Llama's (32 / 8 x 64) in bfloat16, and the variants that change the compiled code
-    (one split or several, sliding window, soft-cap, Gemma's unit-offset norm, GeLU). Each
-    thunk reads the loop's current values: call it before taking the next case."""
+    (one split or several, the fused merge, sliding window, soft-cap, Gemma's unit-offset norm,
+    GeLU). Each thunk reads the loop's current values: call it before taking the next case."""
     from kernels import (cache_ops, decode_attention, layer_ops, paged_attention,
                          prefill_attention)
     for module in (decode_attention, prefill_attention):
@@ -84,11 +84,12 @@ def cases():
             q = torch.zeros(4, heads, d, dtype=dtype)
             tag = f"{str(dtype)[6:]} {heads}/{kv_heads}x{d}"
             for window, cap in ((None, None), (128, None), (None, 50.0)):
-                for splits in (1, 16):
-                    yield (f"decode {tag} window={window} softcap={cap} splits={splits}",
+                for splits, fused in ((1, False), (16, False), (16, True)):
+                    yield (f"decode {tag} window={window} softcap={cap} splits={splits}"
+                           f"{' fused merge' if fused else ''}",
                            lambda: decode_attention.paged_decode_attention(
                                q, cache, cache, tables, lens, 0.125, sliding_window=window,
-                               softcap=cap, max_splits=splits))
+                               softcap=cap, max_splits=splits, fused_merge=fused))
                 yield (f"prefill {tag} window={window} softcap={cap}",
                        lambda: prefill_attention.paged_prefill_attention(
                            torch.zeros(40, heads, d, dtype=dtype), cache, cache, tables, lens,

@@ -12,8 +12,9 @@ from kernels import reference
 from .conftest import ATOL, DTYPES, HAS_CUDA, make_paged_batch, reference_in_float32
 
 pytest.importorskip("triton", reason="triton is not installed: Triton kernels not tested")
+import kernels.decode_attention as decode_attention  # noqa: E402
 from kernels.decode_attention import (  # noqa: E402
-    choose_num_splits, choose_split_programs, paged_decode_attention)
+    arrival_counters, choose_num_splits, choose_split_programs, paged_decode_attention)
 
 # context lengths: a single token, exactly one block, one past it, several blocks
 LENS = [1, 16, 17, 40] if not HAS_CUDA else [1, 16, 17, 255, 1000, 4097]
@@ -53,12 +54,15 @@ def test_decode_more_splits_than_tiles_and_default_splits():
     check(batch, torch.float32)
 
 
+@pytest.mark.parametrize("fused_merge", [False, True])
 @pytest.mark.parametrize("split_programs", [None, 1, 2])
-def test_splits_past_a_sequence_s_end_are_neither_written_nor_read(monkeypatch, split_programs):
+def test_splits_past_a_sequence_s_end_are_neither_written_nor_read(monkeypatch, split_programs,
+                                                                   fused_merge):
     """Under a wide block table most grid splits lie past a short sequence's end: stage 1 skips
     them and the merge leaves them out, so scratch the kernels never wrote (NaN here, garbage
-    in torch.empty) cannot reach the output, with or without a sliding window."""
-    import kernels.decode_attention as decode_attention
+    in torch.empty) cannot reach the output, with or without a sliding window, whichever
+    program merges."""
+    monkeypatch.setattr(decode_attention, "FUSED_MERGE", fused_merge)
 
     def nan_empty(*shape, **kwargs):
         return torch.full(*shape, float("nan"), **kwargs)
@@ -109,17 +113,18 @@ def test_choose_split_programs():
     assert choose_split_programs(64, 32, cpu) == 1  # the batch alone fills it
 
 
+@pytest.mark.parametrize("fused_merge", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_a_sequence_gets_the_same_bits_in_any_batch(dtype):
+def test_a_sequence_gets_the_same_bits_in_any_batch(dtype, fused_merge):
     """Batch invariance: each sequence's output, computed alone (its own block table width,
     so fewer grid splits), equals bit for bit its row in the whole batch, and in the batch
-    with a block table four times as wide (as CUDA graphs pass it)."""
+    with a block table four times as wide (as CUDA graphs pass it); with either merge."""
     batch = make_paged_batch([(n - 1, 1) for n in LENS], 8, 2, HEAD_DIM, 4, dtype)
     args = (batch.k_cache, batch.v_cache)
 
     def attend(q, tables, lens, **kwargs):
         return paged_decode_attention(q, *args, tables, lens, batch.scale, block_n=BLOCK_N,
-                                      min_tiles=1, **kwargs)
+                                      min_tiles=1, fused_merge=fused_merge, **kwargs)
 
     together = attend(batch.q, batch.block_tables, batch.seq_lens)
     wide = torch.zeros(len(LENS), 4 * batch.block_tables.shape[1], dtype=batch.block_tables.dtype,
@@ -134,6 +139,50 @@ def test_a_sequence_gets_the_same_bits_in_any_batch(dtype):
         alone = attend(batch.q[i:i + 1], batch.block_tables[i:i + 1, :-(-n // 4)],
                        batch.seq_lens[i:i + 1])
         assert torch.equal(alone, together[i:i + 1]), n
+
+
+@pytest.mark.parametrize("sliding_window", [None, 5])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_fused_merge_matches_the_reference_and_leaves_its_counters_at_zero(dtype,
+                                                                           sliding_window):
+    """The merge in stage 1's last program of each (sequence, KV head): the reference's
+    output (on the interpreter, which runs the same merge code in the same order, the two-kernel
+    path's bits exactly), each program count, and every arrival counter back at zero for the
+    next launch. On a GPU, 20 launches of many programs each give the same bits: a merge that
+    read a partial before its program stored it would differ now and then."""
+    lens = LENS if not HAS_CUDA else [1, 17, 1000, 4097] * 16
+    batch = make_paged_batch([(n - 1, 1) for n in lens], 8, 2, HEAD_DIM, 4, dtype)
+    expected = reference.paged_decode_attention(
+        batch.q.float(), batch.k_cache.float(), batch.v_cache.float(), batch.block_tables,
+        batch.seq_lens, batch.scale, sliding_window=sliding_window)
+
+    def attend(fused, programs=None):
+        return paged_decode_attention(batch.q, batch.k_cache, batch.v_cache, batch.block_tables,
+                                      batch.seq_lens, batch.scale, block_n=BLOCK_N, min_tiles=1,
+                                      sliding_window=sliding_window, split_programs=programs,
+                                      fused_merge=fused)
+
+    fused = attend(True)
+    torch.testing.assert_close(fused.float(), expected, atol=ATOL[dtype], rtol=0)
+    assert not arrival_counters(batch.q.device, 1).any()
+    for programs in (1, 2, 3):
+        assert torch.equal(attend(True, programs), fused), programs
+    if not HAS_CUDA:
+        assert torch.equal(attend(False), fused)
+    for _ in range(20 if HAS_CUDA else 0):
+        assert torch.equal(attend(True), fused)
+
+
+def test_arrival_counters_grow_and_keep_what_a_graph_holds():
+    device = torch.device("cpu")
+    decode_attention._ARRIVALS.pop(device, None)
+    first = arrival_counters(device, 10)
+    assert first.numel() == 16384 and first.dtype == torch.int32 and not first.any()
+    assert arrival_counters(device, 16384) is first
+    grown = arrival_counters(device, 20000)
+    assert grown.numel() == 20000 and grown is not first
+    assert any(t is first for t in decode_attention._RETIRED)
+    assert arrival_counters(device, 5) is grown
 
 
 def test_decode_rejects_mismatched_arguments():
