@@ -285,8 +285,7 @@ def main() -> None:
                         help="decode: stage 1's programs per (sequence, KV head) to time side "
                              "by side (0: the kernel's choice)")
     parser.add_argument("--merge", nargs="+", choices=["kernel", "fused"], default=["kernel"],
-                        help="decode: where the splits are merged, to time side by side "
-                             "(kernel: a second launch; fused: stage 1's last program of a row)")
+                        help="decode: the merge kernel, or stage 1 merging (side by side)")
     parser.add_argument("--prefill-configs", nargs="+", default=["default"],
                         help="prefill tuning configs to time side by side, each BMxBNxWxS (rows "
                              "and keys per tile, warps, stages; 0: default) or 'default'")

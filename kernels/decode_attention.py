@@ -237,34 +237,41 @@ def paged_decode_attention(
                 BLOCK_D=max(16, next_power_of_2(head_dim)), BLOCK_SIZE=block_size,
                 BLOCK_N=block_n, MIN_TILES=min_tiles, SPLIT=splits > 1,
                 SLIDING=sliding_window is not None, SOFTCAP=bool(softcap),
-                **dot_options(q.dtype, q.device))
-    qk_scale, cap_log2 = score_scales(scale, softcap)
-    window = sliding_window or 0
+                BLOCK_K=next_power_of_2(max_splits), **dot_options(q.dtype, q.device))
     programs = split_programs or choose_split_programs(num_seqs * num_kv_heads, splits, q.device)
     grid = (num_seqs, num_kv_heads, min(programs, splits))
     args = (q, k_cache, v_cache, block_tables, seq_lens)
-    strides = (q.stride(0), q.stride(1), block_tables.stride(0), *k_cache.stride()[:3])
-    meta["BLOCK_K"] = next_power_of_2(max_splits)
+    scalars = (*score_scales(scale, softcap), sliding_window or 0, max_splits,
+               q.stride(0), q.stride(1), block_tables.stride(0), *k_cache.stride()[:3])
     if splits == 1:
-        _decode_split_kernel[grid](*args, out, out, out, seq_lens, qk_scale, cap_log2, window,
-                                   max_splits, *strides, out.stride(0), out.stride(1), 0, 0, 0,
-                                   0, 0, FUSED_MERGE=False, **meta)
-        return out
+        _decode_split_kernel[grid](*args, out, out, out, seq_lens, *scalars, out.stride(0),
+                                   out.stride(1), 0, 0, 0, 0, 0, FUSED_MERGE=False, **meta)
+    else:
+        fused = FUSED_MERGE if fused_merge is None else fused_merge
+        _split_and_merge(grid, args, scalars, out, splits, fused, meta)
+    return out
+
+
+def _split_and_merge(grid: tuple[int, int, int], args: tuple, scalars: tuple, out: torch.Tensor,
+                     splits: int, fused: bool, meta: dict) -> None:
+    """``paged_decode_attention``'s two stages into float32 scratch (``[num_seqs, num_heads,
+    splits, head_dim]`` partials and ``[num_seqs, num_heads, splits]`` log-sum-exps), the merge
+    by a second kernel or by stage 1 itself (``fused``)."""
+    (num_seqs, num_heads, head_dim), seq_lens = out.shape, args[4]
     partial = torch.empty((num_seqs, num_heads, splits, head_dim), dtype=torch.float32,
-                          device=q.device)
-    lse = torch.empty((num_seqs, num_heads, splits), dtype=torch.float32, device=q.device)
-    fused = FUSED_MERGE if fused_merge is None else fused_merge
-    arrivals = arrival_counters(q.device, num_seqs * num_kv_heads) if fused else seq_lens
-    _decode_split_kernel[grid](*args, partial, lse, out, arrivals, qk_scale, cap_log2, window,
-                               max_splits, *strides, *partial.stride()[:3], *lse.stride()[:2],
-                               out.stride(0), out.stride(1), FUSED_MERGE=fused, **meta)
+                          device=out.device)
+    lse = torch.empty((num_seqs, num_heads, splits), dtype=torch.float32, device=out.device)
+    arrivals = arrival_counters(out.device, num_seqs * grid[1]) if fused else seq_lens
+    _decode_split_kernel[grid](*args, partial, lse, out, arrivals, *scalars,
+                               *partial.stride()[:3], *lse.stride()[:2], out.stride(0),
+                               out.stride(1), FUSED_MERGE=fused, **meta)
     if not fused:
+        window, max_splits = scalars[2], scalars[3]
         _decode_merge_kernel[(num_seqs, num_heads)](
             partial, lse, out, seq_lens, window, max_splits, *partial.stride()[:3],
             *lse.stride()[:2], out.stride(0), out.stride(1), HEAD_DIM=head_dim,
-            BLOCK_D=meta["BLOCK_D"], BLOCK_K=meta["BLOCK_K"], BLOCK_N=block_n,
-            MIN_TILES=min_tiles, SLIDING=meta["SLIDING"])
-    return out
+            BLOCK_D=meta["BLOCK_D"], BLOCK_K=meta["BLOCK_K"], BLOCK_N=meta["BLOCK_N"],
+            MIN_TILES=meta["MIN_TILES"], SLIDING=meta["SLIDING"])
 
 
 # device -> int32 counters, zero between launches (each launch's merging programs reset theirs)
