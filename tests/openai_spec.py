@@ -8,6 +8,7 @@ own SDK generators do.
 """
 from __future__ import annotations
 
+import copy
 import functools
 from pathlib import Path
 
@@ -68,11 +69,32 @@ def properties(schema_name: str) -> set[str]:
     return names
 
 
+def echo_logprobs(logprobs: dict) -> dict:
+    """``CreateCompletionResponse``'s ``choices[].logprobs`` schema with null allowed among the
+    ``token_logprobs`` and ``top_logprobs`` items. With ``echo``, OpenAI (and vLLM) give the
+    prompt's first token null in both (no token precedes it to condition on), though the
+    specification's item schemas are a number and an object."""
+    out = copy.deepcopy(logprobs)
+    fields = out["anyOf"][0]["properties"]
+    for key in ("token_logprobs", "top_logprobs"):
+        fields[key]["items"] = {"anyOf": [fields[key]["items"], {"type": "null"}]}
+    return out
+
+
+def completion_validator() -> jsonschema.Draft202012Validator:
+    """``CreateCompletionResponse`` with ``echo_logprobs``' relaxation."""
+    choice = spec()["components"]["schemas"]["CreateCompletionResponse"]["properties"]["choices"]["items"]
+    return validator("CreateCompletionResponse", {"choices": {"type": "array", "items": {
+        **choice, "properties": {**choice["properties"],
+                                 "logprobs": echo_logprobs(choice["properties"]["logprobs"])}}}})
+
+
 def completion_chunk_validator() -> jsonschema.Draft202012Validator:
-    """``CreateCompletionResponse`` with ``finish_reason`` nullable, for streamed chunks: OpenAI
-    (and vLLM) send null until a choice's last chunk, though the specification reuses the whole
-    response's schema, where it is required and not nullable, for its chunks."""
+    """``completion_validator``'s schema with ``finish_reason`` nullable, for streamed chunks:
+    OpenAI (and vLLM) send null until a choice's last chunk, though the specification reuses the
+    whole response's schema, where it is required and not nullable, for its chunks."""
     choice = spec()["components"]["schemas"]["CreateCompletionResponse"]["properties"]["choices"]["items"]
     reason = {**choice["properties"]["finish_reason"], "nullable": True}
     return validator("CreateCompletionResponse", {"choices": {"type": "array", "items": {
-        **choice, "properties": {**choice["properties"], "finish_reason": reason}}}})
+        **choice, "properties": {**choice["properties"], "finish_reason": reason,
+                                 "logprobs": echo_logprobs(choice["properties"]["logprobs"])}}}})

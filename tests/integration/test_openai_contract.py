@@ -25,6 +25,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import jsonschema
 import openai
 import pytest
 import yaml
@@ -32,7 +33,8 @@ import yaml
 from services.gateway.openai_api import (CHAT_REFUSED, COMPLETION_REFUSED, MESSAGE_REFUSED,
                                          STREAM_OPTIONS_REFUSED, TEXT_PART_REFUSED)
 from tests.integration.conftest import HttpStack, assert_all_blocks_freed, http_stack_with
-from tests.openai_spec import completion_chunk_validator, spec, validator
+from tests.openai_spec import (completion_chunk_validator, completion_validator, echo_logprobs,
+                               spec, validator)
 from tests.reference import tokenizer
 
 pytestmark = pytest.mark.integration
@@ -59,7 +61,8 @@ def run(coro):
 def accepted_space() -> dict:
     """The vendored document narrowed to what Tandem accepts and can answer quickly: the served
     model, at most ``FUZZ_MAX_TOKENS`` tokens and 2 choices, token ids of the model's vocabulary,
-    and none of the fields, message keys, roles or content parts that Tandem refuses."""
+    and none of the fields, message keys, roles or content parts that Tandem refuses. One
+    response schema is relaxed: echoed logprobs' first token is null (``echo_logprobs``)."""
     doc = copy.deepcopy(spec())
     schemas = doc["components"]["schemas"]
 
@@ -94,6 +97,8 @@ def accepted_space() -> dict:
         {"$ref": "#/components/schemas/ChatCompletionRequestMessageContentPartText"}]
     for key in TEXT_PART_REFUSED:
         schemas["ChatCompletionRequestMessageContentPartText"]["properties"].pop(key)
+    choice = schemas["CreateCompletionResponse"]["properties"]["choices"]["items"]["properties"]
+    choice["logprobs"] = echo_logprobs(choice["logprobs"])  # the chunks' copy below too
     _streams_as_events(doc)
     return doc
 
@@ -218,6 +223,31 @@ def test_null_means_absent_over_raw_http_and_the_openai_client(http_stack):
     c, t = run(client_nulls())
     assert c.choices[0].message.content == plain_chat.json()["choices"][0]["message"]["content"]
     assert t.choices[0].text == plain.json()["choices"][0]["text"]
+
+
+def test_echoed_logprobs_conform_with_the_first_token_null(http_stack):
+    """The request the fuzzer found (seed 38, 2,265 cases in its 120 s on a fast machine):
+    ``echo`` with ``logprobs`` over a batch of odd prompts. The first echoed token of each
+    choice has null logprob and null alternatives, as OpenAI and vLLM send it; everything else
+    conforms to the specification, whole responses and streamed chunks."""
+    body = {"model": MODEL, "prompt": ["\r\u0091\u0093\u00ac=", "\u0010\u00d1"], "echo": True,
+            "logprobs": 0, "max_tokens": 2, "temperature": 0, "top_p": 0.14}
+    whole = post(http_stack, "/completions", body)
+    assert whole.status_code == 200, whole.text
+    completion_validator().validate(whole.json())
+    for choice in whole.json()["choices"]:
+        lp = choice["logprobs"]
+        assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+        assert None not in lp["token_logprobs"][1:] and None not in lp["top_logprobs"][1:]
+    with pytest.raises(jsonschema.ValidationError):  # the document as written refuses them
+        validator("CreateCompletionResponse").validate(whole.json())
+    streamed = post(http_stack, "/completions", {**body, "stream": True})
+    assert streamed.status_code == 200, streamed.text
+    chunks = sse_chunks(streamed.text)
+    for chunk in chunks:
+        completion_chunk_validator().validate(chunk)
+    assert any(c["choices"] and c["choices"][0]["logprobs"]["token_logprobs"][0] is None
+               for c in chunks)
 
 
 def test_developer_role_is_the_system_role(http_stack):
