@@ -83,18 +83,26 @@ def echo_logprobs(logprobs: dict) -> dict:
 
 def completion_validator() -> jsonschema.Draft202012Validator:
     """``CreateCompletionResponse`` with ``echo_logprobs``' relaxation."""
-    choice = spec()["components"]["schemas"]["CreateCompletionResponse"]["properties"]["choices"]["items"]
-    return validator("CreateCompletionResponse", {"choices": {"type": "array", "items": {
-        **choice, "properties": {**choice["properties"],
-                                 "logprobs": echo_logprobs(choice["properties"]["logprobs"])}}}})
+    return _completion_validator()
 
 
 def completion_chunk_validator() -> jsonschema.Draft202012Validator:
     """``completion_validator``'s schema with ``finish_reason`` nullable, for streamed chunks:
     OpenAI (and vLLM) send null until a choice's last chunk, though the specification reuses the
     whole response's schema, where it is required and not nullable, for its chunks."""
-    choice = spec()["components"]["schemas"]["CreateCompletionResponse"]["properties"]["choices"]["items"]
-    reason = {**choice["properties"]["finish_reason"], "nullable": True}
+    reason = _completion_choice()["properties"]["finish_reason"]
+    return _completion_validator(finish_reason={**reason, "nullable": True})
+
+
+def _completion_choice() -> dict:
+    return spec()["components"]["schemas"]["CreateCompletionResponse"]["properties"]["choices"]["items"]
+
+
+def _completion_validator(**choice_properties: dict) -> jsonschema.Draft202012Validator:
+    """``CreateCompletionResponse`` whose choices have ``echo_logprobs``' logprobs and
+    ``choice_properties`` replaced."""
+    choice = _completion_choice()
+    properties = {**choice["properties"], "logprobs": echo_logprobs(choice["properties"]["logprobs"]),
+                  **choice_properties}
     return validator("CreateCompletionResponse", {"choices": {"type": "array", "items": {
-        **choice, "properties": {**choice["properties"], "finish_reason": reason,
-                                 "logprobs": echo_logprobs(choice["properties"]["logprobs"])}}}})
+        **choice, "properties": properties}}})
