@@ -1,11 +1,11 @@
-"""The three CPU C kernels as one unit: prebuilt for every CPU family (the image build), loaded
+"""The four CPU C kernels as one unit: prebuilt for every CPU family (the image build), loaded
 at a worker's start and reported.
 
     python -m kernels.cpu_kernels prebuild [--out DIR] [--families a,b]   the image's kernel layer
     python -m kernels.cpu_kernels status                                   what this CPU loads
 
-``log_loaded()`` loads ``paged_decode_attention``, ``quant_matmul`` and ``decode_ops`` now (at a
-worker's start, not at its first request) and logs which build each uses, or a WARNING naming
+``log_loaded()`` loads ``paged_decode_attention``, ``quant_matmul``, ``decode_ops`` and
+``sampling`` now (at a worker's start, not at its first request) and logs which build each uses, or a WARNING naming
 each kernel that could not be loaded, why, what that costs and how to fix it: the torch
 fallbacks serve correctly but several times slower, which must not go unnoticed. The libraries'
 origin (prebuilt or built here) is ``kernels.native``'s. Imports nothing of ``services``.
@@ -24,12 +24,13 @@ log = logging.getLogger(__name__)
 
 
 def log_loaded() -> bool:
-    """Load the three CPU kernels and log how (INFO), or which did not load and why (WARNING).
-    Returns whether all three loaded."""
-    from kernels import cpu_attention, decode_ops, quant
+    """Load the four CPU kernels and log how (INFO), or which did not load and why (WARNING).
+    Returns whether all four loaded."""
+    from kernels import cpu_attention, decode_ops, quant, sampling
 
     loaded = {"paged_decode_attention": cpu_attention.available(),
-              "quant_matmul": quant.available(), "decode_ops": decode_ops.available()}
+              "quant_matmul": quant.available(), "decode_ops": decode_ops.available(),
+              "sampling": sampling.available()}
     seen = native.outcomes()
     if all(loaded.values()):
         log.info("CPU kernels: %s", "; ".join(f"{k} {seen.get(k, 'loaded')}" for k in loaded))
@@ -38,8 +39,9 @@ def log_loaded() -> bool:
     log.warning(
         "CPU KERNELS NOT LOADED: %s. This process serves with the torch fallbacks instead: "
         "GGUF weights are expanded to dense float (quantization auto resolves to none) and "
-        "decode is several times slower. Fix: run on a CPU the image's prebuilt kernels cover "
-        "(%s), or give the process a C compiler and a writable $TANDEM_CACHE_DIR.",
+        "decode and random sampling are several times slower. Fix: run on a CPU the image's "
+        "prebuilt kernels cover (%s), or give the process a C compiler and a writable "
+        "$TANDEM_CACHE_DIR.",
         "; ".join(f"{k} ({seen.get(k, 'not loaded')})" for k in missing),
         ", ".join(f.name for f in native.families()) or f"none for {platform.machine()}")
     return False

@@ -24,6 +24,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kernels import sampling as cpu_sampling
+from kernels.decode_ops import argmax_rows
+
 _MASK64 = np.uint64(2**64 - 1)
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)  # SplitMix64's increment (2^64 / golden ratio)
 
@@ -159,9 +162,9 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     if (p := batch.penalties) is not None:
         logits[p.rows] = apply_penalties(logits[p.rows], p.presence, p.frequency, p.repetition,
                                          p.history, p.output_from)
-    token_ids = logits.argmax(dim=-1)
+    token_ids = argmax_rows(logits)
     if (r := batch.random) is not None:
-        token_ids.index_copy_(0, r.rows, _sample_random(logits[r.rows], r))
+        token_ids.index_copy_(0, r.rows, _sample_random(logits, r))
     out = SamplerOutput(token_ids)
     if batch.logprob_rows is not None:
         lp = torch.log_softmax(raw[batch.logprob_rows], dim=-1)
@@ -181,9 +184,15 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Te
 
 
 def _sample_random(logits: torch.Tensor, r: RandomDraws) -> torch.Tensor:
-    """Each random row's draw (``[r, vocab]`` logits) by inverse transform sampling over its
-    filtered distribution."""
-    logits = logits / r.temperature.unsqueeze(1)
+    """Each random row's draw (rows ``r.rows`` of the ``[n, vocab]`` logits) by inverse
+    transform sampling over its filtered distribution: on a CPU by ``kernels.sampling``, which
+    ranks only the tokens that can make a top-k/top-p cut and reads each row in cache (the
+    same definition; a draw within rounding of a boundary may land on the neighbouring
+    token); elsewhere, or without the kernel, by the torch ops below."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and cpu_sampling.available():
+        return cpu_sampling.sample_rows(logits.contiguous(), r.rows, r.temperature, r.top_k,
+                                        r.top_p, r.min_p, r.uniforms)
+    logits = logits[r.rows] / r.temperature.unsqueeze(1)
     if r.any_min_p:
         probs = torch.softmax(logits, dim=-1)
         threshold = r.min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values

@@ -10,7 +10,7 @@ import shutil
 
 import pytest
 
-from kernels import cpu_attention, cpu_kernels, decode_ops, native, quant
+from kernels import cpu_attention, cpu_kernels, decode_ops, native, quant, sampling
 
 pytestmark = pytest.mark.skipif(
     platform.machine() != "x86_64" or not (shutil.which("cc") or shutil.which("gcc")),
@@ -128,7 +128,7 @@ def test_unknown_family_is_refused(probe_csrc):
 @pytest.fixture
 def fresh_kernels():
     """Each kernel module loads its library again on next use (and after the test)."""
-    loaders = (cpu_attention._library, quant._library, decode_ops.lib)
+    loaders = (cpu_attention._library, quant._library, decode_ops.lib, sampling.lib)
     for fn in loaders:
         fn.cache_clear()
     yield
@@ -147,7 +147,7 @@ def test_worker_start_warns_loudly_naming_each_missing_kernel(tmp_path, monkeypa
     assert warning.levelno == logging.WARNING
     text = warning.getMessage()
     assert text.startswith("CPU KERNELS NOT LOADED")
-    for kernel in ("paged_decode_attention", "quant_matmul", "decode_ops"):
+    for kernel in ("paged_decode_attention", "quant_matmul", "decode_ops", "sampling"):
         assert f"{kernel} (not loaded: no prebuilt kernels" in text
     assert "no C compiler found" in text and "quantization auto resolves to none" in text
     assert not quant.available() and not cpu_attention.available()
@@ -165,7 +165,7 @@ def test_worker_start_logs_the_build_each_kernel_uses(tmp_path, monkeypatch, cap
         assert cpu_kernels.log_loaded() is True
     (info,) = [r for r in caplog.records if r.name == "kernels.cpu_kernels"]
     assert info.levelno == logging.INFO
-    for kernel in ("paged_decode_attention", "quant_matmul", "decode_ops"):
+    for kernel in ("paged_decode_attention", "quant_matmul", "decode_ops", "sampling"):
         assert f"{kernel} prebuilt for avx2" in info.getMessage()
 
 
