@@ -14,6 +14,19 @@ from services.engine.sampling_params import SamplingParams
 VOCAB = 1000
 
 
+@pytest.fixture(autouse=True, params=["kernel", "torch"])
+def random_rows_path(request, monkeypatch):
+    """Every test on both ways a CPU draws random rows: the C kernel (``kernels.sampling``)
+    and the torch ops (what a GPU runs, and a CPU without a compiler)."""
+    from kernels import sampling as cpu_sampling
+
+    if request.param == "kernel" and not cpu_sampling.available():
+        pytest.skip("no C compiler: the CPU sampling kernel is not built")
+    if request.param == "torch":
+        monkeypatch.setattr(cpu_sampling, "available", lambda: False)
+    return request.param
+
+
 def requests(params: list[SamplingParams], outputs: list[list[int]] | None = None,
              prompts: list[list[int]] | None = None) -> list[Request]:
     reqs = []
