@@ -1,5 +1,6 @@
 """Random sampling of logits rows on a CPU (``csrc/sampling.c``, OpenMP): temperature, min-p,
-top-k and top-p, then one inverse-transform draw per row, beside its reference.
+top-k and top-p, then one inverse-transform draw per row, beside its reference; and the
+logprobs of chosen tokens with each row's top-N, without a ``[rows, vocab]`` log_softmax.
 
 The torch path (``services.engine.sampler``) sorts every filtered row's whole vocabulary
 (49,152 tokens for the built-in model) unless a 512-token window settles the cut, and passes
@@ -39,6 +40,9 @@ SOURCE = Path(__file__).with_name("csrc") / "sampling.c"
 _ERRORS = {2: "bad shape (vocabulary of 1 to 2^31 - 1 tokens)", 3: "rows: a row outside the logits",
            6: "a setting out of range (temperature > 0, top_p in (0, 1], min_p in [0, 1], "
               "top_k >= 0, uniforms in [0, 1))", 7: "out of memory"}
+_LOGPROB_ERRORS = {2: "bad shape (vocabulary of 1 to 2^31 - 1 tokens, num_top 0 to vocabulary)",
+                   3: "rows or chosen: a row outside the logits or a token outside the "
+                      "vocabulary", 7: "out of memory"}
 _I64, _PTR, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 
 
@@ -57,6 +61,8 @@ def load(path: Path) -> ctypes.CDLL:
     ``OSError`` when it does not load."""
     so = ctypes.CDLL(str(path))
     so.tandem_sample_rows_f32.argtypes = [_PTR, _I64, _I64, _PTR, _I64] + [_PTR] * 6 + [_INT]
+    so.tandem_logprobs_rows_f32.argtypes = ([_PTR, _I64, _I64, _PTR, _I64, _PTR, _I64]
+                                            + [_PTR] * 3 + [_INT])
     return so
 
 
@@ -78,20 +84,10 @@ def sample_rows(logits: torch.Tensor, rows: torch.Tensor, temperature: torch.Ten
     top_p in (0, 1], min_p in [0, 1], top_k >= 0, uniforms in [0, 1)); ``RuntimeError``
     when the kernel is not built.
     """
-    so = lib()
-    if so is None:
-        raise RuntimeError("the CPU sampling kernel is not built (no C compiler?)")
+    so = _checked(logits, ((rows, torch.int64), (temperature, torch.float32),
+                           (top_k, torch.int64), (top_p, torch.float32), (min_p, torch.float32),
+                           (uniforms, torch.float32)))
     r = rows.shape[0]
-    args = ((logits, torch.float32), (rows, torch.int64), (temperature, torch.float32),
-            (top_k, torch.int64), (top_p, torch.float32), (min_p, torch.float32),
-            (uniforms, torch.float32))
-    for t, dtype in args:
-        if t.dtype != dtype or t.device.type != "cpu" or not t.is_contiguous():
-            raise ValueError(f"sample_rows takes contiguous CPU tensors: {dtype} expected, got "
-                             f"{t.dtype} on {t.device}")
-    if logits.dim() != 2 or any(t.shape != (r,) for t, _ in args[1:]):
-        raise ValueError(f"logits {tuple(logits.shape)} must be [n, vocab] and every setting "
-                         f"[{r}] like rows")
     out = torch.empty(r, dtype=torch.int64)
     rc = so.tandem_sample_rows_f32(logits.data_ptr(), logits.shape[0], logits.shape[1],
                                    rows.data_ptr(), r, temperature.data_ptr(), top_k.data_ptr(),
@@ -100,6 +96,52 @@ def sample_rows(logits: torch.Tensor, rows: torch.Tensor, temperature: torch.Ten
     if rc:
         raise ValueError(f"sample_rows: {_ERRORS.get(rc, f'error {rc}')}")
     return out
+
+
+def logprobs_rows(logits: torch.Tensor, rows: torch.Tensor, chosen: torch.Tensor,
+                  num_top: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each draw's logprob and its row's most likely tokens under ``log_softmax`` of the logits
+    (what ``torch.log_softmax`` then ``gather`` and ``topk`` give, to float32 rounding): the
+    sum of the row's exponentials in float64, in one order, so a row's values depend on it
+    alone, and no ``[rows, vocab]`` tensor is written.
+
+    logits: ``[n, vocab]`` float32, contiguous, CPU; rows, chosen: ``[r]`` int64 (each draw's
+    row of logits and token); num_top: 0 to vocab. Returns (``[r]`` float32 logprobs of
+    ``chosen``, ``[r, num_top]`` int64 top ids, most likely first, ties by the lower id,
+    ``[r, num_top]`` float32 their logprobs). Raises ``ValueError`` for tensors of another
+    dtype, device or shape, a row or token out of range, or ``num_top`` outside 0..vocab;
+    ``RuntimeError`` when the kernel is not built.
+    """
+    so = _checked(logits, ((rows, torch.int64), (chosen, torch.int64)))
+    r = rows.shape[0]
+    lp = torch.empty(r, dtype=torch.float32)
+    top_ids = torch.empty((r, num_top), dtype=torch.int64)
+    top_lp = torch.empty((r, num_top), dtype=torch.float32)
+    rc = so.tandem_logprobs_rows_f32(logits.data_ptr(), logits.shape[0], logits.shape[1],
+                                     rows.data_ptr(), r, chosen.data_ptr(), num_top,
+                                     lp.data_ptr(), top_ids.data_ptr(), top_lp.data_ptr(),
+                                     torch.get_num_threads())
+    if rc:
+        raise ValueError(f"logprobs_rows: {_LOGPROB_ERRORS.get(rc, f'error {rc}')}")
+    return lp, top_ids, top_lp
+
+
+def _checked(logits: torch.Tensor, per_row: tuple[tuple[torch.Tensor, torch.dtype], ...],
+             ) -> ctypes.CDLL:
+    """The kernel, once ``logits`` (``[n, vocab]`` float32) and the ``[r]`` per-row tensors
+    (each of its dtype; the first is ``rows``) are contiguous CPU tensors of those shapes."""
+    so = lib()
+    if so is None:
+        raise RuntimeError("the CPU sampling kernel is not built (no C compiler?)")
+    r = per_row[0][0].shape[0]
+    for t, dtype in ((logits, torch.float32), *per_row):
+        if t.dtype != dtype or t.device.type != "cpu" or not t.is_contiguous():
+            raise ValueError(f"the sampling kernels take contiguous CPU tensors: {dtype} "
+                             f"expected, got {t.dtype} on {t.device}")
+    if logits.dim() != 2 or any(t.shape != (r,) for t, _ in per_row):
+        raise ValueError(f"logits {tuple(logits.shape)} must be [n, vocab] and every setting "
+                         f"[{r}] like rows")
+    return so
 
 
 def survivors_reference(logits: np.ndarray, temperature: float, top_k: int, top_p: float,

@@ -19,7 +19,11 @@ call takes the next window of the captured rows; the kernel and the torch path (
 alternating rounds (``--rounds``). Once every request has its first token (the prompts are not
 timed), its decode steps: output tokens per wall second and per CPU second, and the CPU ms per
 step of the sample and forward phases. Greedy rows take the C argmax on both paths (the kernel
-switch covers random rows).
+switch covers random rows and logprobs).
+
+**Prompt logprobs**: ``services.engine.sampler.logprobs_of`` over a slice of 256 captured rows
+with their top 5 (what a prompt-scoring step computes per ``PROMPT_LOGPROBS_SLICE``), both
+paths alternating, ``--repeats`` calls each.
 
 ``--neighbour``: a busy-loop process (``python3 -c 'while True: pass'``, as
 ``scripts.bench_contention``'s) runs beside every measurement.
@@ -144,6 +148,25 @@ def bench_sampler(logits: torch.Tensor, batches: list[int], repeats: int) -> lis
     return rows
 
 
+def bench_prompt_logprobs(logits: torch.Tensor, repeats: int, rows: int = 256) -> dict:
+    from services.engine.sampler import logprobs_of
+
+    window = logits[:rows].contiguous()
+    index, chosen = torch.arange(window.shape[0]), window.argmax(-1)
+    times: dict[str, list[float]] = {"kernel": [], "torch": []}
+    for call in range(repeats + 1):
+        for path in ("kernel", "torch"):
+            with kernel(path == "kernel"):
+                t0 = time.process_time()
+                logprobs_of(window, index, chosen, 5)
+                if call:
+                    times[path].append(time.process_time() - t0)
+    k, t = (statistics.median(times[p]) * 1e3 for p in ("kernel", "torch"))
+    print(f"prompt logprobs, {window.shape[0]} rows, top 5: kernel {k:7.2f} ms   torch {t:7.2f} ms"
+          f"   {t / k:5.1f}x", flush=True)
+    return {"rows": window.shape[0], "kernel_ms": k, "torch_ms": t, "speedup": t / k}
+
+
 def bench_engine(engine, concurrency: int, max_tokens: int, rounds: int) -> list[dict]:
     from services.engine.sampling_params import SamplingParams
 
@@ -224,6 +247,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
         try:
             sampler_rows = bench_sampler(logits, args.batches, args.repeats)
+            prompt_row = bench_prompt_logprobs(logits, args.repeats)
         finally:
             torch.set_num_threads(threads)
         engine_rows = bench_engine(engine, args.concurrency, args.max_tokens, args.rounds)
@@ -233,7 +257,8 @@ def main(argv: list[str] | None = None) -> int:
     args.out.write_text(json.dumps({
         "command": " ".join(["python -m scripts.bench_sampling", *(argv or sys.argv[1:])]),
         "neighbour": args.neighbour, "threads": args.threads, "captured_rows": logits.shape[0],
-        "sampler": sampler_rows, "engine": engine_rows}, indent=2))
+        "sampler": sampler_rows, "prompt_logprobs": prompt_row, "engine": engine_rows},
+        indent=2))
     print(f"wrote {args.out}")
     return 0
 

@@ -5,7 +5,8 @@
  * which documents the contract and holds the torch reference (services/engine/sampler.py keeps
  * the torch path for other devices).
  *
- *   tandem_sample_rows_f32  one token per row
+ *   tandem_sample_rows_f32    one token per row
+ *   tandem_logprobs_rows_f32  a chosen token's logprob and the row's top-N, under log_softmax
  *
  * A row (logits l, vocabulary V; settings T > 0, k >= 0, 0 < p <= 1, min_p >= 0; u in [0, 1)):
  *   1. e_i = exp(l_i / T - m), m = max_j l_j / T (division by T > 0 keeps the order, so m is
@@ -315,6 +316,93 @@ int tandem_sample_rows_f32(const float *logits, int64_t num_logits, int64_t V,
                 failed = 1;
         }
         free(e), free(bsum), free(cand);
+    }
+    return failed ? TANDEM_NO_MEMORY : TANDEM_OK;
+}
+
+/* Insert (v, i) into the n-entry top list (heaviest first; an equal logit already there stays
+ * ahead: it has the lower index), keeping at most cap entries; returns the new count. */
+static int64_t top_insert(float *val, int64_t *idx, int64_t n, int64_t cap, float v, int64_t i) {
+    int64_t j = n < cap ? n : cap - 1;
+    while (j > 0 && val[j - 1] < v) {
+        val[j] = val[j - 1], idx[j] = idx[j - 1];
+        j--;
+    }
+    val[j] = v, idx[j] = i;
+    return n < cap ? n + 1 : cap;
+}
+
+/* The num_top highest logits of a row (ties: the lower index first; -inf ones last, in index
+ * order, when fewer are finite), into val/idx; NaN logits are never among them. */
+static void top_logits(const float *l, int64_t V, int64_t num_top, float *val, int64_t *idx) {
+    int64_t n = 0, i = 0;
+    float floor_v = -INFINITY; /* a logit must beat it to enter (once the list is full) */
+#if defined(__AVX512F__)
+    for (; i + 16 <= V; i += 16) {
+        const __m512 v = _mm512_loadu_ps(l + i);
+        unsigned in = _mm512_cmp_ps_mask(v, _mm512_set1_ps(floor_v), _CMP_GT_OQ);
+        for (; in; in &= in - 1) { /* most blocks: none, once the list holds its heaviest */
+            const int64_t j = i + __builtin_ctz(in);
+            if (!(l[j] > floor_v)) continue; /* the floor rose within this block */
+            n = top_insert(val, idx, n, num_top, l[j], j);
+            if (n == num_top) floor_v = val[n - 1];
+        }
+    }
+#endif
+    for (; i < V; i++)
+        if (l[i] > floor_v) {
+            n = top_insert(val, idx, n, num_top, l[i], i);
+            if (n == num_top) floor_v = val[n - 1];
+        }
+    for (i = 0; n < num_top && i < V; i++) /* fewer finite logits than asked: -inf ones */
+        if (l[i] == -INFINITY) val[n] = l[i], idx[n++] = i;
+    for (i = 0; n < num_top && i < V; i++) /* and then NaN ones */
+        if (l[i] != l[i]) val[n] = l[i], idx[n++] = i;
+}
+
+/* logits [num_logits, V] float32 (rows contiguous); rows, chosen [R] int64 (each draw's row and
+ * token); out_chosen [R] float32: log p(chosen) under log_softmax of the row; top_ids [R,
+ * num_top] int64, top_logprobs [R, num_top] float32: the num_top most likely tokens, most likely
+ * first (ties: the lower id first; -inf, then NaN logits last). log_softmax: l_i - (m + log Z), Z the sum of exp(l_j - m) as
+ * the draw sums its weights (float64, one order), so a row's values depend on it alone.
+ * Returns TANDEM_BAD_SHAPE (V outside 1..2^31-1, num_top outside 0..V), TANDEM_BAD_ROW (a row
+ * or a chosen token out of range), TANDEM_NO_MEMORY. */
+int tandem_logprobs_rows_f32(const float *logits, int64_t num_logits, int64_t V,
+                             const int64_t *rows, int64_t R, const int64_t *chosen,
+                             int64_t num_top, float *out_chosen, int64_t *top_ids,
+                             float *top_logprobs, int num_threads) {
+    if (V <= 0 || V > INT32_MAX || R < 0 || num_logits < 0 || num_top < 0 || num_top > V)
+        return TANDEM_BAD_SHAPE;
+    for (int64_t r = 0; r < R; r++)
+        if (rows[r] < 0 || rows[r] >= num_logits || chosen[r] < 0 || chosen[r] >= V)
+            return TANDEM_BAD_ROW;
+    const int64_t blocks = (V + BLOCK - 1) / BLOCK;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) if (R > 1) reduction(| : failed)
+    {
+        float *e = malloc((size_t)V * sizeof(float));
+        double *bsum = malloc((size_t)blocks * sizeof(double));
+        float *val = malloc((size_t)(num_top + 1) * sizeof(float));
+        const int ready = e && bsum && val;
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < R; r++) {
+            if (!ready) {
+                failed = 1;
+                continue;
+            }
+            const float *l = logits + rows[r] * V;
+            const float top = row_max(l, V);
+            int64_t nonzero;
+            const double lse = top > -INFINITY
+                ? (double)top + log(weights(l, V, 1.0f, top, 0.0f, e, bsum, &nonzero))
+                : NAN; /* nothing finite: every logprob is NaN, as log_softmax gives */
+            out_chosen[r] = (float)((double)l[chosen[r]] - lse);
+            int64_t *ids = top_ids + r * num_top;
+            float *lps = top_logprobs + r * num_top;
+            if (num_top) top_logits(l, V, num_top, val, ids);
+            for (int64_t j = 0; j < num_top; j++) lps[j] = (float)((double)val[j] - lse);
+        }
+        free(e), free(bsum), free(val);
     }
     return failed ? TANDEM_NO_MEMORY : TANDEM_OK;
 }

@@ -23,7 +23,7 @@ from .cuda_graphs import CUDAGraphRunner
 from .grammars import Matchers
 from .input_batch import InputBatch, ModelInputs, PromptLogprobsPlan, Stage, to_device
 from .model import LlamaForCausalLM
-from .sampler import SamplerOutput, TokenLogprobs, sample
+from .sampler import SamplerOutput, TokenLogprobs, logprobs_of, sample
 from .scheduler import SchedulerOutput
 from .step_threads import StepThreads
 
@@ -154,11 +154,10 @@ class ModelRunner:
         (a 2,048-token chunk's would be 400 MB at once)."""
         parts = []
         for lo in range(0, hidden.shape[0], PROMPT_LOGPROBS_SLICE):
-            lp = torch.log_softmax(self.model.compute_logits(hidden[lo:lo + PROMPT_LOGPROBS_SLICE]), -1)
+            logits = self.model.compute_logits(hidden[lo:lo + PROMPT_LOGPROBS_SLICE])
             targets = plan.targets[lo:lo + PROMPT_LOGPROBS_SLICE]
-            top_lp, top_ids = lp.topk(plan.num_top, dim=-1)
-            parts.append(SamplerOutput(targets, lp.gather(1, targets.unsqueeze(1)).squeeze(1),
-                                       top_ids, top_lp))
+            rows = torch.arange(logits.shape[0], device=logits.device)
+            parts.append(SamplerOutput(targets, *logprobs_of(logits, rows, targets, plan.num_top)))
         chosen, top_ids, lps = SamplerOutput(*(torch.cat(x) for x in zip(
             *((p.token_ids, p.logprobs, p.top_ids, p.top_logprobs) for p in parts)))).to_host()
         self.num_host_reads += 1

@@ -167,11 +167,22 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         token_ids.index_copy_(0, r.rows, _sample_random(logits, r))
     out = SamplerOutput(token_ids)
     if batch.logprob_rows is not None:
-        lp = torch.log_softmax(raw[batch.logprob_rows], dim=-1)
-        chosen = token_ids[batch.logprob_rows]
-        out.logprobs = lp.gather(1, chosen.unsqueeze(1)).squeeze(1)
-        out.top_logprobs, out.top_ids = lp.topk(batch.max_num_logprobs, dim=-1)
+        out.logprobs, out.top_ids, out.top_logprobs = logprobs_of(
+            raw, batch.logprob_rows, token_ids[batch.logprob_rows], batch.max_num_logprobs)
     return out
+
+
+def logprobs_of(logits: torch.Tensor, rows: torch.Tensor, chosen: torch.Tensor, num_top: int,
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Under ``log_softmax`` of ``logits`` (``[n, vocab]`` float32) rows ``rows`` (``[r]``):
+    the logprobs of ``chosen`` (``[r]``), and the ``num_top`` most likely ids and their
+    logprobs (``[r, num_top]``, most likely first). On a CPU by ``kernels.sampling`` (no
+    ``[r, vocab]`` tensor; ties by the lower id), elsewhere by torch ops."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and cpu_sampling.available():
+        return cpu_sampling.logprobs_rows(logits.contiguous(), rows, chosen, num_top)
+    lp = torch.log_softmax(logits[rows], dim=-1)
+    top_lp, top_ids = lp.topk(num_top, dim=-1)
+    return lp.gather(1, chosen.unsqueeze(1)).squeeze(1), top_ids, top_lp
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:

@@ -177,3 +177,38 @@ def test_bad_rows_dtypes_and_shapes_are_refused():
         sampling.sample_rows(logits.double(), torch.tensor([0]), t, k, p, mp, u)
     with pytest.raises(ValueError, match=r"every setting \[2\] like rows"):
         sampling.sample_rows(logits, torch.tensor([0, 1]), t, k, p, mp, u)
+
+
+def test_logprobs_are_log_softmax_s_and_the_top_ids_topk_s():
+    logits = logits_like_a_model(10, BUILT_IN_VOCAB, seed=9)
+    rows = torch.tensor([3, 0, 9, 3])
+    chosen = torch.tensor([5, 17, 49_151, 5])
+    lp, top_ids, top_lp = sampling.logprobs_rows(logits, rows, chosen, 20)
+    want = torch.log_softmax(logits[rows].double(), -1)
+    assert torch.allclose(lp.double(), want.gather(1, chosen[:, None])[:, 0], atol=2e-5, rtol=0)
+    want_lp, want_ids = want.topk(20, -1)
+    assert torch.equal(top_ids, want_ids)
+    assert torch.allclose(top_lp.double(), want_lp, atol=2e-5, rtol=0)
+    # a row's values depend on it alone: the same row twice, or alone, gives the same bits
+    assert torch.equal(lp[0], lp[3]) and torch.equal(top_lp[0], top_lp[3])
+    alone = sampling.logprobs_rows(logits[3:4].clone(), torch.tensor([0]), chosen[:1], 20)
+    assert torch.equal(alone[0], lp[:1]) and torch.equal(alone[2], top_lp[:1])
+    none = sampling.logprobs_rows(logits, rows, chosen, 0)
+    assert none[1].shape == (4, 0) and torch.equal(none[0], lp)
+
+
+def test_logprob_ties_go_to_the_lower_id_and_masked_tokens_come_last():
+    logits = torch.full((1, 40), float("-inf"))
+    logits[0, [30, 4, 22]] = torch.tensor([1.0, 2.0, 1.0])
+    lp, ids, top = sampling.logprobs_rows(logits, torch.tensor([0]), torch.tensor([0]), 5)
+    assert ids[0].tolist() == [4, 22, 30, 0, 1]
+    assert lp.item() == float("-inf") and top[0, 3:].tolist() == [float("-inf")] * 2
+    assert torch.allclose(top[0, :3].exp().sum(), torch.tensor(1.0))
+
+
+def test_logprobs_refuse_tokens_and_top_counts_out_of_range():
+    logits = torch.randn(2, 50)
+    with pytest.raises(ValueError, match="token outside the vocabulary"):
+        sampling.logprobs_rows(logits, torch.tensor([0]), torch.tensor([50]), 1)
+    with pytest.raises(ValueError, match="num_top 0 to vocabulary"):
+        sampling.logprobs_rows(logits, torch.tensor([0]), torch.tensor([1]), 51)

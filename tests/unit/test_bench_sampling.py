@@ -1,5 +1,6 @@
 """scripts/bench_sampling.py runs small on the built-in model and writes what it prints; its
-switch really moves random rows between the kernel and the torch path (nothing here is timed)."""
+switch really moves random rows and logprobs between the kernel and the torch path (nothing
+here is timed)."""
 from __future__ import annotations
 
 import json
@@ -22,6 +23,7 @@ def test_the_benchmark_writes_both_paths_for_every_setting(tmp_path, capsys):
     assert got["captured_rows"] == 2 * 3 and got["threads"] == 1 and not got["neighbour"]
     assert [r["setting"] for r in got["sampler"]] == list(bench_sampling.SETTINGS)
     assert all(r["kernel_ms"] > 0 and r["torch_ms"] > 0 for r in got["sampler"])
+    assert got["prompt_logprobs"]["rows"] == 6 and got["prompt_logprobs"]["kernel_ms"] > 0
     engine = got["engine"]
     assert [r["path"] for r in engine] == ["kernel", "torch"]
     # prompts are not timed: 3 tokens each, the first from the prefill
@@ -35,11 +37,14 @@ def test_the_switch_moves_random_rows_off_the_kernel(monkeypatch):
     logits = torch.randn(3, 64)
     batch = bench_sampling.sampling_batch(logits, {"temperature": 0.7, "top_p": 0.9}, 0)
     calls = []
-    real = cpu_sampling.sample_rows
-    monkeypatch.setattr(cpu_sampling, "sample_rows", lambda *a: calls.append(1) or real(*a))
+    for name in ("sample_rows", "logprobs_rows"):
+        real = getattr(cpu_sampling, name)
+        monkeypatch.setattr(cpu_sampling, name,
+                            lambda *a, _real=real, _name=name: calls.append(_name) or _real(*a))
+    with_logprobs = bench_sampling.sampling_batch(logits, {"temperature": 0, "logprobs": 2}, 0)
     with bench_sampling.kernel(False):
-        sample(logits, batch)
+        sample(logits, batch), sample(logits, with_logprobs)
     assert not calls
     with bench_sampling.kernel(True):
-        sample(logits, batch)
-    assert calls == [1]
+        sample(logits, batch), sample(logits, with_logprobs)
+    assert calls == ["sample_rows", "logprobs_rows"]
