@@ -4,7 +4,8 @@ run (``python -m scripts.bench_sampling``).
 Logits: the model's own (``--model``, default the built-in GGUF), captured from its decode
 steps on the chat workload's prompts (``loadtest.workloads.chat_workload``, greedy,
 ``--capture-tokens`` tokens each): real next-token distributions, whose nuclei are far
-narrower than random logits' (which would flatter neither path).
+narrower than random logits' (which would flatter neither path); printed: how many tokens
+of a row weigh at least 2^-14 of the heaviest (the kernel's first candidates).
 
 **The sampler alone**: ``services.engine.sampler.sample`` per batch size (``--batches``) and
 setting: greedy; temperature 0.7; 0.7 + top-p 0.9; 1.0 + top-p 0.95; llama.cpp's default chain
@@ -149,6 +150,20 @@ def bench_sampler(logits: torch.Tensor, batches: list[int], repeats: int) -> lis
     return rows
 
 
+def heavy_tokens(logits: torch.Tensor) -> dict:
+    """Per temperature, quantiles over the rows of the tokens that weigh at least 2^-14 of the
+    largest (the kernel's first candidates, ``csrc/sampling.c``'s ``CANDIDATE_WEIGHTS``)."""
+    out = {}
+    for t in (0.7, 1.0):
+        x = logits / t
+        n = (torch.exp(x - x.max(-1, keepdim=True).values) >= 2**-14).sum(-1).double()
+        out[str(t)] = {q: int(n.quantile(float(q))) for q in ("0.5", "0.9", "0.99")}
+        print(f"tokens within 2^-14 of the heaviest at temperature {t}: median "
+              f"{out[str(t)]['0.5']}, 90th percentile {out[str(t)]['0.9']}, 99th "
+              f"{out[str(t)]['0.99']}", flush=True)
+    return out
+
+
 def bench_prompt_logprobs(logits: torch.Tensor, repeats: int, rows: int = 256) -> dict:
     from services.engine.sampler import logprobs_of
 
@@ -244,6 +259,7 @@ def main(argv: list[str] | None = None) -> int:
         logits = capture_logits(engine, args.capture_prompts, args.capture_tokens)
         print(f"{logits.shape[0]} captured rows of {logits.shape[1]} logits; "
               f"{'a busy neighbour' if busy else 'quiet'}; {args.threads} thread(s)", flush=True)
+        heavy = heavy_tokens(logits)
         threads = torch.get_num_threads()
         torch.set_num_threads(args.threads)
         try:
@@ -258,6 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.write_text(json.dumps({
         "command": " ".join(["python -m scripts.bench_sampling", *(argv or sys.argv[1:])]),
         "neighbour": args.neighbour, "threads": args.threads, "captured_rows": logits.shape[0],
+        "heavy_tokens": heavy,
         "sampler": sampler_rows, "prompt_logprobs": prompt_row, "engine": engine_rows},
         indent=2))
     print(f"wrote {args.out}")
