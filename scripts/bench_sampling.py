@@ -16,8 +16,8 @@ the window in cache), ``--repeats`` calls each; the median CPU ms per call
 (``time.process_time``, ``--threads`` torch threads, default 1).
 
 **The engine**: ``--concurrency`` chat requests at temperature 0.7 and top-p 0.9 (seeded),
-``--max-tokens`` each, through ``LLMEngine`` in the served precision (``--dtype``/``--quantization``, default
-``auto``/``auto``: the GGUF's blocks in place); kernel and torch path in
+``--max-tokens`` each, through ``LLMEngine`` in the served precision (``--dtype`` and
+``--quantization``, default ``auto``: the GGUF's blocks in place); kernel and torch path in
 alternating rounds (``--rounds``). Once every request has its first token (the prompts are not
 timed), its decode steps: output tokens per wall second and per CPU second, and the CPU ms per
 step of the sample and forward phases. Greedy rows take the C argmax on both paths (the kernel
@@ -107,8 +107,9 @@ def sampling_batch(logits: torch.Tensor, fields: dict, step: int):
     from services.engine.sampling_params import SamplingParams
 
     batch = InputBatch(max_model_len=64, block_size=16, vocab_size=logits.shape[1])
-    rows = np.array([batch.add(Request(f"r{i}", [1], SamplingParams(seed=i, **fields), eos_token_id=0))
-                     for i in range(logits.shape[0])], dtype=np.int64)
+    requests = [Request(f"r{i}", [1], SamplingParams(seed=i, **fields), eos_token_id=0)
+                for i in range(logits.shape[0])]
+    rows = np.array([batch.add(r) for r in requests], dtype=np.int64)
     batch.num_tokens[rows] += step  # the draw of output token ``step``
     return batch.sampling(rows)
 
@@ -227,8 +228,9 @@ def bench_engine(engine, concurrency: int, max_tokens: int, rounds: int) -> list
                    "forward_cpu_ms_per_step": sample_cpu["forward"] / steps * 1e3}
             rows.append(row)
             print(f"engine round {rnd} {path:6s}: {row['tokens_per_s']:7.1f} tok/s, "
-                  f"{row['tokens_per_cpu_s']:7.1f} tok/CPU-s, sample {row['sample_cpu_ms_per_step']:.2f}"
-                  f" ms/step, forward {row['forward_cpu_ms_per_step']:.2f} ms/step", flush=True)
+                  f"{row['tokens_per_cpu_s']:7.1f} tok/CPU-s, sample "
+                  f"{row['sample_cpu_ms_per_step']:.2f} ms/step, forward "
+                  f"{row['forward_cpu_ms_per_step']:.2f} ms/step", flush=True)
     return rows
 
 

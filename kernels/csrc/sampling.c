@@ -94,7 +94,8 @@ static void rank_candidates(candidate *cand, candidate *tmp, int64_t n) {
             count[d] = at;
             at += c;
         }
-        for (int64_t j = 0; j < n; j++) dst[count[(descending_key(src[j].key) >> shift) & mask]++] = src[j];
+        for (int64_t j = 0; j < n; j++)
+            dst[count[(descending_key(src[j].key) >> shift) & mask]++] = src[j];
         candidate *t = src;
         src = dst, dst = t;
     }
@@ -283,6 +284,24 @@ static int64_t sample_row(const float *l, int64_t V, float T, int64_t k, float p
     return draw_among(l, e, V, cand, s, u);
 }
 
+/* A thread's scratch: a row's weights and block sums, and `more` bytes for the caller; ok is
+ * false when an allocation failed (the thread still meets its loop's barrier). */
+typedef struct {
+    float *e;
+    double *bsum;
+    void *more;
+    int ok;
+} scratch;
+
+static scratch scratch_open(int64_t V, size_t more) {
+    scratch s = {malloc((size_t)V * sizeof(float)),
+                 malloc((size_t)((V + BLOCK - 1) / BLOCK) * sizeof(double)), malloc(more), 0};
+    s.ok = s.e && s.bsum && s.more;
+    return s;
+}
+
+static void scratch_close(scratch *s) { free(s->e), free(s->bsum), free(s->more); }
+
 /* logits [num_logits, V] float32 (rows contiguous); rows [R]: the row of logits each draw
  * reads; temperature, top_p, min_p, uniforms [R] float32; top_k [R] int64 (0: off); out [R]
  * int64. Returns TANDEM_BAD_SHAPE (V outside 1..2^31-1), TANDEM_BAD_ROW (a row outside the
@@ -296,26 +315,24 @@ int tandem_sample_rows_f32(const float *logits, int64_t num_logits, int64_t V,
     for (int64_t r = 0; r < R; r++) {
         if (rows[r] < 0 || rows[r] >= num_logits) return TANDEM_BAD_ROW;
         if (!(temperature[r] > 0.0f) || !(top_p[r] > 0.0f && top_p[r] <= 1.0f)
-            || !(min_p[r] >= 0.0f && min_p[r] <= 1.0f) || top_k[r] < 0 || !(uniforms[r] >= 0.0f && uniforms[r] < 1.0f))
+            || !(min_p[r] >= 0.0f && min_p[r] <= 1.0f) || top_k[r] < 0
+            || !(uniforms[r] >= 0.0f && uniforms[r] < 1.0f))
             return TANDEM_BAD_SETTING;
     }
-    const int64_t blocks = (V + BLOCK - 1) / BLOCK;
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) if (R > 1) reduction(| : failed)
     {
-        float *e = malloc((size_t)V * sizeof(float));
-        double *bsum = malloc((size_t)blocks * sizeof(double));
-        candidate *cand = malloc((size_t)V * 2 * sizeof(candidate)); /* and the sort's */
-        const int ready = e && bsum && cand;
+        scratch t = scratch_open(V, (size_t)V * 2 * sizeof(candidate)); /* ranks, and a sort's */
+        candidate *cand = t.more;
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < R; r++) { /* every thread meets the loop (its barrier) */
-            if (ready)
+            if (t.ok)
                 out[r] = sample_row(logits + rows[r] * V, V, temperature[r], top_k[r], top_p[r],
-                                    min_p[r], uniforms[r], e, bsum, cand, cand + V);
+                                    min_p[r], uniforms[r], t.e, t.bsum, cand, cand + V);
             else
                 failed = 1;
         }
-        free(e), free(bsum), free(cand);
+        scratch_close(&t);
     }
     return failed ? TANDEM_NO_MEMORY : TANDEM_OK;
 }
@@ -363,8 +380,9 @@ static void top_logits(const float *l, int64_t V, int64_t num_top, float *val, i
 /* logits [num_logits, V] float32 (rows contiguous); rows, chosen [R] int64 (each draw's row and
  * token); out_chosen [R] float32: log p(chosen) under log_softmax of the row; top_ids [R,
  * num_top] int64, top_logprobs [R, num_top] float32: the num_top most likely tokens, most likely
- * first (ties: the lower id first; -inf, then NaN logits last). log_softmax: l_i - (m + log Z), Z the sum of exp(l_j - m) as
- * the draw sums its weights (float64, one order), so a row's values depend on it alone.
+ * first (ties: the lower id first; -inf, then NaN logits last). log_softmax: l_i - (m + log
+ * Z), Z the sum of exp(l_j - m) as the draw sums its weights (float64, one order), so a row's
+ * values depend on it alone.
  * Returns TANDEM_BAD_SHAPE (V outside 1..2^31-1, num_top outside 0..V), TANDEM_BAD_ROW (a row
  * or a chosen token out of range), TANDEM_NO_MEMORY. */
 int tandem_logprobs_rows_f32(const float *logits, int64_t num_logits, int64_t V,
@@ -376,17 +394,15 @@ int tandem_logprobs_rows_f32(const float *logits, int64_t num_logits, int64_t V,
     for (int64_t r = 0; r < R; r++)
         if (rows[r] < 0 || rows[r] >= num_logits || chosen[r] < 0 || chosen[r] >= V)
             return TANDEM_BAD_ROW;
-    const int64_t blocks = (V + BLOCK - 1) / BLOCK;
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) if (R > 1) reduction(| : failed)
     {
-        float *e = malloc((size_t)V * sizeof(float));
-        double *bsum = malloc((size_t)blocks * sizeof(double));
-        float *val = malloc((size_t)(num_top + 1) * sizeof(float));
-        const int ready = e && bsum && val;
+        scratch t = scratch_open(V, (size_t)(num_top + 1) * sizeof(float));
+        float *e = t.e, *val = t.more;
+        double *bsum = t.bsum;
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < R; r++) {
-            if (!ready) {
+            if (!t.ok) {
                 failed = 1;
                 continue;
             }
@@ -402,7 +418,7 @@ int tandem_logprobs_rows_f32(const float *logits, int64_t num_logits, int64_t V,
             if (num_top) top_logits(l, V, num_top, val, ids);
             for (int64_t j = 0; j < num_top; j++) lps[j] = (float)((double)val[j] - lse);
         }
-        free(e), free(bsum), free(val);
+        scratch_close(&t);
     }
     return failed ? TANDEM_NO_MEMORY : TANDEM_OK;
 }
