@@ -29,7 +29,9 @@ rest of ``engine.step``.
 
 ``--sampling greedy`` (default) runs greedy requests; ``mixed`` cycles through four kinds in
 every batch: greedy, seeded temperature + top-k + top-p, penalties + min_tokens, greedy with 5
-logprobs, so every sampler path is in every step: the op count must not grow with the batch.
+logprobs, so every sampler path is in every step: the op count must not grow with the batch;
+``chat`` gives every row what chat clients usually send (seeded temperature 0.7 + top-p 0.9):
+on a CPU the C sampler's cost, on a GPU the torch sampler's launches beside the decode graph.
 
 ``--host-only``: the engine's own work per step, without the model. Its forward and LM head
 are replaced by constant hidden states and a 16-token head (every row samples token 5;
@@ -159,6 +161,8 @@ def sampling_params(kind: str, i: int, tokens: int):
     from services.engine.sampling_params import SamplingParams
 
     base = {"max_tokens": tokens, "ignore_eos": True}
+    if kind == "chat":
+        return SamplingParams(temperature=0.7, top_p=0.9, seed=i, **base)
     if kind == "greedy" or i % 4 == 0:
         return SamplingParams(temperature=0, **base)
     return [None, SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=i, **base),
@@ -329,7 +333,7 @@ def main() -> None:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--quantization", default="auto")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--sampling", choices=("greedy", "mixed"), default="greedy")
+    p.add_argument("--sampling", choices=("greedy", "mixed", "chat"), default="greedy")
     p.add_argument("--batches", default="1,16,64")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--warmup", type=int, default=8)

@@ -36,6 +36,18 @@ def test_ops_and_host_reads_per_decode_step_do_not_grow_with_the_batch():
     assert all(r["host_reads_per_step"] == 1 for r in rows)
 
 
+def test_chat_sampling_draws_every_row_at_random_with_flat_ops():
+    """``--sampling chat``: every row seeded temperature 0.7 + top-p 0.9, the same aten ops at 8
+    and 16 sequences (random rows sample in one call, not one per row)."""
+    params = profile_decode_step.sampling_params("chat", 3, 10)
+    assert (params.temperature, params.top_p, params.seed, params.max_tokens) == (0.7, 0.9, 3, 10)
+    e = profile_decode_step.make_engine("float32", "auto", 16)
+    rows = [profile_decode_step.profile_batch(e, b, warmup=1, steps=1, profile_steps=2, top=1,
+                                              seed=b, sampling="chat") for b in (8, 16)]
+    assert rows[0]["aten_ops_per_step"] == rows[1]["aten_ops_per_step"]
+    assert all(r["host_reads_per_step"] == 1 for r in rows)
+
+
 def test_queued_copies_are_not_counted_as_host_syncs():
     """A step that queues copies and waits once: 1 sync and 3 copies, not 4 syncs (cudaMemcpy
     is the synchronous copy; cudaMemcpyAsync only shares its prefix)."""
