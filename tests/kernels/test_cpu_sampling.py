@@ -144,7 +144,8 @@ def test_the_portable_build_draws_what_the_vector_build_does(tmp_path, monkeypat
         pytest.skip("x86-64 builds only")
     monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
     flags = tuple(f if not f.startswith("-march=") else "-march=x86-64" for f in CFLAGS)
-    portable = sampling.load(native.shared_library(sampling.SOURCE, flags, LDFLAGS, "cc"))
+    compiler = native._compiler(None)  # given, so nothing prebuilt is taken instead
+    portable = sampling.load(native.shared_library(sampling.SOURCE, flags, LDFLAGS, compiler))
     logits = logits_like_a_model(16, 4099, seed=8)
     u = torch.rand(16, generator=torch.Generator().manual_seed(8))
     vector = [draw(logits, temperature=t, top_k=k, top_p=p, min_p=mp, u=u) for t, k, p, mp in CASES]
