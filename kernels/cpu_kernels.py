@@ -5,10 +5,10 @@ at a worker's start and reported.
     python -m kernels.cpu_kernels status                                   what this CPU loads
 
 ``log_loaded()`` loads ``paged_decode_attention``, ``quant_matmul``, ``decode_ops`` and
-``sampling`` now (at a worker's start, not at its first request) and logs which build each uses, or a WARNING naming
-each kernel that could not be loaded, why, what that costs and how to fix it: the torch
-fallbacks serve correctly but several times slower, which must not go unnoticed. The libraries'
-origin (prebuilt or built here) is ``kernels.native``'s. Imports nothing of ``services``.
+``sampling`` now (at a worker's start, not at its first request) and logs which build each
+uses, or a WARNING naming each kernel that could not be loaded, why, what that costs and how to
+fix it: the torch fallbacks serve correctly but several times slower, which must not go
+unnoticed. The libraries' origin (prebuilt or built here) is ``kernels.native``'s. Imports nothing of ``services``.
 """
 from __future__ import annotations
 

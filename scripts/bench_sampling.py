@@ -41,13 +41,13 @@ import statistics
 import subprocess
 import sys
 import time
-from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from kernels import sampling as cpu_sampling
+from scripts.profile_decode_step import PhaseClock
 
 SETTINGS = {  # name -> SamplingParams fields
     "greedy": {"temperature": 0.0},
@@ -126,24 +126,37 @@ def kernel(on: bool):
         cpu_sampling.available = available
 
 
+def both_paths(calls: int, prepare) -> tuple[float, float]:
+    """The median CPU ms of ``prepare(call)()`` on the kernel and on the torch path, for calls 1
+    to ``calls`` (call 0 warms both): both paths run each call's function, which goes first
+    alternating call by call (the second finds the call's data in cache)."""
+    times: dict[str, list[float]] = {"kernel": [], "torch": []}
+    for call in range(calls + 1):
+        run = prepare(call)
+        for path in ("kernel", "torch") if call % 2 else ("torch", "kernel"):
+            with kernel(path == "kernel"):
+                t0 = time.process_time()
+                run()
+                if call:
+                    times[path].append(time.process_time() - t0)
+    return statistics.median(times["kernel"]) * 1e3, statistics.median(times["torch"]) * 1e3
+
+
 def bench_sampler(logits: torch.Tensor, batches: list[int], repeats: int) -> list[dict]:
     from services.engine.sampler import sample
+
+    def prepare(batch: int, fields: dict):
+        def for_call(call: int):
+            start = call * batch * 7 % (logits.shape[0] - batch)
+            window = logits[start:start + batch].contiguous()
+            sb = sampling_batch(window, fields, call)
+            return lambda: sample(window, sb)
+        return for_call
 
     rows = []
     for batch in batches:
         for name, fields in SETTINGS.items():
-            times: dict[str, list[float]] = {"kernel": [], "torch": []}
-            for call in range(repeats + 1):
-                start = call * batch * 7 % (logits.shape[0] - batch)
-                window = logits[start:start + batch].contiguous()
-                sb = sampling_batch(window, fields, call)
-                for path in ("kernel", "torch") if call % 2 else ("torch", "kernel"):
-                    with kernel(path == "kernel"):
-                        t0 = time.process_time()
-                        sample(window, sb)
-                        if call:  # the first call of each path warms it
-                            times[path].append(time.process_time() - t0)
-            k, t = (statistics.median(times[p]) * 1e3 for p in ("kernel", "torch"))
+            k, t = both_paths(repeats, prepare(batch, fields))
             rows.append({"batch": batch, "setting": name, "kernel_ms": k, "torch_ms": t,
                          "speedup": t / k if k else None})
             print(f"batch {batch:3d}  {name:17s} kernel {k:7.2f} ms   torch {t:7.2f} ms   "
@@ -170,15 +183,7 @@ def bench_prompt_logprobs(logits: torch.Tensor, repeats: int, rows: int = 256) -
 
     window = logits[:rows].contiguous()
     index, chosen = torch.arange(window.shape[0]), window.argmax(-1)
-    times: dict[str, list[float]] = {"kernel": [], "torch": []}
-    for call in range(repeats + 1):
-        for path in ("kernel", "torch") if call % 2 else ("torch", "kernel"):
-            with kernel(path == "kernel"):
-                t0 = time.process_time()
-                logprobs_of(window, index, chosen, 5)
-                if call:
-                    times[path].append(time.process_time() - t0)
-    k, t = (statistics.median(times[p]) * 1e3 for p in ("kernel", "torch"))
+    k, t = both_paths(repeats, lambda call: lambda: logprobs_of(window, index, chosen, 5))
     print(f"prompt logprobs, {window.shape[0]} rows, top 5: kernel {k:7.2f} ms   torch {t:7.2f} ms"
           f"   {t / k:5.1f}x", flush=True)
     return {"rows": window.shape[0], "kernel_ms": k, "torch_ms": t, "speedup": t / k}
@@ -194,16 +199,7 @@ def bench_engine(engine, concurrency: int, max_tokens: int, rounds: int) -> list
     rows = []
     for rnd in range(rounds):
         for path in ("kernel", "torch") if rnd % 2 == 0 else ("torch", "kernel"):
-            sample_cpu: dict[str, float] = defaultdict(float)
-            timed = engine.metrics.timed
-
-            def clock(phase, fn, *args, _timed=timed):
-                t0 = time.process_time()
-                try:
-                    return _timed(phase, fn, *args)
-                finally:
-                    sample_cpu[phase] += time.process_time() - t0
-
+            clock, timed = PhaseClock(), engine.metrics.timed
             requests = chat_requests(engine, concurrency, params)
             for r in requests:
                 engine.add_request(r)
@@ -211,7 +207,7 @@ def bench_engine(engine, concurrency: int, max_tokens: int, rounds: int) -> list
             while len(started) < len(requests):  # the prompts: not what is measured
                 started.update(o.request_id for o in engine.step())
             steps = tokens = 0
-            engine.metrics.timed = clock
+            engine.metrics.timed = lambda phase, fn, *args: clock(phase, timed, phase, fn, *args)
             try:
                 with kernel(path == "kernel"):
                     w0, c0 = time.perf_counter(), time.process_time()
@@ -224,8 +220,8 @@ def bench_engine(engine, concurrency: int, max_tokens: int, rounds: int) -> list
             row = {"round": rnd, "path": path, "concurrency": concurrency, "steps": steps,
                    "output_tokens": tokens, "tokens_per_s": tokens / wall,
                    "tokens_per_cpu_s": tokens / cpu,
-                   "sample_cpu_ms_per_step": sample_cpu["sample"] / steps * 1e3,
-                   "forward_cpu_ms_per_step": sample_cpu["forward"] / steps * 1e3}
+                   "sample_cpu_ms_per_step": clock.cpu["sample"] / steps * 1e3,
+                   "forward_cpu_ms_per_step": clock.cpu["forward"] / steps * 1e3}
             rows.append(row)
             print(f"engine round {rnd} {path:6s}: {row['tokens_per_s']:7.1f} tok/s, "
                   f"{row['tokens_per_cpu_s']:7.1f} tok/CPU-s, sample "

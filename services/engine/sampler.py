@@ -178,11 +178,17 @@ def logprobs_of(logits: torch.Tensor, rows: torch.Tensor, chosen: torch.Tensor, 
     the logprobs of ``chosen`` (``[r]``), and the ``num_top`` most likely ids and their
     logprobs (``[r, num_top]``, most likely first). On a CPU by ``kernels.sampling`` (no
     ``[r, vocab]`` tensor; ties by the lower id), elsewhere by torch ops."""
-    if logits.device.type == "cpu" and logits.dtype == torch.float32 and cpu_sampling.available():
+    if _cpu_kernel_takes(logits):
         return cpu_sampling.logprobs_rows(logits.contiguous(), rows, chosen, num_top)
     lp = torch.log_softmax(logits[rows], dim=-1)
     top_lp, top_ids = lp.topk(num_top, dim=-1)
     return lp.gather(1, chosen.unsqueeze(1)).squeeze(1), top_ids, top_lp
+
+
+def _cpu_kernel_takes(logits: torch.Tensor) -> bool:
+    """Whether ``kernels.sampling`` serves these logits: float32 on a CPU, the kernel built."""
+    return (logits.device.type == "cpu" and logits.dtype == torch.float32
+            and cpu_sampling.available())
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
@@ -200,7 +206,7 @@ def _sample_random(logits: torch.Tensor, r: RandomDraws) -> torch.Tensor:
     ranks only the tokens that can make a top-k/top-p cut and reads each row in cache (the
     same definition; a draw within rounding of a boundary may land on the neighbouring
     token); elsewhere, or without the kernel, by the torch ops below."""
-    if logits.device.type == "cpu" and logits.dtype == torch.float32 and cpu_sampling.available():
+    if _cpu_kernel_takes(logits):
         return cpu_sampling.sample_rows(logits.contiguous(), r.rows, r.temperature, r.top_k,
                                         r.top_p, r.min_p, r.uniforms)
     logits = logits[r.rows] / r.temperature.unsqueeze(1)
